@@ -1,0 +1,21 @@
+"""Exceptions raised by pagedecode. Each says what went wrong in words a user can act on."""
+
+
+class PageDecodeError(Exception):
+    """Base class of every pagedecode error."""
+
+
+class InvalidRequestError(PageDecodeError, ValueError):
+    """A request that can never be served as given; nothing was queued."""
+
+
+class IllegalTransitionError(PageDecodeError, RuntimeError):
+    """A request lifecycle move that the transition table does not allow."""
+
+
+class DoubleReleaseError(PageDecodeError, RuntimeError):
+    """A resource (page, slot, buffer, ...) was released a second time."""
+
+
+class ModelLoadError(PageDecodeError, ValueError):
+    """A checkpoint directory that cannot be loaded (missing file, unsupported architecture)."""

@@ -1,0 +1,46 @@
+"""Which implementation a kernel call uses: Triton on CUDA tensors, the torch reference elsewhere.
+
+`backend="auto"` picks Triton only for CUDA tensors when Triton is importable; "triton" forces
+the kernel (on CPU that needs TRITON_INTERPRET=1, which tests set); "torch" forces the reference.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is an optional extra: the CPU path never needs it
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (decided at import of each kernel)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(tensor: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("backend='triton' but triton is not installed (pip install pagedecode[triton])")
+        if not tensor.is_cuda and not interpreting():
+            raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+        return True
+    return HAS_TRITON and tensor.is_cuda
+
+
+def dot_dtype(t: torch.Tensor):
+    """The operand type for tl.dot: the tensor's own 16-bit type on the GPU, fp32 in the interpreter
+    (whose bf16 dot is wrong). fp16 stays fp16 there: the interpreter computes it correctly."""
+    if interpreting() and t.dtype == torch.bfloat16:
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[t.dtype]

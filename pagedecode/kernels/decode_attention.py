@@ -1,0 +1,167 @@
+"""Paged decode attention: one new query token per sequence against its whole cached context.
+
+Shapes:
+    q           (B, q_heads, head_dim)
+    k_cache     (num_pages, page_size, kv_heads, head_dim), v_cache the same
+    page_table  (B, max_pages) int32: logical page i of sequence b is page_table[b, i]; -1 unused
+    seq_lens    (B,) int32: tokens in cache for each sequence (the new token's K/V included)
+    returns     (B, q_heads, head_dim) in q's dtype
+
+Query head h reads KV head h // (q_heads // kv_heads) (grouped-query attention).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+# Tokens per split. Fixed, never derived from the batch, so a sequence's result is the same
+# whichever batch it is in (the merge always sees the same partials in the same order).
+SPLIT_TOKENS = 256
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """(num_pages, page, H, D) cache -> (B, n_tokens, H, D) contiguous context per sequence."""
+    page_size = cache.shape[1]
+    n_pages = -(-n_tokens // page_size)
+    pages = page_table[:, :n_pages].long().clamp(min=0)              # (B, n_pages)
+    ctx = cache[pages]                                                # (B, n_pages, page, H, D)
+    return ctx.reshape(pages.shape[0], n_pages * page_size, *cache.shape[2:])[:, :n_tokens]
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale: float):
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    max_len = int(seq_lens.max())
+    k = gather_pages(k_cache, page_table, max_len).float()           # (B, L, Hkv, D)
+    v = gather_pages(v_cache, page_table, max_len).float()
+    qg = q.float().view(B, Hkv, G, D)                                 # (B, Hkv, G, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale          # (B, Hkv, G, L)
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()  # (B, L)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)                   # (B, Hkv, G, D)
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+                             sm_scale_log2,
+                             stride_qb, stride_qh, stride_cp, stride_co, stride_ch, stride_ptb,
+                             num_splits,
+                             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                             SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(lens_ptr + b)
+        g = tl.arange(0, BLOCK_G)                    # query heads of this KV head, padded to >= 16
+        d = tl.arange(0, BLOCK_D)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        q = q.to(DOT_DTYPE)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        start = split * SPLIT
+        end = tl.minimum(start + SPLIT, seq_len)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)         # logical token positions of this tile
+            pos_ok = pos < end
+            page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + pos // PAGE_SIZE, mask=pos_ok, other=0)
+            row = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_co + kvh * stride_ch
+            kv_mask = pos_ok[:, None] & d_ok[None, :]
+            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * sm_scale_log2          # (G, N), log2 units
+            s = tl.where(pos_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+            m_i = m_new
+        # an empty split (start >= seq_len) leaves l_i = 0: write lse = -inf and zeros, never 0/0
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        q_heads = GROUP * tl.num_programs(1)
+        base = (b.to(tl.int64) * q_heads + heads) * num_splits + split      # (BLOCK_G,)
+        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out,
+                 mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + base, lse, mask=g_ok)
+
+    @triton.jit
+    def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+        m = tl.full([1], float("-inf"), tl.float32)
+        total = tl.zeros([1], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s in range(0, num_splits):
+            lse = tl.load(part_lse_ptr + base + s + tl.zeros([1], tl.int32))
+            part = tl.load(part_out_ptr + (base + s) * HEAD_DIM + d, mask=d_ok, other=0.0)
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # all splits so far empty
+            scale_old = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            total = total * scale_old + w
+            acc = acc * scale_old + w * part
+            m = m_new
+        out = acc / total
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d,
+                 out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale: float,
+                                  split_tokens: int = SPLIT_TOKENS):
+    B, Hq, D = q.shape
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and page_table.stride(-1) == 1
+    block_n = 16 if interpreting() else 64
+    assert split_tokens % block_n == 0
+    num_splits = max(1, -(-int(seq_lens.max()) // split_tokens))
+    part_out = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    block_g = max(16, triton.next_power_of_2(group))      # tl.dot needs M >= 16 on NVIDIA
+    block_d = max(16, triton.next_power_of_2(D))
+    _decode_split_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse,
+        scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        page_table.stride(0), num_splits,
+        GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, SPLIT=split_tokens, BLOCK_G=block_g,
+        BLOCK_N=block_n, BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q),
+        num_warps=4, num_stages=2)
+    _decode_merge_kernel[(B, Hq)](part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+                                  HEAD_DIM=D, BLOCK_D=block_d)
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float | None = None,
+                           backend: str = "auto"):
+    """Attention of one query token per sequence over its paged context (see module docstring)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if use_triton(q, backend):
+        return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale)

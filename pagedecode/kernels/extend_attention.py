@@ -1,0 +1,137 @@
+"""Prefill / extend attention over paged KV: new tokens attend, causally, to a cached prefix
+plus themselves. The new tokens' K/V are already in the cache (written by write_kv first).
+
+Shapes:
+    q           (T, q_heads, head_dim): the new tokens of all sequences, packed in order
+    k_cache     (num_pages, page_size, kv_heads, head_dim), v_cache the same
+    page_table  (S, max_pages) int32
+    cu_q        (S + 1,) int32: sequence s owns q rows cu_q[s] : cu_q[s + 1]
+    seq_lens    (S,) int32: cached tokens after the write, prefix + new
+    returns     (T, q_heads, head_dim)
+
+Positions: sequence s has n = cu_q[s+1] - cu_q[s] new tokens at logical positions
+seq_len - n .. seq_len - 1; new token i sees cache positions 0 .. seq_len - n + i.
+A prefix of 0 (plain prefill) and n = 1 (a decode step) are both allowed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
+from .decode_attention import gather_pages
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float):
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    cu = cu_q.tolist()
+    lens = seq_lens.tolist()
+    for s, L in enumerate(lens):
+        lo, hi = cu[s], cu[s + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        k = gather_pages(k_cache, page_table[s:s + 1], L)[0].float()     # (L, Hkv, D)
+        v = gather_pages(v_cache, page_table[s:s + 1], L)[0].float()
+        k = k.repeat_interleave(Hq // Hkv, dim=1)                        # (L, Hq, D)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+        scores = torch.einsum("nhd,lhd->hnl", q[lo:hi].float(), k) * scale   # (Hq, n, L)
+        q_pos = torch.arange(L - n, L, device=q.device)[:, None]
+        k_pos = torch.arange(L, device=q.device)[None, :]
+        scores = scores.masked_fill((k_pos > q_pos)[None], float("-inf"))
+        out[lo:hi] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, -1), v).to(q.dtype)
+    return out
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _extend_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, cu_ptr, lens_ptr, out_ptr, sm_scale_log2,
+                       stride_qt, stride_qh, stride_ot, stride_oh,
+                       stride_cp, stride_co, stride_ch, stride_ptb,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr):
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        mblk = tl.program_id(2)
+        q_lo = tl.load(cu_ptr + s)
+        n_new = tl.load(cu_ptr + s + 1) - q_lo
+        if mblk * BLOCK_M < n_new:
+            seq_len = tl.load(lens_ptr + s)
+            prefix = seq_len - n_new
+            kvh = h // GROUP
+            i = mblk * BLOCK_M + tl.arange(0, BLOCK_M)        # index among the new tokens
+            i_ok = i < n_new
+            q_pos = prefix + i                               # logical position of each query
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            rows = (q_lo + i).to(tl.int64)
+            q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                        mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            # keys 0 .. last query position of this block; key 0 is visible to every row, so the
+            # running max is finite after the first tile and no row ever computes -inf - -inf
+            kv_end = tl.minimum(prefix + (mblk + 1) * BLOCK_M, seq_len)
+            for n0 in range(0, kv_end, BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)
+                pos_ok = pos < kv_end
+                page = tl.load(pt_ptr + s.to(tl.int64) * stride_ptb + pos // PAGE_SIZE, mask=pos_ok, other=0)
+                row = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_co + kvh * stride_ch
+                kv_mask = pos_ok[:, None] & d_ok[None, :]
+                k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+                v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+                sc = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * sm_scale_log2        # (M, N)
+                visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+                sc = tl.where(visible, sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+                m_i = m_new
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
+
+
+def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float,
+                                  max_new: int | None = None):
+    T, Hq, D = q.shape
+    S = seq_lens.shape[0]
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and page_table.stride(-1) == 1
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    if max_new is None:
+        max_new = int((cu_q[1:] - cu_q[:-1]).max())
+    block_m, block_n = (16, 16) if interpreting() else (64, 64)
+    block_d = max(16, triton.next_power_of_2(D))
+    grid = (S, Hq, -(-max_new // block_m))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, page_table, cu_q, seq_lens, out, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), num_warps=4, num_stages=2)
+    return out
+
+
+def paged_extend_attention(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float | None = None,
+                           backend: str = "auto", max_new: int | None = None):
+    """Causal attention of packed new tokens over cached prefix + themselves (module docstring)."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if use_triton(q, backend):
+        return paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale, max_new)
+    return paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale)

@@ -1,0 +1,65 @@
+"""Counter-based random numbers (Philox4x32-10), in torch, matching the Triton port bit for bit.
+
+The noise for one token decision is keyed by (request seed, output index, token id): the key
+is the 64-bit seed, the counter is (token id, output index, DOMAIN, 0). Nothing depends on the
+batch position or the step number, so a seeded request draws the same numbers alone, in any
+batch, and after preemption.
+"""
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57     # Philox multipliers
+KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85         # Weyl key increments
+DOMAIN = 0x53414D50                          # "SAMP": keeps sampling noise apart from other uses
+ROUNDS = 10
+GUMBEL_MAX = 16.635532333438686    # -log(-log(1 - 2**-24)): the largest noise value we can draw
+GUMBEL_MIN = -2.8115659163349556   # -log(-log(2**-24)): the smallest
+
+
+def seed_to_int64(seed: int) -> int:
+    """A seed in [0, 2**64) as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def _mulhilo(a: int, b: torch.Tensor):
+    """(a * b) >> 32 and (a * b) & MASK32 for a < 2**32 and int64 b in [0, 2**32), in 16-bit
+    halves so no intermediate leaves the int64 range."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    ll, lh, hl, hh = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo, a_hi * b_hi
+    mid = (ll >> 16) + (lh & 0xFFFF) + (hl & 0xFFFF)
+    hi = hh + (lh >> 16) + (hl >> 16) + (mid >> 16)
+    lo = ((mid & 0xFFFF) << 16) | (ll & 0xFFFF)
+    return hi, lo
+
+
+def philox_c0(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox4x32-10 for key=seed, counter=(token, index, DOMAIN, 0).
+    All inputs int64 and broadcastable; returns int64 in [0, 2**32)."""
+    k0 = seed & MASK32
+    k1 = (seed >> 32) & MASK32
+    c0 = token & MASK32
+    c1 = index & MASK32
+    c0, c1 = torch.broadcast_tensors(c0, c1)
+    c2 = torch.full_like(c0, DOMAIN)
+    c3 = torch.zeros_like(c0)
+    for _ in range(ROUNDS):
+        hi_a, lo_a = _mulhilo(ROUND_A, c0)
+        hi_b, lo_b = _mulhilo(ROUND_B, c2)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + KEY_A) & MASK32
+        k1 = (k1 + KEY_B) & MASK32
+    return c0
+
+
+def uniform(seed, index, token) -> torch.Tensor:
+    """Uniform floats (2m + 1) / 2**24, m < 2**23: exactly representable, never 0 or 1."""
+    m = philox_c0(seed, index, token) >> 9
+    return m.to(torch.float32) * (2.0 ** -23) + (2.0 ** -24)
+
+
+def gumbel(seed, index, token) -> torch.Tensor:
+    """Gumbel(0, 1) noise in float32: -log(-log(u))."""
+    return -torch.log(-torch.log(uniform(seed, index, token)))

@@ -1,0 +1,252 @@
+"""Token selection: greedy, temperature, top-k, min-p, top-p and Gumbel-max noise, plus the
+chosen token's logprob. Penalties and logit bias are applied before (see penalties.py).
+
+Shapes:
+    logits       (B, V) float: one row per request that selects a token this step
+    SamplingInputs fields, each (B,):
+        temperature  float32, 0 means greedy (first index of the maximum)
+        top_k        int32, 0 disables; keeps every token >= the k-th largest value (ties kept)
+        top_p        float32 in (0, 1]; keeps the smallest set of most likely tokens whose mass
+                     reaches top_p of the mass left after top-k and min-p (ties kept)
+        log_min_p    float32, log(min_p) or -inf: keeps z >= max(z) + log_min_p
+        seed         int64 (the 64-bit seed's bits), output_index int64
+    returns SampleOutput(tokens int64 (B,), logprobs float32 (B,))
+
+Semantics (both paths): z = logits / temperature; the kept set is z >= threshold; the token is
+argmax over kept of z + g, g = Gumbel noise keyed by (seed, output index, token id). The
+logprob is log_softmax(logits)[token] of the logits as given (before temperature and filters).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._backend import HAS_TRITON, interpreting, use_triton
+from .philox import DOMAIN, GUMBEL_MAX, GUMBEL_MIN, gumbel
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+@dataclass
+class SamplingInputs:
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    log_min_p: torch.Tensor
+    seed: torch.Tensor
+    output_index: torch.Tensor
+
+    def to(self, device) -> "SamplingInputs":
+        return SamplingInputs(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+
+
+def make_sampling_inputs(temperature, top_k, top_p, min_p, seed, output_index, device="cpu"):
+    """Build SamplingInputs from per-row Python lists (min_p as a probability)."""
+    import math
+    return SamplingInputs(
+        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
+        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+        log_min_p=torch.tensor([math.log(p) if p > 0 else float("-inf") for p in min_p],
+                               dtype=torch.float32, device=device),
+        seed=torch.tensor(seed, dtype=torch.int64, device=device),
+        output_index=torch.tensor(output_index, dtype=torch.int64, device=device))
+
+
+def thresholds_ref(z: torch.Tensor, top_k, top_p, log_min_p) -> torch.Tensor:
+    """Per row, the smallest kept value of z (R, V) after top-k, min-p and top-p, by sorting."""
+    R, V = z.shape
+    zs = z.sort(dim=-1, descending=True).values                      # (R, V)
+    zmax = zs[:, 0]
+    thr = torch.full((R,), float("-inf"), device=z.device)
+    k = top_k.long()
+    kth = zs.gather(1, (k - 1).clamp(0, V - 1)[:, None])[:, 0]
+    thr = torch.where((k > 0) & (k < V), kth, thr)
+    thr = torch.maximum(thr, zmax + log_min_p)
+    mass = torch.where(zs >= thr[:, None], torch.exp(zs - zmax[:, None]), 0.0)
+    target = top_p * mass.sum(-1)
+    crossing = (mass.cumsum(-1) < target[:, None]).sum(-1).clamp(max=V - 1)
+    tau_p = zs.gather(1, crossing[:, None])[:, 0]
+    return torch.where(top_p < 1.0, torch.maximum(thr, tau_p), thr)
+
+
+def sample_ref(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
+    x = logits.float()
+    tokens = x.argmax(dim=-1)
+    logprobs = torch.log_softmax(x, dim=-1).gather(1, tokens[:, None])[:, 0]
+    rows = (inp.temperature > 0).nonzero().flatten()
+    if rows.numel():
+        z = x[rows] / inp.temperature[rows, None] + 0.0           # + 0.0 turns -0.0 into +0.0
+        thr = thresholds_ref(z, inp.top_k[rows], inp.top_p[rows], inp.log_min_p[rows])
+        keep = z >= thr[:, None]
+        zmax = z.max(dim=-1).values                                 # always kept
+        # noise lies in [GUMBEL_MIN, GUMBEL_MAX]: a token that trails the best kept one by more
+        # than the spread can never win, so its noise need not be drawn (exact, not a heuristic)
+        reach = zmax - (GUMBEL_MAX - GUMBEL_MIN) - 1e-3 - 1e-6 * zmax.abs()
+        r, t = (keep & (z >= reach[:, None])).nonzero(as_tuple=True)
+        g = gumbel(inp.seed[rows][r], inp.output_index[rows][r], t)
+        score = torch.full_like(z, float("-inf"))
+        score[r, t] = z[r, t] + g
+        chosen = score.argmax(dim=-1)
+        tokens[rows] = chosen
+        logprobs[rows] = torch.log_softmax(x[rows], dim=-1).gather(1, chosen[:, None])[:, 0]
+    return SampleOutput(tokens, logprobs)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _order_key(z):
+        # float32 -> int64 whose order is the float order (for a bisection over values)
+        bits = z.to(tl.int32, bitcast=True).to(tl.int64)
+        return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+    @triton.jit
+    def _from_order_key(key):
+        bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.int32)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _philox_gumbel(seed, index, token):
+        # Philox4x32-10, key = seed, counter = (token, index, DOMAIN, 0); mirrors philox.py
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c0 = token.to(tl.uint32)
+        c1 = (index & 0xFFFFFFFF).to(tl.uint32) + c0 * 0
+        c2 = c0 * 0 + 0x53414D50
+        c3 = c0 * 0
+        for _ in tl.static_range(10):
+            a0 = c0
+            a2 = c2
+            c0 = tl.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
+            c2 = tl.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
+            c1 = a2 * 0xCD9E8D57
+            c3 = a0 * 0xD2511F53
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        u = (c0 >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
+                       index_ptr, tokens_ptr, logprobs_ptr, V,
+                       BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * stride_row
+        temp = tl.load(temp_ptr + row)
+        top_k = tl.load(topk_ptr + row)
+        top_p = tl.load(topp_ptr + row)
+        log_min_p = tl.load(lminp_ptr + row)
+        seed = tl.load(seed_ptr + row)
+        index = tl.load(index_ptr + row)
+        div = tl.where(temp > 0, temp, 1.0)
+        lanes = tl.arange(0, BLOCK_V)
+        # pass 1, per lane: raw max / sum-exp (logprob), first argmax (greedy), z max and min
+        m_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        l_vec = tl.zeros([BLOCK_V], tl.float32)
+        arg_vec = tl.full([BLOCK_V], 0, tl.int32)
+        zmax_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        zmin_vec = tl.full([BLOCK_V], float("inf"), tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + lanes
+            ok = offs < V
+            x = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32)
+            better = x > m_vec
+            arg_vec = tl.where(better, offs, arg_vec)
+            m_new = tl.maximum(m_vec, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_vec = l_vec * tl.exp(m_vec - m_safe) + tl.exp(x - m_safe)
+            m_vec = m_new
+            z = x / div + 0.0
+            zmax_vec = tl.maximum(zmax_vec, z)
+            zmin_vec = tl.minimum(zmin_vec, tl.where(ok, z, float("inf")))
+        m_raw = tl.max(m_vec, 0)
+        m_raw_safe = tl.where(m_raw == float("-inf"), 0.0, m_raw)
+        l_raw = tl.sum(l_vec * tl.exp(m_vec - m_raw_safe), 0)
+        first_best = tl.min(tl.where(m_vec == m_raw, arg_vec, V), 0)
+        zmax = tl.max(zmax_vec, 0)
+        zmin = tl.min(zmin_vec, 0)
+        token = first_best
+        if temp > 0:
+            thr = zmin - float("inf")              # -inf, as a loop-safe f32 scalar
+            if (top_k > 0) & (top_k < V):
+                # largest value t with count(z >= t) >= k: the k-th largest, found by bisection
+                lo = _order_key(zmin)
+                hi = _order_key(zmax) + 1
+                for _ in range(SEARCH_STEPS):
+                    mid = lo + (hi - lo) // 2
+                    cnt = tl.zeros([BLOCK_V], tl.int32)
+                    for v0 in range(0, V, BLOCK_V):
+                        offs = v0 + lanes
+                        ok = offs < V
+                        z = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32) / div + 0.0
+                        cnt += (ok & (_order_key(z) >= mid)).to(tl.int32)
+                    enough = tl.sum(cnt, 0) >= top_k
+                    lo = tl.where(enough, mid, lo)
+                    hi = tl.where(enough, hi, mid)
+                thr = _from_order_key(lo)
+            thr = tl.maximum(thr, zmax + log_min_p)
+            if top_p < 1.0:
+                tot = tl.zeros([BLOCK_V], tl.float32)
+                for v0 in range(0, V, BLOCK_V):
+                    offs = v0 + lanes
+                    z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
+                    tot += tl.where(z >= thr, tl.exp(z - zmax), 0.0)
+                target = top_p * tl.sum(tot, 0)
+                lo = _order_key(thr)
+                hi = _order_key(zmax) + 1
+                for _ in range(SEARCH_STEPS):
+                    mid = lo + (hi - lo) // 2
+                    mass = tl.zeros([BLOCK_V], tl.float32)
+                    for v0 in range(0, V, BLOCK_V):
+                        offs = v0 + lanes
+                        z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
+                        mass += tl.where(_order_key(z) >= mid, tl.exp(z - zmax), 0.0)
+                    enough = tl.sum(mass, 0) >= target
+                    lo = tl.where(enough, mid, lo)
+                    hi = tl.where(enough, hi, mid)
+                thr = tl.maximum(thr, _from_order_key(lo))
+            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            best_at = tl.full([BLOCK_V], 0, tl.int32)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + lanes
+                ok = offs < V
+                z = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32) / div + 0.0
+                score = tl.where(ok & (z >= thr), z + _philox_gumbel(seed, index, offs), float("-inf"))
+                better = score > best
+                best_at = tl.where(better, offs, best_at)
+                best = tl.where(better, score, best)
+            top = tl.max(best, 0)
+            token = tl.min(tl.where(best == top, best_at, V), 0)
+        x_tok = tl.load(base + token).to(tl.float32)
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(logprobs_ptr + row, x_tok - (m_raw + tl.log(l_raw)))
+
+
+def sample_triton(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
+    B, V = logits.shape
+    assert logits.stride(-1) == 1
+    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    if B == 0:
+        return SampleOutput(tokens, logprobs)
+    block_v = min(triton.next_power_of_2(V), 256 if interpreting() else 4096)
+    _sample_kernel[(B,)](logits, logits.stride(0), inp.temperature, inp.top_k, inp.top_p,
+                         inp.log_min_p, inp.seed, inp.output_index, tokens, logprobs, V,
+                         BLOCK_V=block_v, SEARCH_STEPS=33, num_warps=8)
+    return SampleOutput(tokens, logprobs)
+
+
+def sample(logits: torch.Tensor, inp: SamplingInputs, backend: str = "auto") -> SampleOutput:
+    """Select one token per row (module docstring gives the exact semantics)."""
+    if use_triton(logits, backend):
+        return sample_triton(logits, inp)
+    return sample_ref(logits, inp)

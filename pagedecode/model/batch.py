@@ -1,0 +1,42 @@
+"""ForwardBatch: what one model step computes, as plain tensors plus a little host metadata.
+
+Layout of the packed token rows (T rows in all):
+    [ decode seq 0 | decode seq 1 | ... | prefill seq a (n_a rows) | prefill seq b | ... ]
+The first `num_decode` sequences add exactly one token each; the rest add a chunk of their
+prompt (or a recompute after preemption). Sequence s owns rows cu_q[s] : cu_q[s + 1].
+
+Positions, for a sequence with `cached` tokens already in its pages and n new ones:
+    new token i sits at logical position cached + i, in slot
+    page_table[s, (cached + i) // page_size] * page_size + (cached + i) % page_size,
+and seq_lens[s] = cached + n (its K/V are written before attention reads them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor        # (T,) int64
+    positions: torch.Tensor        # (T,) int64
+    slot_mapping: torch.Tensor     # (T,) int64
+    page_table: torch.Tensor       # (S, max_pages) int32
+    seq_lens: torch.Tensor         # (S,) int32, after this step's writes
+    cu_q: torch.Tensor             # (S + 1,) int32
+    logits_indices: torch.Tensor   # (N,) int64: rows whose logits are wanted (last row of a seq)
+    num_decode: int                # leading sequences with exactly one new token
+    max_new: int                   # most new tokens of any sequence
+    # host-side facts for test doubles and tracing; references, never copied per step
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)   # every known token per seq
+    logits_seqs: list[int] = field(default_factory=list)       # which seqs own logits_indices
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,74 @@
+"""ModelConfig: the shape of a Llama-family model, read from a Hugging Face config.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False                  # Qwen3: RMSNorm over each head of q and k
+    sliding_window: int | None = None      # when set, the usable context is capped at it
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    dtype: str = "float32"                 # the checkpoint's own dtype
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                                 f"num_key_value_heads {self.num_kv_heads}")
+
+    @property
+    def max_context(self) -> int:
+        """Tokens one sequence may hold in its cache."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        mtype = cfg.get("model_type")
+        if mtype not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(f"unsupported model_type {mtype!r} (architectures "
+                                 f"{cfg.get('architectures')}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_scaling") or None
+        params = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+        if rope is None and params.get("rope_type", "default") != "default":
+            rope = params
+        window = None
+        if mtype == "mistral" or cfg.get("use_sliding_window", False):
+            window = cfg.get("sliding_window")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=rope,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=(mtype == "qwen3"), sliding_window=window, model_type=mtype,
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+            dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"))

@@ -1,0 +1,130 @@
+"""Llama-family forward pass over the paged KV cache.
+
+Covers Llama 2 / 3.x (rope scaling), Mistral, Qwen2 / 2.5 (q/k/v bias), Qwen3 (q/k RMSNorm),
+SmolLM and TinyLlama (Llama shapes); tied or untied embeddings. Attention never sees K/V
+except through the cache: each layer writes the new tokens' K/V, then attends over the pages.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.decode_attention import paged_decode_attention
+from ..kernels.extend_attention import paged_extend_attention
+from ..kernels.kv_write import write_kv
+from ..kernels.rmsnorm import rms_norm
+from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+
+class _Layer:
+    __slots__ = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "down_w")
+
+
+class LlamaModel:
+    """A pd.Model: `config`, `device`, `dtype` and forward(batch, kv_cache) -> logits (N, V)."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 attention_backend: str = "auto") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.backend = attention_backend
+        c = config
+
+        def take(name: str, required: bool = True):
+            t = weights.get(name)
+            if t is None:
+                if required:
+                    raise KeyError(f"checkpoint has no tensor {name!r}")
+                return None
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        lm = take("lm_head.weight", required=False)
+        if lm is None:
+            if not c.tie_word_embeddings and "lm_head.weight" not in weights:
+                # some checkpoints tie without saying so; use the embedding as HF would then
+                pass
+            lm = self.embed
+        self.lm_head = lm
+        self.final_norm = take("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            L = _Layer()
+            L.ln1 = take(p + "input_layernorm.weight")
+            L.ln2 = take(p + "post_attention_layernorm.weight")
+            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            L.qkv_w = torch.cat(qkv, 0)
+            biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
+            L.qkv_b = torch.cat(biases, 0) if all(b is not None for b in biases) else None
+            L.o_w = take(p + "self_attn.o_proj.weight")
+            L.o_b = take(p + "self_attn.o_proj.bias", required=False)
+            L.q_norm = take(p + "self_attn.q_norm.weight", required=c.qk_norm)
+            L.k_norm = take(p + "self_attn.k_norm.weight", required=c.qk_norm)
+            L.gate_up_w = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+            L.down_w = take(p + "mlp.down_proj.weight")
+            self.layers.append(L)
+        scaling = c.rope_scaling
+        inv = rope_inv_freq(c.head_dim, c.rope_theta, scaling)
+        factor = 1.0
+        if scaling and scaling.get("attention_factor"):
+            factor = float(scaling["attention_factor"])
+        cos, sin = rope_cos_sin(inv, c.max_position_embeddings, factor)
+        self.cos = cos.to(self.device, dtype)
+        self.sin = sin.to(self.device, dtype)
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self._q_size = c.num_heads * c.head_dim
+        self._kv_size = c.num_kv_heads * c.head_dim
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        c = self.config
+        T = batch.num_tokens
+        h = self.embed[batch.input_ids]                                   # (T, hidden)
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.ln1, c.rms_norm_eps)
+            qkv = F.linear(x, L.qkv_w, L.qkv_b)
+            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+            q = q.view(T, c.num_heads, c.head_dim)
+            k = k.view(T, c.num_kv_heads, c.head_dim)
+            v = v.view(T, c.num_kv_heads, c.head_dim)
+            if L.q_norm is not None:
+                q = rms_norm(q, L.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, L.k_norm, c.rms_norm_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            write_kv(kv.k[i], kv.v[i], k, v.contiguous(), batch.slot_mapping, backend=self.backend)
+            attn = self._attention(q, kv.k[i], kv.v[i], batch)              # (T, heads, head_dim)
+            h = h + F.linear(attn.reshape(T, self._q_size), L.o_w, L.o_b)
+            x = rms_norm(h, L.ln2, c.rms_norm_eps)
+            gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, L.down_w)
+        h = rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()                         # (N, vocab)
+
+    def _attention(self, q, k_cache, v_cache, b: ForwardBatch) -> torch.Tensor:
+        nd = b.num_decode
+        if nd == b.num_seqs:
+            return paged_decode_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, self.scale,
+                                          backend=self.backend)
+        if nd == 0:
+            return paged_extend_attention(q, k_cache, v_cache, b.page_table, b.cu_q, b.seq_lens,
+                                          self.scale, backend=self.backend, max_new=b.max_new)
+        # decode rows come first (see ForwardBatch): one vectorised decode call, one extend call
+        out = torch.empty_like(q)
+        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd],
+                                          self.scale, backend=self.backend)
+        cu = b.cu_q[nd:] - b.cu_q[nd]
+        out[nd:] = paged_extend_attention(q[nd:], k_cache, v_cache, b.page_table[nd:], cu,
+                                          b.seq_lens[nd:], self.scale, backend=self.backend,
+                                          max_new=b.max_new)
+        return out

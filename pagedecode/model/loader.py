@@ -1,0 +1,92 @@
+"""Load a Hugging Face model directory: config, generation config, safetensors, tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+from .config import ModelConfig
+from .llama import LlamaModel
+from .tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """An explicit dtype wins; otherwise the checkpoint's on CUDA and float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return DTYPES.get(config.dtype, torch.bfloat16)
+    return torch.float32
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"missing file: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards its index names."""
+    from safetensors.torch import load_file
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        if not found:
+            raise ModelLoadError(f"no *.safetensors weights in {path} (model.safetensors or an index)")
+        files = found
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        f = path / name
+        if not f.is_file():
+            raise ModelLoadError(f"missing weight shard: {f}")
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def load_config(path: Path) -> ModelConfig:
+    cfg = _read_json(path / "config.json")
+    config = ModelConfig.from_hf(cfg)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        gen = _read_json(gen_file)
+        eos = gen.get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        config.eos_token_ids = tuple(dict.fromkeys([*extra, *config.eos_token_ids]))
+        if config.bos_token_id is None:
+            config.bos_token_id = gen.get("bos_token_id")
+    return config
+
+
+def load_model(path, device="cpu", dtype=None, attention_backend="auto"):
+    """(LlamaModel, Tokenizer) from a Hugging Face directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory not found: {path}")
+    config = load_config(path)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    tokenizer = Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
+    if not config.eos_token_ids:
+        config.eos_token_ids = tokenizer.eos_token_ids
+    try:
+        model = LlamaModel(config, load_weights(path), device=device, dtype=torch_dtype,
+                           attention_backend=attention_backend)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: {e.args[0]}") from None
+    return model, tokenizer
