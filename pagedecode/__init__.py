@@ -1,0 +1,34 @@
+"""pagedecode: a decode runtime for Llama-family models on a paged KV cache.
+
+Triton kernels for paged attention and sampling on CUDA, torch references everywhere else,
+under a small runtime that owns the page table, batch slots, continuous batching, safe-point
+cancellation and the step-state invariants.
+"""
+from . import testing
+from .errors import (DoubleReleaseError, IllegalTransitionError, InvalidRequestError, ModelLoadError,
+                     PageDecodeError)
+from .model.batch import ForwardBatch
+from .model.config import ModelConfig
+from .model.kv_cache import KVCache
+from .model.llama import LlamaModel
+from .model.loader import load_model
+from .model.tokenizer import Tokenizer
+from .params import SamplingParams
+from .runtime.async_engine import AsyncEngine
+from .runtime.config import EngineConfig
+from .runtime.engine import Engine
+from .runtime.events import (DeltaEvent, RequestOutput, StartEvent, TerminalEvent, Timings, Usage,
+                             STOP_RULE_VERSION)
+from .runtime.lifecycle import ALLOWED, FinishReason, RequestState
+from .runtime.trace import to_chrome, to_jsonl
+
+Model = LlamaModel   # any object with config, device, dtype and forward(batch, kv_cache) is a model
+
+__all__ = [
+    "ALLOWED", "AsyncEngine", "DeltaEvent", "DoubleReleaseError", "Engine", "EngineConfig", "FinishReason",
+    "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "Model",
+    "ModelConfig", "ModelLoadError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
+    "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "Usage", "load_model",
+    "testing", "to_chrome", "to_jsonl",
+]
+__version__ = "0.1.0"

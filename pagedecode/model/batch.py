@@ -30,7 +30,8 @@ class ForwardBatch:
     max_new: int                   # most new tokens of any sequence
     # host-side facts for test doubles and tracing; references, never copied per step
     request_ids: list[str] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)   # every known token per seq
+    token_ids: list[list[int]] = field(default_factory=list)   # each seq's prompt ids
+    output_ids: list[list[int]] = field(default_factory=list)  # each seq's selected ids so far
     logits_seqs: list[int] = field(default_factory=list)       # which seqs own logits_indices
 
     @property

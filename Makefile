@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
+# Each makes .venv on first use. torch is pinned to the CPU build on machines without CUDA
+# (a plain `pip install torch` would pull a multi-GB CUDA build).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check
+
+$(BIN)/.installed: pyproject.toml setup.py
+	$(PY) -m venv $(VENV)
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[test]"
+	touch $@
+
+.PHONY: install demo test bench clean
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/pagedecode demo $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/engine_vs_hf.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,42 @@
+"""EngineConfig: every engine option, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKPRESSURE_POLICIES = ("pause", "fail")
+DEFAULT_CACHE_TOKENS = 16384
+
+
+@dataclass
+class EngineConfig:
+    page_size: int = 16                      # tokens per KV page
+    max_cache_tokens: int | None = None      # KV capacity in tokens (rounded down to pages)
+    memory_budget_bytes: int | None = None   # or KV capacity as bytes; at most one of the two
+    max_batch_size: int = 64                 # batch slots: requests running at once
+    max_tokens_per_step: int = 512           # token budget of one step (decodes + prefill chunks)
+    max_context: int | None = None           # cap below the model's own context length
+    stream_max_events: int = 64              # a streaming request's outgoing buffer, in events
+    stream_max_bytes: int = 1 << 20          # ... and in bytes of text
+    backpressure: str = "pause"              # full buffer: "pause" the request, or "fail" it
+    backpressure_timeout_s: float = 30.0     # with "fail": how long a buffer may stay full
+    attention_backend: str = "auto"          # "auto" | "triton" | "torch"
+    sampling_backend: str = "auto"
+    seed: int | None = None                  # draws the seeds of requests that give none
+    model_name: str | None = None            # shown in start events
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_cache_tokens is not None and self.memory_budget_bytes is not None:
+            raise ValueError("give max_cache_tokens or memory_budget_bytes, not both")
+        for name in ("max_cache_tokens", "memory_budget_bytes", "max_context"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        for name in ("max_batch_size", "max_tokens_per_step", "stream_max_events", "stream_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.backpressure not in BACKPRESSURE_POLICIES:
+            raise ValueError(f"backpressure must be one of {BACKPRESSURE_POLICIES}, got {self.backpressure!r}")
+        if self.backpressure_timeout_s <= 0:
+            raise ValueError("backpressure_timeout_s must be > 0")

@@ -1,0 +1,77 @@
+"""What a request produces: ordered events, usage, timings and the final RequestOutput."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .lifecycle import FinishReason, RequestState
+
+STOP_RULE_VERSION = 1   # earliest end, then longest, then list order
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    selected_tokens: int = 0     # decisions made (EOS and absorbed stop tokens included)
+    processed_tokens: int = 0    # tokens whose K/V were written (recompute after preemption too)
+    returned_tokens: int = 0     # token ids the client received in deltas
+    returned_bytes: int = 0      # UTF-8 bytes of the text the client received
+
+
+@dataclass
+class Timings:
+    queue_s: float = 0.0         # added -> first scheduled
+    prefill_s: float = 0.0       # time in steps that computed its prompt
+    decode_s: float = 0.0        # time in steps that computed one of its tokens
+    hold_s: float = 0.0          # text held back by the stop matcher, summed over characters' waits
+    send_s: float = 0.0          # events waiting in the outgoing buffer for the consumer
+
+
+@dataclass(frozen=True)
+class StartEvent:
+    request_id: str
+    seq: int
+    model: str
+
+
+@dataclass(frozen=True)
+class DeltaEvent:
+    request_id: str
+    seq: int
+    text: str                          # complete UTF-8: never half a character
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TerminalEvent:
+    request_id: str
+    seq: int
+    state: RequestState
+    finish_reason: FinishReason | None
+    usage: Usage
+    error: str | None = None
+    stop_reason: str | int | tuple[int, ...] | None = None
+
+
+Event = StartEvent | DeltaEvent | TerminalEvent
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]               # returned ids (released with their text)
+    text: str
+    state: RequestState
+    finish_reason: FinishReason | None
+    stop_reason: str | int | tuple[int, ...] | None
+    usage: Usage
+    error: str | None = None
+    selected_token_ids: list[int] = field(default_factory=list)   # every decision, EOS included
+    logprobs: list[float] | None = None
+    stop_rule_version: int = STOP_RULE_VERSION
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def finished(self) -> bool:
+        return self.state.terminal

@@ -1,0 +1,61 @@
+"""Per-request trace records, and their export as JSON lines or Chrome trace JSON (Perfetto)."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterable, Mapping
+
+
+def now_us() -> float:
+    return time.perf_counter_ns() / 1000.0
+
+
+class Trace:
+    """Ordered records of one request: {"t_us": ..., "kind": ..., **fields}."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.records: list[dict] = []
+        self.closed = False
+
+    def add(self, kind: str, **fields) -> None:
+        if not self.closed:
+            self.records.append({"t_us": now_us(), "kind": kind, **fields})
+
+    def kinds(self) -> list[str]:
+        return [r["kind"] for r in self.records]
+
+
+def _jsonable(v):
+    if hasattr(v, "value"):
+        return v.value
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+def to_jsonl(records: Iterable[Mapping]) -> str:
+    return "".join(json.dumps({k: _jsonable(v) for k, v in r.items()}, default=str) + "\n"
+                   for r in records)
+
+
+def to_chrome(traces: Mapping[str, Iterable[Mapping]], steps: Iterable[Mapping] = ()) -> dict:
+    """Chrome trace JSON: each request an async track (its records as instant events inside),
+    each engine step a complete slice on the "engine" thread."""
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "pagedecode"}},
+              {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "engine"}}]
+    for step in steps:
+        events.append({"name": f"step {step['step']}", "ph": "X", "pid": 1, "tid": 1,
+                       "ts": step["t_us"], "dur": step["dur_us"],
+                       "args": {k: v for k, v in step.items() if k not in ("t_us", "dur_us")}})
+    for rid, records in traces.items():
+        records = list(records)
+        if not records:
+            continue
+        common = {"cat": "request", "id": str(rid), "pid": 1}
+        events.append({**common, "name": f"request {rid}", "ph": "b", "ts": records[0]["t_us"]})
+        for r in records:
+            args = {k: _jsonable(v) for k, v in r.items() if k not in ("t_us", "kind")}
+            events.append({**common, "name": r["kind"], "ph": "n", "ts": r["t_us"], "args": args})
+        events.append({**common, "name": f"request {rid}", "ph": "e", "ts": records[-1]["t_us"]})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

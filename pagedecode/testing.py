@@ -1,0 +1,112 @@
+"""Public test doubles: a scripted model and a byte-vocabulary tokenizer.
+
+ScriptedModel emits a script of token ids, goes through the real paged cache (it writes each
+token's id and position as its K/V and checks, every forward pass, that the pages the runtime
+handed it still hold every earlier token of the sequence at the right place), and calls
+`on_forward(info)` inside the pass so tests can cancel or fail a step mid-flight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .kernels.decode_attention import gather_pages
+from .kernels.kv_write import write_kv_ref
+from .model.batch import ForwardBatch
+
+
+@dataclass
+class ScriptedConfig:
+    vocab_size: int
+    max_context: int = 4096
+    num_layers: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 2
+    model_type: str = "scripted"
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "scripted"
+
+
+class ScriptedModel:
+    """script: list of ids emitted in order by every request (the last repeats once the script
+    runs out), or callable(prompt_ids, output_ids) -> id."""
+
+    def __init__(self, script: Sequence[int] | Callable[[list[int], list[int]], int], vocab_size: int,
+                 on_forward: Callable[[dict], None] | None = None, max_context: int = 4096,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        self.script = script
+        self.on_forward = on_forward
+        self.config = ScriptedConfig(vocab_size, max_context, eos_token_ids=tuple(eos_token_ids))
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.forward_calls = 0
+
+    def next_token(self, prompt_ids: list[int], output_ids: list[int]) -> int:
+        if callable(self.script):
+            return int(self.script(prompt_ids, output_ids))
+        i = min(len(output_ids), len(self.script) - 1)
+        return int(self.script[i])
+
+    def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
+        self.forward_calls += 1
+        kv_rows = torch.stack([batch.input_ids.float(), batch.positions.float()], dim=-1)[:, None, :]
+        write_kv_ref(kv.k[0], kv.v[0], kv_rows, kv_rows, batch.slot_mapping)
+        self._check_cache(batch, kv)
+        if self.on_forward is not None:
+            self.on_forward({"batch": batch, "call": self.forward_calls, "request_ids": batch.request_ids})
+        logits = torch.full((len(batch.logits_seqs), self.config.vocab_size), -20.0)
+        for row, s in enumerate(batch.logits_seqs):
+            logits[row, self.next_token(batch.token_ids[s], batch.output_ids[s])] = 20.0
+        return logits
+
+    @staticmethod
+    def _check_cache(batch: ForwardBatch, kv) -> None:
+        lens = batch.seq_lens.tolist()
+        for s, n in enumerate(lens):
+            cached = gather_pages(kv.k[0], batch.page_table[s:s + 1], n)[0, :, 0]   # (n, 2)
+            known = batch.token_ids[s] + batch.output_ids[s]
+            want = torch.tensor([known[:n], list(range(n))], dtype=torch.float32).T
+            if not torch.equal(cached, want):
+                raise AssertionError(f"paged cache of {batch.request_ids[s]} does not hold its tokens")
+
+
+class ByteVocabTokenizer:
+    """vocab: {id: bytes}. decode joins the bytes; encode takes the longest match at each point."""
+
+    def __init__(self, vocab: Mapping[int, bytes], bos_token_id: int | None = None,
+                 eos_token_id: int | None = None) -> None:
+        self.vocab = dict(vocab)
+        self.vocab_size = max(self.vocab) + 1
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = () if eos_token_id is None else (eos_token_id,)
+        self.special_ids = frozenset(i for i in (bos_token_id, eos_token_id) if i is not None)
+        self._by_bytes = {b: i for i, b in sorted(self.vocab.items(), reverse=True)
+                          if b and i not in self.special_ids}
+        self._longest = max(len(b) for b in self._by_bytes)
+
+    def encode(self, text: str) -> list[int]:
+        data, ids, i = text.encode(), [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                tok = self._by_bytes.get(data[i:i + n])
+                if tok is not None:
+                    ids.append(tok)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"byte {data[i]:#x} at {i} has no token")
+        return ([self.bos_token_id] if self.bos_token_id is not None else []) + ids
+
+    def is_shown(self, token_id: int, skip_special_tokens: bool) -> bool:
+        if token_id not in self.vocab:
+            return False
+        return not (skip_special_tokens and token_id in self.special_ids)
+
+    def token_bytes(self, token_id: int, first: bool) -> bytes:
+        return self.vocab.get(token_id, b"")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.vocab[i] for i in ids if self.is_shown(i, skip_special_tokens)).decode(
+            "utf-8", errors="replace")
