@@ -39,10 +39,11 @@ def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale:
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     G = Hq // Hkv
+    acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
     max_len = int(seq_lens.max())
-    k = gather_pages(k_cache, page_table, max_len).float()           # (B, L, Hkv, D)
-    v = gather_pages(v_cache, page_table, max_len).float()
-    qg = q.float().view(B, Hkv, G, D)                                 # (B, Hkv, G, D)
+    k = gather_pages(k_cache, page_table, max_len).to(acc)           # (B, L, Hkv, D)
+    v = gather_pages(v_cache, page_table, max_len).to(acc)
+    qg = q.to(acc).view(B, Hkv, G, D)                                 # (B, Hkv, G, D)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale          # (B, Hkv, G, L)
     valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()  # (B, L)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -28,8 +28,9 @@ if HAS_TRITON:
 
 
 def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float):
-    Hq, D = q.shape[1], q.shape[2]
+    Hq = q.shape[1]
     Hkv = k_cache.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
     out = torch.empty_like(q)
     cu = cu_q.tolist()
     lens = seq_lens.tolist()
@@ -38,11 +39,11 @@ def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, 
         n = hi - lo
         if n == 0:
             continue
-        k = gather_pages(k_cache, page_table[s:s + 1], L)[0].float()     # (L, Hkv, D)
-        v = gather_pages(v_cache, page_table[s:s + 1], L)[0].float()
+        k = gather_pages(k_cache, page_table[s:s + 1], L)[0].to(acc)     # (L, Hkv, D)
+        v = gather_pages(v_cache, page_table[s:s + 1], L)[0].to(acc)
         k = k.repeat_interleave(Hq // Hkv, dim=1)                        # (L, Hq, D)
         v = v.repeat_interleave(Hq // Hkv, dim=1)
-        scores = torch.einsum("nhd,lhd->hnl", q[lo:hi].float(), k) * scale   # (Hq, n, L)
+        scores = torch.einsum("nhd,lhd->hnl", q[lo:hi].to(acc), k) * scale   # (Hq, n, L)
         q_pos = torch.arange(L - n, L, device=q.device)[:, None]
         k_pos = torch.arange(L, device=q.device)[None, :]
         scores = scores.masked_fill((k_pos > q_pos)[None], float("-inf"))

@@ -35,23 +35,26 @@ def _mulhilo(a: int, b: torch.Tensor):
     return hi, lo
 
 
-def philox_c0(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """First output word of Philox4x32-10 for key=seed, counter=(token, index, DOMAIN, 0).
-    All inputs int64 and broadcastable; returns int64 in [0, 2**32)."""
-    k0 = seed & MASK32
-    k1 = (seed >> 32) & MASK32
-    c0 = token & MASK32
-    c1 = index & MASK32
-    c0, c1 = torch.broadcast_tensors(c0, c1)
-    c2 = torch.full_like(c0, DOMAIN)
-    c3 = torch.zeros_like(c0)
-    for _ in range(ROUNDS):
+def philox4x32(counter, key, rounds: int = ROUNDS):
+    """Philox4x32 (Salmon et al., SC'11) on int64 tensors holding 32-bit words.
+    counter: 4 tensors, key: 2 tensors (broadcastable); returns the 4 output words."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
         hi_a, lo_a = _mulhilo(ROUND_A, c0)
         hi_b, lo_b = _mulhilo(ROUND_B, c2)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + KEY_A) & MASK32
         k1 = (k1 + KEY_B) & MASK32
-    return c0
+    return c0, c1, c2, c3
+
+
+def philox_c0(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox4x32-10 for key=seed, counter=(token, index, DOMAIN, 0).
+    All inputs int64 and broadcastable; returns int64 in [0, 2**32)."""
+    c0, c1 = torch.broadcast_tensors(token & MASK32, index & MASK32)
+    key = (seed & MASK32, (seed >> 32) & MASK32)
+    return philox4x32((c0, c1, torch.full_like(c0, DOMAIN), torch.zeros_like(c0)), key)[0]
 
 
 def uniform(seed, index, token) -> torch.Tensor:

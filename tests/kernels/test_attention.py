@@ -1,0 +1,103 @@
+"""Paged decode and extend attention: Triton (interpreter on CPU) vs a float64 reference."""
+import pytest
+import torch
+
+from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
+
+from .conftest import DEVICE, TOL, needs_triton, random_page_tables, rel_err
+
+# (q_heads, kv_heads, head_dim, page_size, seq_lens): edges the issue names, sized for the
+# interpreter (~1-2 s per case): length 1, page +-1, split boundary 256 +-1, GQA 1/2/4/5/8
+DECODE_CASES = [
+    (2, 2, 64, 16, [1, 15, 16, 17]),          # GQA 1, page -1/page/page+1
+    (4, 2, 128, 16, [1, 33]),                 # GQA 2, d128
+    (8, 2, 64, 8, [7, 9]),                    # GQA 4, page 8
+    (5, 1, 64, 32, [31, 257]),                # GQA 5, a split of one token past 256
+    (8, 1, 64, 128, [256, 129]),              # GQA 8, page 128, exactly one split
+    (2, 1, 64, 64, [255, 1]),                 # mixed lengths, ragged
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,page,lens", DECODE_CASES)
+def test_decode_matches_reference(hq, hkv, d, page, lens, dtype):
+    g = torch.Generator().manual_seed(hash((hq, hkv, d, page, tuple(lens), str(dtype))) % 2**31)
+    num_pages = sum(-(-n // page) for n in lens) + 3
+    kc = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype).to(DEVICE)
+    vc = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype).to(DEVICE)
+    table = random_page_tables(lens, page, num_pages, g).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, kc, vc, table, seq_lens, backend="triton")
+    ref = paged_decode_attention_ref(q.double(), kc.double(), vc.double(), table, seq_lens, d ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out, ref) < TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+@needs_triton
+def test_decode_result_does_not_depend_on_the_batch():
+    """Fixed split size: a sequence gets bit-identical output alone or beside a long one."""
+    g = torch.Generator().manual_seed(7)
+    kc = torch.randn(48, 16, 1, 64, generator=g)
+    vc = torch.randn(48, 16, 1, 64, generator=g)
+    q = torch.randn(2, 4, 64, generator=g)
+    table = random_page_tables([100, 600], 16, 48, g)
+    both = paged_decode_attention(q, kc, vc, table, torch.tensor([100, 600], dtype=torch.int32), backend="triton")
+    alone = paged_decode_attention(q[:1], kc, vc, table[:1], torch.tensor([100], dtype=torch.int32),
+                                   backend="triton")
+    assert torch.equal(both[0], alone[0])
+
+
+# (q_heads, kv_heads, head_dim, page, [(prefix, new)]): prefix 0, decode rows (new 1), page edges
+EXTEND_CASES = [
+    (2, 2, 64, 16, [(0, 17), (16, 1), (5, 11)]),
+    (5, 1, 64, 8, [(0, 9), (7, 3)]),
+    (8, 2, 128, 16, [(33, 16), (0, 1)]),
+    (4, 1, 64, 32, [(0, 40)]),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,page,spans", EXTEND_CASES)
+def test_extend_matches_reference(hq, hkv, d, page, spans, dtype):
+    g = torch.Generator().manual_seed(hash((hq, hkv, d, page, tuple(spans), str(dtype))) % 2**31)
+    lens = [p + n for p, n in spans]
+    num_pages = sum(-(-n // page) for n in lens) + 2
+    kc = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype).to(DEVICE)
+    vc = torch.randn(num_pages, page, hkv, d, generator=g).to(dtype).to(DEVICE)
+    cu = torch.tensor([0] + list(torch.tensor([n for _, n in spans]).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype).to(DEVICE)
+    table = random_page_tables(lens, page, num_pages, g).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    cu = cu.to(DEVICE)
+    out = paged_extend_attention(q, kc, vc, table, cu, seq_lens, backend="triton")
+    ref = paged_extend_attention_ref(q.double(), kc.double(), vc.double(), table, cu, seq_lens, d ** -0.5)
+    assert torch.isfinite(out.float()).all()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_extend_reference_agrees_with_dense_causal_attention():
+    """The reference itself, against torch's SDPA on a contiguous copy (prefix 0)."""
+    g = torch.Generator().manual_seed(3)
+    n, hq, hkv, d, page = 21, 4, 2, 16, 8
+    k = torch.randn(n, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(n, hkv, d, generator=g, dtype=torch.float64)
+    q = torch.randn(n, hq, d, generator=g, dtype=torch.float64)
+    table = random_page_tables([n], page, 6, g)
+    kc = torch.zeros(6, page, hkv, d, dtype=torch.float64)
+    vc = torch.zeros_like(kc)
+    for pos in range(n):
+        kc[table[0, pos // page], pos % page] = k[pos]
+        vc[table[0, pos // page], pos % page] = v[pos]
+    out = paged_extend_attention_ref(q, kc, vc, table, torch.tensor([0, n]), torch.tensor([n]), d ** -0.5)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        is_causal=True).transpose(0, 1)
+    torch.testing.assert_close(out, dense)
+    dec = paged_decode_attention_ref(q[-1:], kc, vc, table, torch.tensor([n]), d ** -0.5)
+    torch.testing.assert_close(dec[0], dense[-1])

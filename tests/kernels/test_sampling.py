@@ -1,0 +1,178 @@
+"""Sampling: Philox known answers, kernel == reference bit for bit, and the reference's
+statistics over 1e5 draws."""
+import math
+
+import pytest
+import torch
+
+from pagedecode.kernels.penalties import RowProcessing, apply_processing
+from pagedecode.kernels.philox import gumbel, philox4x32, seed_to_int64, uniform
+from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref
+
+from .conftest import DEVICE, needs_triton
+
+
+def inputs(rows, **kw):
+    cols = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, index=0)
+    per = [{**cols, **kw, **r} for r in rows]
+    return make_sampling_inputs([r["temperature"] for r in per], [r["top_k"] for r in per],
+                                [r["top_p"] for r in per], [r["min_p"] for r in per],
+                                [seed_to_int64(r["seed"]) for r in per], [r["index"] for r in per])
+
+
+def test_philox_known_answers():
+    """Random123's published Philox4x32-10 vectors."""
+    def run(ctr, key):
+        return [int(x) for x in philox4x32([torch.tensor(c) for c in ctr], [torch.tensor(k) for k in key])]
+    assert run((0, 0, 0, 0), (0, 0)) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert run((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    assert run((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == \
+        [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_uniform_never_hits_zero_or_one_and_is_uniform():
+    u = uniform(torch.tensor(12345), torch.arange(200_000), torch.tensor(7))
+    assert u.min() > 0 and u.max() < 1
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    chi2 = ((counts - 20_000) ** 2 / 20_000).sum().item()
+    assert chi2 < 27.9          # 9 degrees of freedom, p = 0.001
+    g = gumbel(torch.tensor(1), torch.arange(200_000), torch.tensor(0))
+    assert abs(g.mean().item() - 0.5772) < 0.01    # Euler-Mascheroni
+
+
+ROW_SETTINGS = [
+    dict(temperature=0.0),
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=10),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=0.9, top_k=5, top_p=0.9, min_p=0.1),
+    dict(temperature=1.0, top_p=0.5, seed=2**64 - 1),
+    dict(temperature=1.0, top_k=1000),          # k >= vocab: no filtering
+    dict(temperature=2.0, min_p=0.3, seed=2**63),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("vocab", [111, 300])
+def test_kernel_matches_reference_bit_for_bit(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    rows = [dict(s, seed=s.get("seed", i * 7919), index=i * 3) for i, s in enumerate(ROW_SETTINGS)]
+    logits = torch.randn(len(rows), vocab, generator=g) * 3
+    logits[1, :20] = float("-inf")                  # -inf tokens are never drawn
+    logits[3, 5] = logits[3, 9] = logits[3].max() + 1   # a tie at the top
+    inp = inputs(rows)
+    ref = sample_ref(logits, inp)
+    out = sample(logits.to(DEVICE), inp.to(DEVICE), backend="triton")
+    assert out.tokens.cpu().tolist() == ref.tokens.tolist()
+    torch.testing.assert_close(out.logprobs.cpu(), ref.logprobs, atol=1e-5, rtol=1e-5)
+    assert ref.tokens[0] == logits[0].argmax()
+    assert ref.tokens[1] >= 20
+
+
+@needs_triton
+def test_kernel_agrees_across_many_draws():
+    """Same decisions over 32 output indices of one row, with filtering that cuts mid-ties."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(1, 200, generator=g) * 2).round().repeat(32, 1)   # many exact ties
+    rows = [dict(temperature=0.8, top_k=12, top_p=0.7, seed=99, index=i) for i in range(32)]
+    inp = inputs(rows)
+    assert sample(logits, inp, backend="triton").tokens.tolist() == sample_ref(logits, inp).tokens.tolist()
+
+
+def test_greedy_is_first_argmax():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, -1.0, 0.0, 0.0]])
+    out = sample_ref(logits, inputs([{}, {}], temperature=0.0))
+    assert out.tokens.tolist() == [1, 0]
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def _frequencies(logits_row, n, **kw):
+    rows = [dict(index=i, seed=424242) for i in range(n)]
+    out = sample_ref(logits_row.repeat(n, 1), inputs(rows, **kw))
+    return torch.bincount(out.tokens, minlength=logits_row.numel()).double() / n
+
+
+def _chi2_ok(freq, expected, n):
+    keep = expected > 0
+    assert freq[~keep].sum() == 0, "a token with zero probability was drawn"
+    chi2 = (n * (freq[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    dof = int(keep.sum()) - 1
+    return chi2 < dof + 5 * math.sqrt(2 * dof) + 10
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_temperature_statistics(temperature):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])
+    n = 100_000
+    freq = _frequencies(logits, n, temperature=temperature)
+    expected = torch.softmax(logits.double() / temperature, -1)
+    assert _chi2_ok(freq, expected, n)
+    cos = torch.nn.functional.cosine_similarity(freq, expected, dim=0)
+    assert cos > 0.999
+
+
+def test_top_k_top_p_min_p_statistics():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -0.5, -2.0])
+    n = 100_000
+    p = torch.softmax(logits.double(), -1)
+    # top-k 5 then top-p 0.8 over the renormalised five: the smallest prefix reaching 0.8
+    p5 = p[:5] / p[:5].sum()
+    keep = int((p5.cumsum(0) < 0.8).sum()) + 1
+    expected = torch.zeros(8, dtype=torch.float64)
+    expected[:keep] = p[:keep] / p[:keep].sum()
+    assert _chi2_ok(_frequencies(logits, n, top_k=5, top_p=0.8), expected, n)
+    # min-p 0.2: tokens with p >= 0.2 * p_max
+    kept = p >= 0.2 * p.max()
+    expected = torch.where(kept, p, 0.0)
+    assert _chi2_ok(_frequencies(logits, n, min_p=0.2), expected / expected.sum(), n)
+
+
+def test_ties_at_the_threshold_are_kept():
+    logits = torch.tensor([[5.0, 1.0, 1.0, 1.0, 0.0]]).repeat(4000, 1)
+    rows = [dict(top_k=2, index=i) for i in range(4000)]
+    drawn = set(sample_ref(logits, inputs(rows)).tokens.tolist())
+    assert drawn == {0, 1, 2, 3}            # k = 2 keeps every token equal to the 2nd largest
+
+
+def test_top_p_one_and_k_at_least_vocab_change_nothing():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1)).repeat(300, 1)
+    base = [dict(index=i, seed=5) for i in range(300)]
+    a = sample_ref(logits, inputs(base)).tokens
+    b = sample_ref(logits, inputs(base, top_k=50, top_p=1.0)).tokens
+    c = sample_ref(logits, inputs(base, top_k=10_000)).tokens
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_same_seed_and_index_same_token_in_any_batch_order():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(16, 97, generator=g)
+    rows = [dict(seed=1000 + i, index=i % 5, top_k=(i % 3) * 7, top_p=0.9) for i in range(16)]
+    out = sample_ref(logits, inputs(rows)).tokens
+    perm = torch.randperm(16, generator=g)
+    out_perm = sample_ref(logits[perm], inputs([rows[i] for i in perm.tolist()])).tokens
+    assert torch.equal(out[perm], out_perm)
+    alone = [sample_ref(logits[i:i + 1], inputs([rows[i]])).tokens.item() for i in range(16)]
+    assert alone == out.tolist()
+
+
+def test_pruned_noise_is_exact():
+    """The reference draws noise only for tokens that can still win; a brute force that draws
+    it for every token must choose the same."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(64, 400, generator=g) * 8          # wide spread: most tokens pruned
+    rows = [dict(seed=77, index=i, temperature=1.0) for i in range(64)]
+    inp = inputs(rows)
+    got = sample_ref(logits, inp).tokens
+    noise = gumbel(inp.seed[:, None], inp.output_index[:, None], torch.arange(400)[None, :])
+    assert torch.equal(got, (logits + noise).argmax(-1))
+
+
+def test_penalties_and_bias():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 0.0]])
+    rp = RowProcessing(0, {4: 10.0}, banned=[3], repetition_penalty=2.0, presence_penalty=0.5,
+                       frequency_penalty=0.25, prompt_ids=[0], output_ids=[1, 2, 2])
+    out = apply_processing(logits.clone(), [rp])[0]
+    # 0: seen in prompt, positive -> /2; 1: output once, negative -> *2, then -0.5 -0.25
+    # 2: output twice -> /2 then -0.5 - 0.5; 3: banned; 4: +10 bias
+    torch.testing.assert_close(out[:3], torch.tensor([1.0, -4.75, -0.5]))
+    assert out[3] == float("-inf") and out[4] == 10.0

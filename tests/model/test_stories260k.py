@@ -1,0 +1,84 @@
+"""stories260k (a real trained Llama, SentencePiece byte-fallback tokenizer) against the
+greedy continuations in its REFERENCE.md, which transformers produced."""
+import pytest
+import torch
+
+import pagedecode as pd
+from pagedecode.model.batch import ForwardBatch
+
+REFERENCE = {
+    "Once upon a time": ([1, 403, 407, 261, 378],
+                         [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410, 408,
+                          419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394],
+                         ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw"),
+    "Lily and Tom": ([1, 317, 269, 274, 287],
+                     [382, 276, 337, 299, 322, 265, 282, 295, 433, 426, 342, 397, 355, 267, 337, 335, 265, 315, 267,
+                      422, 419, 269, 352, 379, 261, 420, 277, 264, 265, 282, 295, 433],
+                     " were playing in the park. They liked to play with their toys and run around the park"),
+    "The cat": ([1, 291, 280, 294],
+                [269, 261, 268, 414, 422, 382, 276, 337, 299, 322, 265, 282, 295, 433, 426, 342, 397, 355, 267, 337,
+                 335, 265, 315, 267, 422, 419, 269, 352, 379, 261, 420, 277],
+                " and a boy were playing in the park. They liked to play with their toys and run arou"),
+}
+BOS_ONLY_FIRST_60 = [403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267,
+                     337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370,
+                     432, 352, 266, 268, 388, 426, 338, 391, 266, 267, 337, 335, 312, 432, 398, 312, 286, 267, 414,
+                     270, 333, 415]
+TOP5 = {"Once upon a time": [(432, 17.7994), (383, 14.2813), (322, 9.7097), (353, 9.5873), (323, 9.1342)],
+        "Lily and Tom": [(382, 13.2909), (261, 11.0917), (263, 9.8683), (269, 9.5641), (343, 9.2731)],
+        "The cat": [(269, 11.3171), (286, 11.0879), (397, 10.7879), (381, 9.5945), (263, 9.5938)]}
+
+
+@pytest.fixture(scope="module")
+def engine(stories_engine_factory):
+    return stories_engine_factory()
+
+
+def test_tokenizer_matches_reference_prompt_ids(engine):
+    for prompt, (ids, _, _) in REFERENCE.items():
+        assert engine.tokenizer.encode(prompt) == ids
+
+
+@pytest.mark.parametrize("prompt", list(REFERENCE))
+def test_greedy_alone(engine, prompt):
+    ids, new, text = REFERENCE[prompt]
+    out = engine.generate(prompt, pd.SamplingParams(max_tokens=32))[0]
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == new
+    assert out.text == text
+    assert out.finish_reason == pd.FinishReason.MAX_OUTPUT_TOKENS
+
+
+def test_greedy_in_a_batch_with_other_lengths(stories_engine_factory):
+    engine = stories_engine_factory(max_tokens_per_step=7, page_size=8)   # chunked prefill too
+    fillers = ["A", "Tom had a big red ball and a small blue car. He", "Sue"]
+    prompts = list(REFERENCE) + fillers
+    params = [pd.SamplingParams(max_tokens=32)] * 3 + [pd.SamplingParams(max_tokens=n) for n in (5, 40, 17)]
+    outs = engine.generate(prompts, params)
+    for out, prompt in zip(outs, REFERENCE):
+        assert out.token_ids == REFERENCE[prompt][1]
+    assert [len(o.token_ids) for o in outs[3:]] == [5, 40, 17]
+    engine.pool.check_integrity()
+    assert engine.pool.free_pages == engine.pool.num_pages
+
+
+def test_from_bos_alone_reproduces_llama2c(engine):
+    out = engine.generate([[1]], pd.SamplingParams(max_tokens=60))[0]
+    assert out.token_ids == BOS_ONLY_FIRST_60
+    assert out.text.startswith("Once upon a time, there was a little girl named Lily.")
+
+
+def test_first_step_logits(engine):
+    model = engine.model
+    for prompt, top in TOP5.items():
+        ids = REFERENCE[prompt][0]
+        kv = pd.KVCache(model.config.num_layers, 1, 16, model.config.num_kv_heads, model.config.head_dim,
+                        torch.float32)
+        n = len(ids)
+        batch = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(n), torch.zeros(1, 1, dtype=torch.int32),
+                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+                             torch.tensor([n - 1]), 0, n)
+        logits = model.forward(batch, kv)[0]
+        values, idx = logits.topk(5)
+        assert idx.tolist() == [t for t, _ in top]
+        torch.testing.assert_close(values, torch.tensor([v for _, v in top]), atol=2e-4, rtol=0)
