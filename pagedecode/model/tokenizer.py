@@ -6,8 +6,9 @@ decode, for the decoder families accepted here (they are all context-free per to
 from "is this the first shown token"):
 
     ByteLevel (GPT-2, Llama 3, Qwen)      chars mapped back through the byte alphabet
-    SentencePiece style (Llama 2, Mistral) "▁" -> space, <0xNN> -> byte NN, leading spaces of
-                                           the first shown token stripped (Strip / Metaspace)
+    SentencePiece style (Llama 2, Mistral) "▁" -> space; <0xNN> tokens are bytes, decoded a run
+                                           at a time (byte_fallback_value); `strip_first`
+                                           leading spaces of the text are dropped (Strip / Metaspace)
     WordPiece (BERT)                      "##" joins, other tokens get a space, cleanup rules
     no decoder                            the token text as is
 """
@@ -132,6 +133,14 @@ class Tokenizer:
             return False
         return not (skip_special_tokens and token_id in self.special_ids)
 
+    def byte_fallback_value(self, token_id: int) -> int | None:
+        """The byte a <0xNN> token stands for, under a ByteFallback decoder; else None."""
+        if not self.byte_fallback:
+            return None
+        s = self._tok.id_to_token(token_id)
+        m = _BYTE_TOKEN.fullmatch(s) if s is not None else None
+        return int(m.group(1), 16) if m else None
+
     def token_bytes(self, token_id: int, first: bool) -> bytes:
         """Bytes this token adds to the batch decode; `first`: it is the first shown token."""
         key = (token_id, first)
@@ -149,15 +158,7 @@ class Tokenizer:
                 return bytes(self._alphabet[c] for c in s)
             return s.encode()
         if self.kind == "sentencepiece":
-            m = _BYTE_TOKEN.fullmatch(s) if self.byte_fallback else None
-            text = chr(int(m.group(1), 16)) if m else s.replace(self._opts["replacement"], " ")
-            if m:
-                return bytes([int(m.group(1), 16)]) if not first or self.strip_first == 0 or text != " " \
-                    else b""
-            if first and self.strip_first:
-                n = len(text) - len(text.lstrip(" "))
-                text = text[min(n, self.strip_first):]
-            return text.encode()
+            return s.replace(self._opts["replacement"], " ").encode()
         if self.kind == "wordpiece":
             prefix = self._opts["prefix"]
             if not first:
