@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections import deque
 
 from ..params import SamplingParams
@@ -129,7 +130,13 @@ class AsyncEngine:
         buffer = self.engine._get(rid).buffer
         stream = RequestStream(self, rid, buffer)
         loop = self._loop
-        buffer.on_push = lambda: loop.call_soon_threadsafe(stream._notify)
+        ref = weakref.ref(stream)          # a dropped stream must be collectable (disconnect)
+
+        def wake() -> None:
+            live = ref()
+            if live is not None:
+                loop.call_soon_threadsafe(live._notify)
+        buffer.on_push = wake
         stream._notify()
         return stream
 
