@@ -14,8 +14,56 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+# Tokens per split. Fixed, never derived from the batch, so a sequence's result is the same
+# whichever batch it is in (the merge always sees the same partials in the same order).
+SPLIT_TOKENS = 256
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """(num_pages, page, H, D) cache -> (B, n_tokens, H, D) contiguous context per sequence."""
+    page_size = cache.shape[1]
+    n_pages = -(-n_tokens // page_size)
+    pages = page_table[:, :n_pages].long().clamp(min=0)              # (B, n_pages)
+    ctx = cache[pages]                                                # (B, n_pages, page, H, D)
+    return ctx.reshape(pages.shape[0], n_pages * page_size, *cache.shape[2:])[:, :n_tokens]
+
+
+def context_slots(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, n_tokens: int):
+    """Flat cache slots (B, n_tokens) of each sequence's positions 0..n_tokens-1, and a mask of
+    the positions that exist (pos < seq_len). Slot = page * page_size + offset:
+
+        position p of sequence b  ->  page_table[b, p // page_size] * page_size + p % page_size
+    """
+    pos = torch.arange(n_tokens, device=page_table.device)
+    pages = page_table[:, pos // page_size].long().clamp(min=0)      # (B, L)
+    return pages * page_size + pos % page_size, pos[None, :] < seq_lens[:, None].long()
+
+
+def attend_gathered(q, k_flat, v_flat, slots, valid, scale: float):
+    """q (B, Hq, D) against the cache rows `slots` (B, L) of k_flat / v_flat (slots, Hkv, D).
+    Shared by the reference and the model's CPU path (which computes slots once per step)."""
+    acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
+    k, v = k_flat[slots].transpose(1, 2), v_flat[slots].transpose(1, 2)     # (B, Hkv, L, D)
+    if k.dtype != acc:
+        k, v = k.to(acc), v.to(acc)
+    out = F.scaled_dot_product_attention(q.to(acc)[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
+                                         scale=scale, enable_gqa=True)   # (B, Hq, 1, D)
+    return out[:, :, 0] if out.dtype == q.dtype else out[:, :, 0].to(q.dtype)
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale: float):
+    page_size = k_cache.shape[1]
+    slots, valid = context_slots(page_table, seq_lens, page_size, int(seq_lens.max()))
+    return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, valid, scale)
+
 
 if HAS_TRITON:
     import triton

@@ -18,9 +18,34 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
 from .decode_attention import gather_pages
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float):
+    acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
+    out = torch.empty_like(q)
+    cu = cu_q.tolist()
+    for s, L in enumerate(seq_lens.tolist()):
+        lo, hi = cu[s], cu[s + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        k = gather_pages(k_cache, page_table[s:s + 1], L)[0].to(acc).transpose(0, 1)   # (Hkv, L, D)
+        v = gather_pages(v_cache, page_table[s:s + 1], L)[0].to(acc).transpose(0, 1)
+        # query i sits at position L - n + i and sees keys 0 .. L - n + i
+        visible = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q[lo:hi].to(acc).transpose(0, 1), k, v, attn_mask=visible,
+                                           scale=scale, enable_gqa=True)                 # (Hq, n, D)
+        out[lo:hi] = o.transpose(0, 1).to(q.dtype)
+    return out
+
 
 if HAS_TRITON:
     import triton

@@ -16,12 +16,13 @@ if HAS_TRITON:
 
 def write_kv_ref(k_cache, v_cache, k, v, slot_mapping) -> None:
     """k, v: (T, kv_heads, head_dim); slot_mapping: (T,) int. Writes in place."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    page_size = k_cache.shape[1]
-    pages, offsets = slots // page_size, slots % page_size
-    k_cache[pages, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[pages, offsets] = v[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    # slot = page * page_size + offset is the row of the cache seen as (pages * page_size, H, D)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 if HAS_TRITON:

@@ -33,15 +33,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int, attention_factor: float = 1.0):
-    """cos, sin tables (max_positions, head_dim) in float32, halves repeated as HF lays them out."""
+    """Tables (max_positions, head_dim) in float32: cos, and sin with the first half negated,
+    so that rotate_half(x) * sin == roll(x, head_dim / 2) * signed_sin (see apply_rope)."""
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)                      # (P, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)               # (P, D)
-    return emb.cos() * attention_factor, emb.sin() * attention_factor
+    emb = torch.cat((freqs, freqs), dim=-1)               # (P, D), halves repeated as HF lays them out
+    sin = emb.sin() * attention_factor
+    half = inv_freq.shape[0]
+    return emb.cos() * attention_factor, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos, sin: (T, D) already gathered at each token's position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos, signed_sin: (T, D) at each token's position. Equals HF's
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) = roll(x, D/2) * (-1, 1)."""
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return x * cos[:, None, :] + rolled * signed_sin[:, None, :]

@@ -12,7 +12,8 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..kernels.decode_attention import paged_decode_attention
+from ..kernels._backend import use_triton
+from ..kernels.decode_attention import attend_gathered, context_slots, paged_decode_attention
 from ..kernels.extend_attention import paged_extend_attention
 from ..kernels.kv_write import write_kv
 from ..kernels.rmsnorm import rms_norm
@@ -90,20 +91,22 @@ class LlamaModel:
         T = batch.num_tokens
         h = self.embed[batch.input_ids]                                   # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)
+        ctx = self._decode_context(batch, kv)
+        H, Hkv = c.num_heads, c.num_kv_heads
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = F.linear(x, L.qkv_w, L.qkv_b)
-            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
-            q = q.view(T, c.num_heads, c.head_dim)
-            k = k.view(T, c.num_kv_heads, c.head_dim)
-            v = v.view(T, c.num_kv_heads, c.head_dim)
-            if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, c.rms_norm_eps)
-                k = rms_norm(k, L.k_norm, c.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            write_kv(kv.k[i], kv.v[i], k, v.contiguous(), batch.slot_mapping, backend=self.backend)
-            attn = self._attention(q, kv.k[i], kv.v[i], batch)              # (T, heads, head_dim)
+            qkv = F.linear(x, L.qkv_w, L.qkv_b)                          # (T, (H + 2 Hkv) D)
+            v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, c.head_dim)
+            if L.q_norm is None:     # rotate q and k in one go
+                qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, c.head_dim), cos, sin)
+                q, k = qk[:, :H], qk[:, H:]
+            else:
+                q = rms_norm(qkv[:, :self._q_size].view(T, H, c.head_dim), L.q_norm, c.rms_norm_eps)
+                k = rms_norm(qkv[:, self._q_size:self._q_size + self._kv_size].view(T, Hkv, c.head_dim),
+                             L.k_norm, c.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend=self.backend)
+            attn = self._attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, heads, head_dim)
             h = h + F.linear(attn.reshape(T, self._q_size), L.o_w, L.o_b)
             x = rms_norm(h, L.ln2, c.rms_norm_eps)
             gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)
@@ -111,8 +114,19 @@ class LlamaModel:
         h = rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                         # (N, vocab)
 
-    def _attention(self, q, k_cache, v_cache, b: ForwardBatch) -> torch.Tensor:
+    def _decode_context(self, b: ForwardBatch, kv: KVCache):
+        """On the torch path, the cache slots of every decode sequence's context, computed once per
+        step and shared by all layers (the Triton kernel walks the page table itself)."""
+        if b.num_decode == 0 or use_triton(b.input_ids, self.backend):
+            return None
         nd = b.num_decode
+        lens = b.seq_lens[:nd]
+        return context_slots(b.page_table[:nd], lens, kv.page_size, int(lens.max()))
+
+    def _attention(self, q, k_cache, v_cache, b: ForwardBatch, ctx) -> torch.Tensor:
+        nd = b.num_decode
+        if ctx is not None and nd == b.num_seqs:
+            return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), *ctx, self.scale)
         if nd == b.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, self.scale,
                                           backend=self.backend)
@@ -121,8 +135,11 @@ class LlamaModel:
                                           self.scale, backend=self.backend, max_new=b.max_new)
         # decode rows come first (see ForwardBatch): one vectorised decode call, one extend call
         out = torch.empty_like(q)
-        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd],
-                                          self.scale, backend=self.backend)
+        if ctx is not None:
+            out[:nd] = attend_gathered(q[:nd], k_cache.flatten(0, 1), v_cache.flatten(0, 1), *ctx, self.scale)
+        else:
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd],
+                                              self.scale, backend=self.backend)
         cu = b.cu_q[nd:] - b.cu_q[nd]
         out[nd:] = paged_extend_attention(q[nd:], k_cache, v_cache, b.page_table[nd:], cu,
                                           b.seq_lens[nd:], self.scale, backend=self.backend,
