@@ -37,67 +37,40 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_tokens: int) -
 
 
 def context_slots(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, n_tokens: int):
-    """Flat cache slots (B, n_tokens) of each sequence's positions 0..n_tokens-1, and a mask of
-    the positions that exist (pos < seq_len). Slot = page * page_size + offset:
+    """Flat cache slots (B, n_tokens) of each sequence's positions 0..n_tokens-1, and an additive
+    mask (B, n_tokens): 0 where the position exists (pos < seq_len), -inf past the end.
 
-        position p of sequence b  ->  page_table[b, p // page_size] * page_size + p % page_size
+        position p of sequence b  ->  slot page_table[b, p // page_size] * page_size + p % page_size
     """
     pos = torch.arange(n_tokens, device=page_table.device)
     pages = page_table[:, pos // page_size].long().clamp(min=0)      # (B, L)
-    return pages * page_size + pos % page_size, pos[None, :] < seq_lens[:, None].long()
+    past_end = pos[None, :] >= seq_lens[:, None].long()
+    bias = torch.zeros(past_end.shape, device=page_table.device).masked_fill_(past_end, float("-inf"))
+    return pages * page_size + pos % page_size, bias
 
 
-def attend_gathered(q, k_flat, v_flat, slots, valid, scale: float):
-    """q (B, Hq, D) against the cache rows `slots` (B, L) of k_flat / v_flat (slots, Hkv, D).
-    Shared by the reference and the model's CPU path (which computes slots once per step)."""
+def attend_gathered(q, k_flat, v_flat, slots, bias, scale: float):
+    """q (B, Hq, D) against the cache rows `slots` (B, L) of k_flat / v_flat (rows, Hkv, D), with
+    the additive mask `bias` (B, L). Shared by the reference and the model's CPU path, which
+    computes slots and bias once per step for all layers."""
+    B, L = slots.shape
+    Hkv, D = k_flat.shape[1], k_flat.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
-    k, v = k_flat[slots].transpose(1, 2), v_flat[slots].transpose(1, 2)     # (B, Hkv, L, D)
+    rows = slots.reshape(-1)
+    k = k_flat.view(k_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D).transpose(1, 2)
+    v = v_flat.view(v_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D).transpose(1, 2)
     if k.dtype != acc:
         k, v = k.to(acc), v.to(acc)
-    out = F.scaled_dot_product_attention(q.to(acc)[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
-                                         scale=scale, enable_gqa=True)   # (B, Hq, 1, D)
-    return out[:, :, 0] if out.dtype == q.dtype else out[:, :, 0].to(q.dtype)
+    qg = q.view(B, Hkv, -1, D).to(acc)                                 # (B, Hkv, G, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale + bias.to(acc)[:, None, None, :]   # (B, Hkv, G, L)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)              # (B, Hkv, G, D)
+    return out.reshape(q.shape).to(q.dtype)
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale: float):
     page_size = k_cache.shape[1]
     slots, valid = context_slots(page_table, seq_lens, page_size, int(seq_lens.max()))
     return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, valid, scale)
-
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-# Tokens per split. Fixed, never derived from the batch, so a sequence's result is the same
-# whichever batch it is in (the merge always sees the same partials in the same order).
-SPLIT_TOKENS = 256
-
-
-def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """(num_pages, page, H, D) cache -> (B, n_tokens, H, D) contiguous context per sequence."""
-    page_size = cache.shape[1]
-    n_pages = -(-n_tokens // page_size)
-    pages = page_table[:, :n_pages].long().clamp(min=0)              # (B, n_pages)
-    ctx = cache[pages]                                                # (B, n_pages, page, H, D)
-    return ctx.reshape(pages.shape[0], n_pages * page_size, *cache.shape[2:])[:, :n_tokens]
-
-
-def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale: float):
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    G = Hq // Hkv
-    acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
-    max_len = int(seq_lens.max())
-    k = gather_pages(k_cache, page_table, max_len).to(acc)           # (B, L, Hkv, D)
-    v = gather_pages(v_cache, page_table, max_len).to(acc)
-    qg = q.to(acc).view(B, Hkv, G, D)                                 # (B, Hkv, G, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale          # (B, Hkv, G, L)
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None].long()  # (B, L)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)                   # (B, Hkv, G, D)
-    return out.reshape(B, Hq, D).to(q.dtype)
 
 
 if HAS_TRITON:

@@ -40,39 +40,14 @@ def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, 
         k = gather_pages(k_cache, page_table[s:s + 1], L)[0].to(acc).transpose(0, 1)   # (Hkv, L, D)
         v = gather_pages(v_cache, page_table[s:s + 1], L)[0].to(acc).transpose(0, 1)
         # query i sits at position L - n + i and sees keys 0 .. L - n + i
-        visible = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
-        o = F.scaled_dot_product_attention(q[lo:hi].to(acc).transpose(0, 1), k, v, attn_mask=visible,
-                                           scale=scale, enable_gqa=True)                 # (Hq, n, D)
+        if n == L:          # no cached prefix: the plain causal mask
+            mask, causal = None, True
+        else:
+            mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(q[lo:hi].to(acc).transpose(0, 1), k, v, attn_mask=mask,
+                                           is_causal=causal, scale=scale, enable_gqa=True)   # (Hq, n, D)
         out[lo:hi] = o.transpose(0, 1).to(q.dtype)
-    return out
-
-
-if HAS_TRITON:
-    import triton
-    import triton.language as tl
-
-
-def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float):
-    Hq = q.shape[1]
-    Hkv = k_cache.shape[2]
-    acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
-    out = torch.empty_like(q)
-    cu = cu_q.tolist()
-    lens = seq_lens.tolist()
-    for s, L in enumerate(lens):
-        lo, hi = cu[s], cu[s + 1]
-        n = hi - lo
-        if n == 0:
-            continue
-        k = gather_pages(k_cache, page_table[s:s + 1], L)[0].to(acc)     # (L, Hkv, D)
-        v = gather_pages(v_cache, page_table[s:s + 1], L)[0].to(acc)
-        k = k.repeat_interleave(Hq // Hkv, dim=1)                        # (L, Hq, D)
-        v = v.repeat_interleave(Hq // Hkv, dim=1)
-        scores = torch.einsum("nhd,lhd->hnl", q[lo:hi].to(acc), k) * scale   # (Hq, n, L)
-        q_pos = torch.arange(L - n, L, device=q.device)[:, None]
-        k_pos = torch.arange(L, device=q.device)[None, :]
-        scores = scores.masked_fill((k_pos > q_pos)[None], float("-inf"))
-        out[lo:hi] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, -1), v).to(q.dtype)
     return out
 
 

@@ -191,8 +191,8 @@ class Engine:
             if req.first_scheduled is None:
                 req.first_scheduled = now
                 req.timings.queue_s = now - req.arrival
-            if s in plan.decode:
-                req.trace.add("decode.started", t=len(req.output_ids), cache_len=req.num_computed)
+        for s in plan.decode:
+            s.request.trace.add("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
 
     def _commit(self, plan: SchedulerOutput, logits, events: list[Event], dt: float) -> None:
         choosers = []
