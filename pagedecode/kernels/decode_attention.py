@@ -75,6 +75,30 @@ def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale:
 
 if HAS_TRITON:
     @triton.jit
+    def _kv_tile(kc_ptr, vc_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co, stride_ch,
+                 PAGE_SIZE: tl.constexpr):
+        """K and V rows (BLOCK_N, BLOCK_D), as float32, at logical positions `pos` of the sequence
+        whose page-table row starts at pt_row. Page ids are promoted to int64 before any stride."""
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=pos_ok, other=0)
+        row = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_co + kvh * stride_ch
+        mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        return k, v
+
+    @triton.jit
+    def _online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE: tl.constexpr):
+        """Fold one tile of scores s (M, N; log2 units, -inf where hidden) into the running max
+        m_i, sum l_i and output acc. The caller guarantees a finite entry per row in the first
+        tile it folds, so m_i - m_new is never -inf - -inf."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
                              sm_scale_log2,
                              stride_qb, stride_qh, stride_cp, stride_co, stride_ch, stride_ptb,
@@ -99,22 +123,15 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         start = split * SPLIT
         end = tl.minimum(start + SPLIT, seq_len)
+        pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)         # logical token positions of this tile
             pos_ok = pos < end
-            page = tl.load(pt_ptr + b.to(tl.int64) * stride_ptb + pos // PAGE_SIZE, mask=pos_ok, other=0)
-            row = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_co + kvh * stride_ch
-            kv_mask = pos_ok[:, None] & d_ok[None, :]
-            k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k, v = _kv_tile(kc_ptr, vc_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co, stride_ch,
+                            PAGE_SIZE)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * sm_scale_log2          # (G, N), log2 units
             s = tl.where(pos_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE)
         # an empty split (start >= seq_len) leaves l_i = 0: write lse = -inf and zeros, never 0/0
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -24,6 +24,9 @@ from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
 from .decode_attention import gather_pages
 
 if HAS_TRITON:
+    from .decode_attention import _kv_tile, _online_softmax_step
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -82,23 +85,16 @@ if HAS_TRITON:
             # keys 0 .. last query position of this block; key 0 is visible to every row, so the
             # running max is finite after the first tile and no row ever computes -inf - -inf
             kv_end = tl.minimum(prefix + (mblk + 1) * BLOCK_M, seq_len)
+            pt_row = pt_ptr + s.to(tl.int64) * stride_ptb
             for n0 in range(0, kv_end, BLOCK_N):
                 pos = n0 + tl.arange(0, BLOCK_N)
                 pos_ok = pos < kv_end
-                page = tl.load(pt_ptr + s.to(tl.int64) * stride_ptb + pos // PAGE_SIZE, mask=pos_ok, other=0)
-                row = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_co + kvh * stride_ch
-                kv_mask = pos_ok[:, None] & d_ok[None, :]
-                k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-                v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+                k, v = _kv_tile(kc_ptr, vc_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co,
+                                stride_ch, PAGE_SIZE)
                 sc = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * sm_scale_log2        # (M, N)
                 visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
                 sc = tl.where(visible, sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE))
-                m_i = m_new
+                m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_DTYPE)
             out = acc / l_i[:, None]
             tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])

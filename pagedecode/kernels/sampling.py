@@ -115,6 +115,29 @@ if HAS_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _bisect(base, V, div, zmax, lo, hi, target, MASS: tl.constexpr, BLOCK_V: tl.constexpr,
+                SEARCH_STEPS: tl.constexpr):
+        """The largest value t (as a float) with measure(z >= t) >= target, searched over order
+        keys in [lo, hi): measure is the count of tokens (top-k), or with MASS the sum of
+        exp(z - zmax) (top-p). Invariant: measure(lo) >= target > measure(hi)."""
+        lanes = tl.arange(0, BLOCK_V)
+        for _ in range(SEARCH_STEPS):
+            mid = lo + (hi - lo) // 2
+            acc = tl.zeros([BLOCK_V], tl.float32)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + lanes
+                z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
+                above = (offs < V) & (_order_key(z) >= mid)
+                if MASS:
+                    acc += tl.where(above, tl.exp(z - zmax), 0.0)
+                else:
+                    acc += above.to(tl.float32)
+            enough = tl.sum(acc, 0) >= target
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        return _from_order_key(lo)
+
+    @triton.jit
     def _philox_gumbel(seed, index, token):
         # Philox4x32-10, key = seed, counter = (token, index, DOMAIN, 0); mirrors philox.py
         k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
@@ -179,20 +202,8 @@ if HAS_TRITON:
             thr = zmin - float("inf")              # -inf, as a loop-safe f32 scalar
             if (top_k > 0) & (top_k < V):
                 # largest value t with count(z >= t) >= k: the k-th largest, found by bisection
-                lo = _order_key(zmin)
-                hi = _order_key(zmax) + 1
-                for _ in range(SEARCH_STEPS):
-                    mid = lo + (hi - lo) // 2
-                    cnt = tl.zeros([BLOCK_V], tl.int32)
-                    for v0 in range(0, V, BLOCK_V):
-                        offs = v0 + lanes
-                        ok = offs < V
-                        z = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32) / div + 0.0
-                        cnt += (ok & (_order_key(z) >= mid)).to(tl.int32)
-                    enough = tl.sum(cnt, 0) >= top_k
-                    lo = tl.where(enough, mid, lo)
-                    hi = tl.where(enough, hi, mid)
-                thr = _from_order_key(lo)
+                thr = _bisect(base, V, div, zmax, _order_key(zmin), _order_key(zmax) + 1, top_k.to(tl.float32),
+                              False, BLOCK_V, SEARCH_STEPS)
             thr = tl.maximum(thr, zmax + log_min_p)
             if top_p < 1.0:
                 tot = tl.zeros([BLOCK_V], tl.float32)
@@ -201,19 +212,8 @@ if HAS_TRITON:
                     z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
                     tot += tl.where(z >= thr, tl.exp(z - zmax), 0.0)
                 target = top_p * tl.sum(tot, 0)
-                lo = _order_key(thr)
-                hi = _order_key(zmax) + 1
-                for _ in range(SEARCH_STEPS):
-                    mid = lo + (hi - lo) // 2
-                    mass = tl.zeros([BLOCK_V], tl.float32)
-                    for v0 in range(0, V, BLOCK_V):
-                        offs = v0 + lanes
-                        z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
-                        mass += tl.where(_order_key(z) >= mid, tl.exp(z - zmax), 0.0)
-                    enough = tl.sum(mass, 0) >= target
-                    lo = tl.where(enough, mid, lo)
-                    hi = tl.where(enough, hi, mid)
-                thr = tl.maximum(thr, _from_order_key(lo))
+                thr = tl.maximum(thr, _bisect(base, V, div, zmax, _order_key(thr), _order_key(zmax) + 1, target,
+                                              True, BLOCK_V, SEARCH_STEPS))
             best = tl.full([BLOCK_V], float("-inf"), tl.float32)
             best_at = tl.full([BLOCK_V], 0, tl.int32)
             for v0 in range(0, V, BLOCK_V):

@@ -100,16 +100,19 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad("empty prompt")
-            ids = self.tokenizer.encode(prompt)
+            try:
+                ids = list(self.tokenizer.encode(prompt))
+            except Exception as e:
+                raise bad(f"the tokenizer cannot encode the prompt: {e}") from None
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
                 raise bad("a prompt given as ids must hold only ints")
-            out = [t for t in ids if not 0 <= t < self.vocab_size]
-            if out:
-                raise bad(f"prompt ids {out[:5]} are outside the vocabulary of {self.vocab_size}")
         else:
             raise bad(f"prompt must be str or list[int], got {type(prompt).__name__}")
+        out = [t for t in ids if not 0 <= t < self.vocab_size]
+        if out:
+            raise bad(f"prompt ids {out[:5]} are outside the vocabulary of {self.vocab_size}")
         if not ids:
             raise bad("empty prompt")
         if len(ids) > self.max_context:
@@ -378,7 +381,8 @@ class Engine:
         req.usage.returned_tokens += len(em.token_ids)
         n_bytes = len(em.text.encode())
         req.usage.returned_bytes += n_bytes
-        req.trace.add("delta", seq=ev.seq, bytes=n_bytes, tokens=len(em.token_ids))
+        req.trace.add("delta", seq=ev.seq, bytes=n_bytes, tokens=len(em.token_ids),
+                      held_chars=len(req.pipeline.stop_strings.held), held_ids=len(req.pipeline.stop_ids.held))
         self._emit(req, ev, events)
 
     def _emit(self, req: Request, ev: Event, events: list[Event]) -> None:

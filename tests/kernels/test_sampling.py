@@ -76,7 +76,8 @@ def test_kernel_agrees_across_many_draws():
     logits = (torch.randn(1, 200, generator=g) * 2).round().repeat(32, 1)   # many exact ties
     rows = [dict(temperature=0.8, top_k=12, top_p=0.7, seed=99, index=i) for i in range(32)]
     inp = inputs(rows)
-    assert sample(logits, inp, backend="triton").tokens.tolist() == sample_ref(logits, inp).tokens.tolist()
+    got = sample(logits.to(DEVICE), inp.to(DEVICE), backend="triton").tokens.cpu()
+    assert got.tolist() == sample_ref(logits, inp).tokens.tolist()
 
 
 def test_greedy_is_first_argmax():

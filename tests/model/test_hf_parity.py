@@ -1,6 +1,7 @@
 """Random tiny checkpoints of each supported family, written by transformers inside the test:
 greedy tokens identical to transformers' generate, prefill logits within 1e-4 in float32."""
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ PROMPTS = [[1, 403, 407, 261, 378], [1, 291, 280, 294, 17, 99, 300, 12, 45, 46, 
 def make_checkpoint(path, family, stories_path):
     cfg_name, model_name, extra = FAMILIES[family]
     config = getattr(transformers, cfg_name)(**{**BASE, **extra})
-    torch.manual_seed(hash(family) % 2**31)
+    torch.manual_seed(zlib.crc32(family.encode()))
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():     # random everything, biases and norms too
@@ -79,11 +80,22 @@ def test_prefill_logits_match_transformers(checkpoint):
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_runs_close_to_float32(checkpoint, dtype):
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 5e-2), ("float16", 1e-2)])
+def test_half_precision_runs_close_to_float32(checkpoint, dtype, tol):
     path, hf = checkpoint
+    model, _ = pd.load_model(path, dtype=dtype)
+    assert model.dtype == getattr(torch, dtype)
+    ids = PROMPTS[1]
+    n = len(ids)
+    kv = pd.KVCache(model.config.num_layers, 3, 8, model.config.num_kv_heads, model.config.head_dim, model.dtype)
+    table = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    slots = torch.tensor([table[0, p // 8].item() * 8 + p % 8 for p in range(n)])
+    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, table, torch.tensor([n], dtype=torch.int32),
+                         torch.tensor([0, n], dtype=torch.int32), torch.arange(n), 0, n)
+    ours = model.forward(batch, kv)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert ((ours - ref).norm() / ref.norm()).item() < tol
     engine = pd.Engine.from_pretrained(path, dtype=dtype)
-    assert engine.model.dtype == getattr(torch, dtype)
-    out = engine.generate(PROMPTS[0], pd.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0))[0]
-    assert len(out.selected_token_ids) == 4
-    assert out.selected_token_ids[0] == hf_greedy(hf, PROMPTS[0], 1)[0]
+    out = engine.generate(PROMPTS, pd.SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.selected_token_ids) for o in out] == [4, 4, 4]

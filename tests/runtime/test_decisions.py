@@ -172,6 +172,7 @@ def test_prompt_ending_inside_a_character_gives_the_character_to_the_output():
     dict(prompt=[5, -1], params={}),
     dict(prompt=[5, "a"], params={}),
     dict(prompt=5, params={}),
+    dict(prompt="\u2603", params={}),                        # the tokenizer has no token for it
     dict(prompt=list(range(3, 70)), params={}),              # longer than the context of 64
 ])
 def test_invalid_requests_are_rejected_and_nothing_leaks(bad):

@@ -1,0 +1,204 @@
+"""Kernel benchmarks on a CUDA GPU: each kernel checked against its reference first, then timed
+with triton.testing.do_bench (median), inputs rotated across copies so they exceed the L2,
+beside a torch baseline, against the copy bandwidth measured in the same run.
+
+    python3 benchmarks/kernels.py [--out FILE.json] [--quick] [--sanitize KERNEL]
+
+--sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling), for
+compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed beside results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedecode.kernels.decode_attention import paged_decode_attention  # noqa: E402
+from pagedecode.kernels.extend_attention import paged_extend_attention  # noqa: E402
+from pagedecode.kernels.kv_write import write_kv  # noqa: E402
+from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DT = torch.bfloat16
+COPIES = 4
+
+
+def bench(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3   # us
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    us = bench(lambda: y.copy_(x))
+    return 2 * x.numel() * 2 / (us * 1e-6) / 1e9     # GB/s, read + write
+
+
+def paged_setup(batch, ctx, copies=COPIES):
+    """One pool holding `copies` disjoint sets of pages; a page table per copy (random order)."""
+    pages_per = -(-ctx // PAGE)
+    n_pages = batch * pages_per * copies
+    kc = torch.randn(n_pages, PAGE, HKV, D, dtype=DT, device="cuda")
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(n_pages, device="cuda").to(torch.int32)
+    tables = [perm[c * batch * pages_per:(c + 1) * batch * pages_per].view(batch, pages_per) for c in range(copies)]
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return kc, vc, tables, lens
+
+
+def torch_decode(q, kc, vc, table, lens):
+    """Baseline: gather each sequence's pages, then scaled_dot_product_attention."""
+    B, ctx = table.shape[0], int(lens[0])
+    k = kc[table.long()].view(B, -1, HKV, D)[:, :ctx].transpose(1, 2)
+    v = vc[table.long()].view(B, -1, HKV, D)[:, :ctx].transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+
+
+def decode_case(batch, ctx, bw, goal_us):
+    kc, vc, tables, lens = paged_setup(batch, ctx)
+    qs = [torch.randn(batch, HQ, D, dtype=DT, device="cuda") for _ in range(COPIES)]
+    out = paged_decode_attention(qs[0], kc, vc, tables[0], lens)
+    ref = torch_decode(qs[0].float(), kc.float(), vc.float(), tables[0], lens)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    i = iter(range(10**9))
+    ours = bench(lambda: paged_decode_attention(qs[next(i) % COPIES], kc, vc, tables[next(i) % COPIES], lens))
+    base = bench(lambda: torch_decode(qs[next(i) % COPIES], kc, vc, tables[next(i) % COPIES], lens))
+    nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * batch * HQ * D * 2
+    gbs = nbytes / (ours * 1e-6) / 1e9
+    return {"kernel": f"decode B={batch} ctx={ctx}", "us": round(ours, 1), "torch_us": round(base, 1),
+            "speedup": round(base / ours, 2), "GB/s": round(gbs), "of_bandwidth": round(gbs / bw, 3),
+            "goal_us": goal_us, "rel_err": err}
+
+
+def prefill_case(n, goal_tflops):
+    kc, vc, tables, lens = paged_setup(1, n, copies=1)
+    q = torch.randn(n, HQ, D, dtype=DT, device="cuda")
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    out = paged_extend_attention(q, kc, vc, tables[0], cu, lens)
+    k = kc[tables[0].long()].view(-1, HKV, D)[:n].transpose(0, 1)
+    v = vc[tables[0].long()].view(-1, HKV, D)[:n].transpose(0, 1)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,  # noqa: E731
+                                                                     enable_gqa=True)
+    ref = sdpa().transpose(0, 1).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    ours = bench(lambda: paged_extend_attention(q, kc, vc, tables[0], cu, lens, max_new=n))
+    base = bench(sdpa)
+    flops = 4 * n * n * HQ * D / 2                 # causal: half of QK^T and PV
+    tf = flops / (ours * 1e-6) / 1e12
+    return {"kernel": f"prefill causal n={n}", "us": round(ours, 1), "torch_us": round(base, 1),
+            "speedup": round(base / ours, 2), "TFLOP/s": round(tf, 1), "goal_TFLOP/s": goal_tflops, "rel_err": err}
+
+
+def torch_sort_sampler(logits, temperature, top_k, top_p):
+    """Baseline: temperature, top-k, then top-p by sorting, then torch.multinomial."""
+    z = logits / temperature[:, None]
+    zs, idx = z.sort(dim=-1, descending=True)
+    ranks = torch.arange(z.shape[1], device=z.device)[None, :]
+    zs = zs.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = zs.softmax(-1)
+    cum = probs.cumsum(-1)
+    probs = probs.masked_fill(cum - probs > top_p[:, None], 0.0)
+    choice = torch.multinomial(probs, 1)
+    return idx.gather(1, choice)[:, 0]
+
+
+def sampling_case(goal_us):
+    B, V = 64, 128256
+    logits = [torch.randn(B, V, device="cuda") * 4 for _ in range(COPIES)]
+    inp = make_sampling_inputs([0.8] * B, [50] * B, [0.9] * B, [0.0] * B, list(range(B)), [7] * B, device="cuda")
+    got = sample(logits[0], inp).tokens
+    want = sample_ref(logits[0], inp).tokens
+    agree = (got == want).float().mean().item()
+    i = iter(range(10**9))
+    ours = bench(lambda: sample(logits[next(i) % COPIES], inp))
+    t, k, p = inp.temperature, inp.top_k.long(), inp.top_p
+    base = bench(lambda: torch_sort_sampler(logits[next(i) % COPIES], t, k, p))
+    return {"kernel": "sampling 64x128256 T=0.8 k=50 p=0.9", "us": round(ours, 1), "torch_us": round(base, 1),
+            "speedup": round(base / ours, 2), "goal_us": goal_us, "goal_speedup": 5.0,
+            "agrees_with_reference": agree}
+
+
+def kv_write_case(bw, goal_us):
+    T = 8192
+    kc, vc, _, _ = paged_setup(64, 4096, copies=1)
+    slots = [torch.randperm(kc.shape[0] * PAGE, device="cuda")[:T] for _ in range(COPIES)]
+    ks = [torch.randn(T, HKV, D, dtype=DT, device="cuda") for _ in range(COPIES)]
+    write_kv(kc, vc, ks[0], ks[1], slots[0])
+    ok = torch.equal(kc.view(-1, HKV, D)[slots[0]], ks[0])
+    i = iter(range(10**9))
+    ours = bench(lambda: write_kv(kc, vc, ks[next(i) % COPIES], ks[next(i) % COPIES], slots[next(i) % COPIES]))
+    base = bench(lambda: write_kv(kc, vc, ks[next(i) % COPIES], ks[next(i) % COPIES], slots[next(i) % COPIES],
+                                  backend="torch"))
+    nbytes = 2 * 2 * T * HKV * D * 2
+    gbs = nbytes / (ours * 1e-6) / 1e9
+    return {"kernel": f"kv write T={T}", "us": round(ours, 1), "torch_us": round(base, 1),
+            "speedup": round(base / ours, 2), "GB/s": round(gbs), "of_bandwidth": round(gbs / bw, 3),
+            "goal_us": goal_us, "correct": ok}
+
+
+def sanitize(kernel):
+    """One small launch, for compute-sanitizer."""
+    kc, vc, tables, lens = paged_setup(3, 300, copies=1)
+    if kernel == "kv_write":
+        write_kv(kc, vc, torch.randn(5, HKV, D, dtype=DT, device="cuda"), torch.randn(5, HKV, D, dtype=DT,
+                 device="cuda"), torch.tensor([0, 17, -1, 40, 99], device="cuda"))
+    elif kernel == "decode":
+        paged_decode_attention(torch.randn(3, HQ, D, dtype=DT, device="cuda"), kc, vc, tables[0], lens)
+    elif kernel == "extend":
+        cu = torch.tensor([0, 10, 11, 40], dtype=torch.int32, device="cuda")
+        paged_extend_attention(torch.randn(40, HQ, D, dtype=DT, device="cuda"), kc, vc, tables[0], cu, lens)
+    elif kernel == "sampling":
+        inp = make_sampling_inputs([0.8, 0, 1], [5, 0, 0], [0.9, 1, 0.5], [0, 0, 0.1], [1, 2, 3], [0, 1, 2],
+                                   device="cuda")
+        sample(torch.randn(3, 1000, device="cuda"), inp)
+    torch.cuda.synchronize()
+    print(f"sanitize {kernel}: ran")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sanitize", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.py needs a CUDA GPU")
+        return 2
+    if args.sanitize:
+        sanitize(args.sanitize)
+        return 0
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    rows = [{"kernel": "device copy (read+write)", "GB/s": round(bw)}]
+    for case in (lambda: decode_case(64, 4096, bw, 312), lambda: decode_case(32, 4096, bw, 156),
+                 lambda: decode_case(1, 32768, bw, 50), lambda: prefill_case(8192, 300),
+                 lambda: sampling_case(60), lambda: kv_write_case(bw, 22)):
+        try:
+            rows.append(case())
+        except Exception as e:                     # one failing case must not hide the others
+            rows.append({"kernel": getattr(case, "__name__", "case"), "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    result = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "results": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print()
+    print(f"{'kernel':<40}{'us':>9}{'torch us':>10}{'x':>7}  fraction / rate")
+    for r in rows[1:]:
+        rate = r.get("of_bandwidth", r.get("TFLOP/s", r.get("agrees_with_reference", r.get("error", ""))))
+        print(f"{r['kernel']:<40}{r.get('us', float('nan')):>9}{r.get('torch_us', float('nan')):>10}"
+              f"{r.get('speedup', float('nan')):>7}  {rate}")
+    print(f"copy bandwidth {bw:.0f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
