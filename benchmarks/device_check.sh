@@ -12,8 +12,8 @@ export TRITON_INTERPRET=0 TRITON_CACHE_DIR="$PWD/.triton_cache"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/env.txt"
 
-echo "== kernel tests on the GPU"
-timeout 200 python3 -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
+echo "== kernel tests and the engine on the GPU"
+timeout 200 python3 -m pytest tests/kernels tests/model/test_cuda_engine.py -q -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
 
 echo "== compute-sanitizer, one small launch per kernel"
 if command -v compute-sanitizer >/dev/null; then

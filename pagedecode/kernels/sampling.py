@@ -49,11 +49,16 @@ class SampleOutput:
     logprobs: torch.Tensor
 
 
+MIN_TEMPERATURE = 1e-5   # below this, logits / T overflows to inf (inf - inf = NaN): greedy instead
+
+
 def make_sampling_inputs(temperature, top_k, top_p, min_p, seed, output_index, device="cpu"):
-    """Build SamplingInputs from per-row Python lists (min_p as a probability)."""
+    """Build SamplingInputs from per-row Python lists (min_p as a probability). A temperature
+    under MIN_TEMPERATURE selects greedily, on both paths."""
     import math
     return SamplingInputs(
-        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        temperature=torch.tensor([t if t >= MIN_TEMPERATURE else 0.0 for t in temperature],
+                                 dtype=torch.float32, device=device),
         top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
         top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
         log_min_p=torch.tensor([math.log(p) if p > 0 else float("-inf") for p in min_p],

@@ -87,6 +87,21 @@ def test_greedy_is_first_argmax():
     torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
 
 
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[29.0, 30.0, 10.0, -5.0]]).repeat(3, 1)
+    out = sample_ref(logits, inputs([dict(top_k=2), {}, dict(top_p=0.5)], temperature=1e-30))
+    assert out.tokens.tolist() == [1, 1, 1] and torch.isfinite(out.logprobs).all()
+
+
+def test_filters_that_leave_one_token_are_greedy():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 64, generator=g) * 3
+    want = logits.argmax(-1)
+    for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        out = sample_ref(logits, inputs([dict(index=i, seed=i) for i in range(8)], temperature=1.5, **kw))
+        assert torch.equal(out.tokens, want), kw
+
+
 def _frequencies(logits_row, n, **kw):
     rows = [dict(index=i, seed=424242) for i in range(n)]
     out = sample_ref(logits_row.repeat(n, 1), inputs(rows, **kw))
