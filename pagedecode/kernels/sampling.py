@@ -1,5 +1,5 @@
-"""Token selection: greedy, temperature, top-k, min-p, top-p and Gumbel-max noise, plus the
-chosen token's logprob. Penalties and logit bias are applied before (see penalties.py).
+"""Token selection: penalties and logit bias, greedy, temperature, top-k, min-p, top-p and
+Gumbel-max noise, plus the chosen token's logprob, in one kernel.
 
 Shapes:
     logits       (B, V) float: one row per request that selects a token this step
@@ -13,8 +13,9 @@ Shapes:
     returns SampleOutput(tokens int64 (B,), logprobs float32 (B,))
 
 Semantics (both paths): z = logits / temperature; the kept set is z >= threshold; the token is
-argmax over kept of z + g, g = Gumbel noise keyed by (seed, output index, token id). The
-logprob is log_softmax(logits)[token] of the logits as given (before temperature and filters).
+argmax over kept of z + g, g = Gumbel noise keyed by (seed, output index, token id). With
+PenaltyInputs, `logits` above means the logits after penalties and bias (penalties.py). The
+logprob is log_softmax(logits)[token] of those logits (before temperature and filters).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ._backend import HAS_TRITON, interpreting, use_triton
-from .philox import DOMAIN, GUMBEL_MAX, GUMBEL_MIN, gumbel
+from .penalties import PenaltyInputs, apply_penalties_ref
+from .philox import GUMBEL_MAX, GUMBEL_MIN, gumbel
 
 if HAS_TRITON:
     import triton
@@ -84,8 +86,10 @@ def thresholds_ref(z: torch.Tensor, top_k, top_p, log_min_p) -> torch.Tensor:
     return torch.where(top_p < 1.0, torch.maximum(thr, tau_p), thr)
 
 
-def sample_ref(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
+def sample_ref(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None) -> SampleOutput:
     x = logits.float()
+    if penalties is not None:
+        x = apply_penalties_ref(x, penalties)
     tokens = x.argmax(dim=-1)
     logprobs = torch.log_softmax(x, dim=-1).gather(1, tokens[:, None])[:, 0]
     rows = (inp.temperature > 0).nonzero().flatten()
@@ -118,6 +122,15 @@ if HAS_TRITON:
     def _from_order_key(key):
         bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.int32)
         return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _penalize(x, offs, ok, state, rep, pres, freq, counts_ptr, seen_ptr, bias_ptr):
+        # mirrors penalties.apply_penalties_ref: bias, repetition, then frequency and presence
+        x = x + tl.load(bias_ptr + state + offs, mask=ok, other=0.0)
+        seen = tl.load(seen_ptr + state + offs, mask=ok, other=0) != 0
+        x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+        count = tl.load(counts_ptr + state + offs, mask=ok, other=0).to(tl.float32)
+        return x - freq * count - pres * (count > 0).to(tl.float32)
 
     @triton.jit
     def _bisect(base, V, div, zmax, lo, hi, target, MASS: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -166,9 +179,19 @@ if HAS_TRITON:
     @triton.jit
     def _sample_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
                        index_ptr, tokens_ptr, logprobs_ptr, V,
-                       BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+                       proc_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, active_ptr, counts_ptr, seen_ptr, bias_ptr,
+                       BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr, HAS_PENALTIES: tl.constexpr):
         row = tl.program_id(0)
-        base = logits_ptr + row.to(tl.int64) * stride_row
+        raw = logits_ptr + row.to(tl.int64) * stride_row
+        if HAS_PENALTIES:   # pass 1 writes the processed row here; every later pass reads it
+            base = proc_ptr + row.to(tl.int64) * V
+            active = tl.load(active_ptr + row) != 0
+            state = tl.load(slot_ptr + row).to(tl.int64) * V
+            rep = tl.load(rep_ptr + row)
+            pres = tl.load(pres_ptr + row)
+            freq = tl.load(freq_ptr + row)
+        else:
+            base = raw
         temp = tl.load(temp_ptr + row)
         top_k = tl.load(topk_ptr + row)
         top_p = tl.load(topp_ptr + row)
@@ -186,7 +209,11 @@ if HAS_TRITON:
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + lanes
             ok = offs < V
-            x = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32)
+            x = tl.load(raw + offs, mask=ok, other=float("-inf")).to(tl.float32)
+            if HAS_PENALTIES:
+                if active:
+                    x = _penalize(x, offs, ok, state, rep, pres, freq, counts_ptr, seen_ptr, bias_ptr)
+                tl.store(base + offs, x, mask=ok)
             better = x > m_vec
             arg_vec = tl.where(better, offs, arg_vec)
             m_new = tl.maximum(m_vec, x)
@@ -236,7 +263,8 @@ if HAS_TRITON:
         tl.store(logprobs_ptr + row, x_tok - (m_raw + tl.log(l_raw)))
 
 
-def sample_triton(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
+def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None
+                  ) -> SampleOutput:
     B, V = logits.shape
     assert logits.stride(-1) == 1
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -244,14 +272,22 @@ def sample_triton(logits: torch.Tensor, inp: SamplingInputs) -> SampleOutput:
     if B == 0:
         return SampleOutput(tokens, logprobs)
     block_v = min(triton.next_power_of_2(V), 256 if interpreting() else 4096)
+    if penalties is not None:
+        p, st = penalties, penalties.state
+        assert st.counts.shape[1] == V, "penalty state and logits disagree on the vocabulary"
+        extra = (torch.empty(B, V, dtype=torch.float32, device=logits.device), p.slot, p.repetition,
+                 p.presence, p.frequency, p.active, st.counts, st.seen, st.bias)
+    else:
+        extra = (logits,) * 9           # unused: HAS_PENALTIES=False compiles them away
     _sample_kernel[(B,)](logits, logits.stride(0), inp.temperature, inp.top_k, inp.top_p,
-                         inp.log_min_p, inp.seed, inp.output_index, tokens, logprobs, V,
-                         BLOCK_V=block_v, SEARCH_STEPS=33, num_warps=8)
+                         inp.log_min_p, inp.seed, inp.output_index, tokens, logprobs, V, *extra,
+                         BLOCK_V=block_v, SEARCH_STEPS=33, HAS_PENALTIES=penalties is not None, num_warps=8)
     return SampleOutput(tokens, logprobs)
 
 
-def sample(logits: torch.Tensor, inp: SamplingInputs, backend: str = "auto") -> SampleOutput:
+def sample(logits: torch.Tensor, inp: SamplingInputs, backend: str = "auto",
+           penalties: PenaltyInputs | None = None) -> SampleOutput:
     """Select one token per row (module docstring gives the exact semantics)."""
     if use_triton(logits, backend):
-        return sample_triton(logits, inp)
-    return sample_ref(logits, inp)
+        return sample_triton(logits, inp, penalties)
+    return sample_ref(logits, inp, penalties)

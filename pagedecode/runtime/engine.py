@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import InvalidRequestError
-from ..kernels.penalties import RowProcessing, apply_processing
+from ..kernels.penalties import PenaltyState, make_penalty_inputs
 from ..kernels.philox import seed_to_int64
 from ..kernels.sampling import make_sampling_inputs, sample
 from ..model.kv_cache import KVCache
@@ -32,6 +32,10 @@ from .trace import Trace, now_us
 
 log = logging.getLogger("pagedecode")
 S, R = RequestState, FinishReason
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return bool(p.logit_bias) or p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
 class Engine:
@@ -69,6 +73,7 @@ class Engine:
         self._auto_ids = itertools.count()
         self._step_no = 0
         self.step_records: deque[dict] = deque(maxlen=100_000)
+        self._penalty_state: PenaltyState | None = None    # made when a request first needs it
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
 
     @classmethod
@@ -194,6 +199,9 @@ class Engine:
             if req.first_scheduled is None:
                 req.first_scheduled = now
                 req.timings.queue_s = now - req.arrival
+        for req in plan.admitted:       # a (re)admitted request brings its sampler state to its slot
+            if _uses_penalties(req.params):
+                self._penalties().reset(req.slot, req.prompt_ids, req.output_ids, req.params.logit_bias)
         for s in plan.decode:
             s.request.trace.add("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
 
@@ -219,28 +227,41 @@ class Engine:
         for i, tok, lp in zip(rows, tokens, logprobs):
             self._on_token(choosers[i], tok, lp, events)
 
+    def _penalties(self) -> PenaltyState:
+        if self._penalty_state is None:
+            self._penalty_state = PenaltyState(self.config.max_batch_size, self.vocab_size, self.device)
+        return self._penalty_state
+
     def _select(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list]:
-        procs = []
+        banned_rows, banned_ids = [], []
         for row, req in enumerate(reqs):
             p = req.params
-            banned = ()
-            if len(req.output_ids) < p.min_tokens:
-                banned = [] if p.ignore_eos else list(self.eos_ids)
-                banned += [seq[0] for seq in p.stop_id_seqs if len(seq) == 1]
-            if p.logit_bias or banned or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                procs.append(RowProcessing(row, dict(p.logit_bias or {}), banned, p.repetition_penalty,
-                                           p.presence_penalty, p.frequency_penalty, req.prompt_ids,
-                                           req.output_ids))
-        if procs:
-            logits = apply_processing(logits.clone(), procs)
-        if all(r.params.greedy for r in reqs) and not any(r.params.logprobs is not None for r in reqs):
+            if len(req.output_ids) < p.min_tokens:      # EOS and stop ids masked until min_tokens
+                ids = ([] if p.ignore_eos else list(self.eos_ids)) + [q[0] for q in p.stop_id_seqs if len(q) == 1]
+                banned_rows += [row] * len(ids)
+                banned_ids += ids
+        if banned_rows:
+            logits = logits.clone()
+            logits[torch.tensor(banned_rows), torch.tensor(banned_ids)] = float("-inf")
+        active = [_uses_penalties(r.params) for r in reqs]
+        if not any(active) and all(r.params.greedy and r.params.logprobs is None for r in reqs):
             return logits.argmax(dim=-1).tolist(), [None] * len(reqs)   # logprobs not asked for
+        dev = logits.device
         inputs = make_sampling_inputs(
             [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
             [r.params.top_p for r in reqs], [r.params.min_p for r in reqs],
-            [seed_to_int64(r.seed) for r in reqs], [len(r.output_ids) for r in reqs], device=logits.device)
-        out = sample(logits.contiguous(), inputs, backend=self.config.sampling_backend)
-        return out.tokens.tolist(), out.logprobs.tolist()
+            [seed_to_int64(r.seed) for r in reqs], [len(r.output_ids) for r in reqs], device=dev)
+        penalties = None
+        if any(active):
+            penalties = make_penalty_inputs(
+                self._penalties(), [r.slot for r in reqs], [r.params.repetition_penalty for r in reqs],
+                [r.params.presence_penalty for r in reqs], [r.params.frequency_penalty for r in reqs], active, dev)
+        out = sample(logits.float().contiguous(), inputs, backend=self.config.sampling_backend, penalties=penalties)
+        tokens = out.tokens.tolist()
+        if penalties is not None:
+            chosen = [(r.slot, t) for r, t, a in zip(reqs, tokens, active) if a]
+            self._penalties().record([s for s, _ in chosen], [t for _, t in chosen])
+        return tokens, out.logprobs.tolist()
 
     def _on_token(self, req: Request, token: int, logprob: float, events: list[Event]) -> None:
         p = req.params

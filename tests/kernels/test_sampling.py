@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pagedecode.kernels.penalties import RowProcessing, apply_processing
+from pagedecode.kernels.penalties import PenaltyState, apply_penalties_ref, make_penalty_inputs
 from pagedecode.kernels.philox import gumbel, philox4x32, seed_to_int64, uniform
 from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref
 
@@ -184,11 +184,44 @@ def test_pruned_noise_is_exact():
 
 
 def test_penalties_and_bias():
-    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 0.0]])
-    rp = RowProcessing(0, {4: 10.0}, banned=[3], repetition_penalty=2.0, presence_penalty=0.5,
-                       frequency_penalty=0.25, prompt_ids=[0], output_ids=[1, 2, 2])
-    out = apply_processing(logits.clone(), [rp])[0]
-    # 0: seen in prompt, positive -> /2; 1: output once, negative -> *2, then -0.5 -0.25
-    # 2: output twice -> /2 then -0.5 - 0.5; 3: banned; 4: +10 bias
-    torch.testing.assert_close(out[:3], torch.tensor([1.0, -4.75, -0.5]))
-    assert out[3] == float("-inf") and out[4] == 10.0
+    state = PenaltyState(num_slots=3, vocab_size=5, device="cpu")
+    state.reset(1, prompt_ids=[0], output_ids=[1, 2], logit_bias={4: 10.0})
+    state.record([1], [2])                                   # output is now [1, 2, 2]
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 0.0], [2.0, -2.0, 1.0, 0.5, 0.0]])
+    pen = make_penalty_inputs(state, [1, 0], [2.0, 1.0], [0.5, 0.0], [0.25, 0.0], [1, 0], "cpu")
+    out = apply_penalties_ref(logits, pen)
+    # 0: in the prompt, positive -> /2; 1: output once, negative -> *2, then -0.25 -0.5;
+    # 2: output twice -> /2, then -0.5 -0.5; 3: untouched; 4: +10 bias
+    torch.testing.assert_close(out[0], torch.tensor([1.0, -4.75, -0.5, 0.5, 10.0]))
+    assert torch.equal(out[1], logits[1])                     # an inactive row is left alone
+    state.reset(1, prompt_ids=[3], output_ids=[], logit_bias=None)    # a new owner: clean row
+    assert state.counts[1].sum() == 0 and state.seen[1].tolist() == [0, 0, 0, 1, 0] and state.bias[1].abs().sum() == 0
+
+
+@needs_triton
+def test_kernel_applies_penalties_exactly_as_the_reference():
+    g = torch.Generator().manual_seed(21)
+    B, V = 6, 150
+    logits = torch.randn(B, V, generator=g) * 3
+    state = PenaltyState(8, V, "cpu")
+    for slot in range(8):
+        ids = torch.randint(0, V, (12,), generator=g).tolist()
+        state.reset(slot, ids[:6], ids[6:], {int(ids[0]): 4.0, int(ids[1]): float("-inf")})
+    pen = make_penalty_inputs(state, [7, 3, 0, 5, 1, 2], [1.5, 1.0, 0.7, 1.2, 1.0, 2.0], [0.5, 0, -1.0, 0, 2.0, 0],
+                              [0.3, 0, 0.5, 1.0, 0, 0], [1, 0, 1, 1, 1, 1], "cpu")
+    inp = inputs([dict(temperature=0.0), dict(), dict(top_k=7), dict(top_p=0.8), dict(temperature=0.0),
+                  dict(min_p=0.05, index=9)])
+    ref = sample_ref(logits, inp, pen)
+    out = sample(logits.to(DEVICE), inp.to(DEVICE), backend="triton", penalties=_to(pen, DEVICE))
+    assert out.tokens.cpu().tolist() == ref.tokens.tolist()
+    torch.testing.assert_close(out.logprobs.cpu(), ref.logprobs, atol=1e-5, rtol=1e-5)
+    assert ref.tokens[0] == apply_penalties_ref(logits, pen)[0].argmax()
+
+
+def _to(pen, device):
+    st = PenaltyState(pen.state.counts.shape[0], pen.state.vocab_size, device)
+    st.counts.copy_(pen.state.counts)
+    st.seen.copy_(pen.state.seen)
+    st.bias.copy_(pen.state.bias)
+    return make_penalty_inputs(st, pen.slot.tolist(), pen.repetition.tolist(), pen.presence.tolist(),
+                               pen.frequency.tolist(), pen.active.tolist(), device)

@@ -262,3 +262,16 @@ def test_output_id_beyond_the_tokenizer_vocabulary_decodes_to_nothing():
     out = eng.result(rid)
     assert out.state == pd.RequestState.FINISHED and out.text == "AB"
     assert out.token_ids == [150, 101, 199]
+
+
+def test_logit_bias_and_penalties_reach_the_sampler():
+    eng = engine([101])
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=3, logit_bias={6: 100.0}))
+    plain = eng.add_request([5], pd.SamplingParams(max_tokens=3))
+    run(eng)
+    assert eng.result(rid).text == "yyy" and eng.result(plain).text == "ABABAB"
+    # a frequency penalty larger than the scripted margin (40) pushes the model off 101 after once
+    eng = engine([101])
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=3, frequency_penalty=2.0, logit_bias={101: -39.0}))
+    run(eng)
+    assert eng.result(rid).selected_token_ids[0] == 101 and eng.result(rid).selected_token_ids[1] != 101

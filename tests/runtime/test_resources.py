@@ -105,7 +105,9 @@ def test_admission_waits_for_pages_and_slots():
 def test_preemption_recomputes_with_step_state_unchanged(stories_engine_factory):
     prompts = ["Once upon a time", "Lily and Tom", "The cat", "Tom had a big red ball"]
     params = pd.SamplingParams(max_tokens=40)
-    sampled = [pd.SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7 + i) for i in range(4)]
+    sampled = [pd.SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7 + i, repetition_penalty=1.3,
+                                 presence_penalty=0.4, frequency_penalty=0.2, logit_bias={426: -2.0})
+               for i in range(4)]
     calm = stories_engine_factory()
     want = [o.token_ids for o in calm.generate(prompts, params)]
     want_sampled = [o.token_ids for o in calm.generate(prompts, sampled)]
