@@ -10,7 +10,7 @@ import os
 import torch
 
 try:  # triton is an optional extra: the CPU path never needs it
-    import triton  # noqa: F401
+    import triton  # noqa: F401  (availability probe)
     import triton.language as tl  # noqa: F401
     HAS_TRITON = True
 except Exception:  # pragma: no cover - depends on the environment

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
 

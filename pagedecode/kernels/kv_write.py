@@ -5,7 +5,6 @@ page * page_size + offset within the page. A slot of -1 means "padding: write no
 """
 from __future__ import annotations
 
-import torch
 
 from ._backend import HAS_TRITON, use_triton
 

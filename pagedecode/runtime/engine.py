@@ -13,29 +13,24 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import InvalidRequestError
-from ..kernels.penalties import PenaltyState, make_penalty_inputs
-from ..kernels.philox import seed_to_int64
-from ..kernels.sampling import make_sampling_inputs, sample
 from ..model.kv_cache import KVCache
 from ..params import SamplingParams
 from .batching import build_batch
 from .config import DEFAULT_CACHE_TOKENS, EngineConfig
 from .events import DeltaEvent, Event, RequestOutput, StartEvent, TerminalEvent
+from .intake import make_request
 from .lifecycle import FinishReason, RequestState
-from .output import Emission, OutputPipeline
+from .output import Emission
 from .page_pool import PagePool
 from .request import RESOURCES, Request
 from .scheduler import Scheduler, SchedulerOutput
+from .selector import TokenSelector
 from .slots import SlotTable
 from .stream import EventBuffer
-from .trace import Trace, now_us
+from .trace import now_us
 
 log = logging.getLogger("pagedecode")
 S, R = RequestState, FinishReason
-
-
-def _uses_penalties(p: SamplingParams) -> bool:
-    return bool(p.logit_bias) or p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
 class Engine:
@@ -73,7 +68,8 @@ class Engine:
         self._auto_ids = itertools.count()
         self._step_no = 0
         self.step_records: deque[dict] = deque(maxlen=100_000)
-        self._penalty_state: PenaltyState | None = None    # made when a request first needs it
+        self.selector = TokenSelector(self.eos_ids, config.max_batch_size, self.vocab_size, self.device,
+                                      config.sampling_backend)
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
 
     @classmethod
@@ -96,43 +92,10 @@ class Engine:
         return req.request_id
 
     def _make_request(self, prompt, params, request_id, stream) -> Request:
-        def bad(msg):
-            return InvalidRequestError(msg)
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise bad(f"params must be a pd.SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad("empty prompt")
-            try:
-                ids = list(self.tokenizer.encode(prompt))
-            except Exception as e:
-                raise bad(f"the tokenizer cannot encode the prompt: {e}") from None
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-                raise bad("a prompt given as ids must hold only ints")
-        else:
-            raise bad(f"prompt must be str or list[int], got {type(prompt).__name__}")
-        out = [t for t in ids if not 0 <= t < self.vocab_size]
-        if out:
-            raise bad(f"prompt ids {out[:5]} are outside the vocabulary of {self.vocab_size}")
-        if not ids:
-            raise bad("empty prompt")
-        if len(ids) > self.max_context:
-            raise bad(f"prompt of {len(ids)} tokens exceeds the context limit of {self.max_context}")
-        params.check_vocab(self.vocab_size)
         if request_id is None:
             request_id = f"req-{next(self._auto_ids)}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise bad(f"request_id must be a non-empty str, got {request_id!r}")
-        now = time.perf_counter()
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
-        req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, arrival=now,
-                      pipeline=OutputPipeline(self.tokenizer, ids, params), trace=Trace(request_id),
-                      deadline=None if params.deadline_s is None else now + params.deadline_s)
-        req.usage.prompt_tokens = len(ids)
+        req = make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                           max_context=self.max_context, rng=self._rng)
         if stream:
             req.buffer = EventBuffer(self.config.stream_max_events, self.config.stream_max_bytes)
             req.buffer.on_pop = self._wake
@@ -200,8 +163,7 @@ class Engine:
                 req.first_scheduled = now
                 req.timings.queue_s = now - req.arrival
         for req in plan.admitted:       # a (re)admitted request brings its sampler state to its slot
-            if _uses_penalties(req.params):
-                self._penalties().reset(req.slot, req.prompt_ids, req.output_ids, req.params.logit_bias)
+            self.selector.admit(req)
         for s in plan.decode:
             s.request.trace.add("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
 
@@ -222,46 +184,10 @@ class Engine:
         rows = [i for i, req in enumerate(choosers) if req.cancel_requested_at is None and not req.state.terminal]
         if not rows:
             return
-        tokens, logprobs = self._select(logits[rows] if len(rows) < len(choosers) else logits,
-                                        [choosers[i] for i in rows])
+        tokens, logprobs = self.selector.select(logits[rows] if len(rows) < len(choosers) else logits,
+                                                [choosers[i] for i in rows])
         for i, tok, lp in zip(rows, tokens, logprobs):
             self._on_token(choosers[i], tok, lp, events)
-
-    def _penalties(self) -> PenaltyState:
-        if self._penalty_state is None:
-            self._penalty_state = PenaltyState(self.config.max_batch_size, self.vocab_size, self.device)
-        return self._penalty_state
-
-    def _select(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list]:
-        banned_rows, banned_ids = [], []
-        for row, req in enumerate(reqs):
-            p = req.params
-            if len(req.output_ids) < p.min_tokens:      # EOS and stop ids masked until min_tokens
-                ids = ([] if p.ignore_eos else list(self.eos_ids)) + [q[0] for q in p.stop_id_seqs if len(q) == 1]
-                banned_rows += [row] * len(ids)
-                banned_ids += ids
-        if banned_rows:
-            logits = logits.clone()
-            logits[torch.tensor(banned_rows), torch.tensor(banned_ids)] = float("-inf")
-        active = [_uses_penalties(r.params) for r in reqs]
-        if not any(active) and all(r.params.greedy and r.params.logprobs is None for r in reqs):
-            return logits.argmax(dim=-1).tolist(), [None] * len(reqs)   # logprobs not asked for
-        dev = logits.device
-        inputs = make_sampling_inputs(
-            [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
-            [r.params.top_p for r in reqs], [r.params.min_p for r in reqs],
-            [seed_to_int64(r.seed) for r in reqs], [len(r.output_ids) for r in reqs], device=dev)
-        penalties = None
-        if any(active):
-            penalties = make_penalty_inputs(
-                self._penalties(), [r.slot for r in reqs], [r.params.repetition_penalty for r in reqs],
-                [r.params.presence_penalty for r in reqs], [r.params.frequency_penalty for r in reqs], active, dev)
-        out = sample(logits.float().contiguous(), inputs, backend=self.config.sampling_backend, penalties=penalties)
-        tokens = out.tokens.tolist()
-        if penalties is not None:
-            chosen = [(r.slot, t) for r, t, a in zip(reqs, tokens, active) if a]
-            self._penalties().record([s for s, _ in chosen], [t for _, t in chosen])
-        return tokens, out.logprobs.tolist()
 
     def _on_token(self, req: Request, token: int, logprob: float, events: list[Event]) -> None:
         p = req.params
@@ -450,16 +376,7 @@ class Engine:
 
     def result(self, request_id: str) -> RequestOutput:
         with self._lock:
-            req = self._get(request_id)
-            if req.buffer is not None:
-                req.timings.send_s = req.buffer.wait_s
-            return RequestOutput(
-                request_id=req.request_id, prompt_token_ids=list(req.prompt_ids),
-                token_ids=list(req.returned_ids), text="".join(req.text_parts), state=req.state,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason, usage=replace(req.usage),
-                error=req.error, selected_token_ids=list(req.output_ids),
-                logprobs=list(req.returned_logprobs) if req.params.logprobs is not None else None,
-                timings=replace(req.timings))
+            return self._get(request_id).to_output()
 
     def trace(self, request_id: str) -> list[dict]:
         return list(self._get(request_id).trace.records)

@@ -10,11 +10,11 @@ to 0 (pages gone) and nothing else: the output, seed and decoder state are untou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
-from .events import Event, Timings, Usage
+from .events import Event, RequestOutput, Timings, Usage
 from .lifecycle import FinishReason, RequestState, check_transition
 from .output import OutputPipeline
 from .stream import EventBuffer
@@ -74,6 +74,17 @@ class Request:
         seq = self.next_seq
         self.next_seq += 1
         return seq
+
+    def to_output(self) -> RequestOutput:
+        if self.buffer is not None:
+            self.timings.send_s = self.buffer.wait_s
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=list(self.prompt_ids), token_ids=list(self.returned_ids),
+            text="".join(self.text_parts), state=self.state, finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason, usage=replace(self.usage), error=self.error,
+            selected_token_ids=list(self.output_ids),
+            logprobs=list(self.returned_logprobs) if self.params.logprobs is not None else None,
+            timings=replace(self.timings))
 
     def mark_released(self, resource: str) -> None:
         """Each resource is released exactly once; a second release is a bug and raises."""
