@@ -281,7 +281,8 @@ def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyI
         extra = (logits,) * 9           # unused: HAS_PENALTIES=False compiles them away
     _sample_kernel[(B,)](logits, logits.stride(0), inp.temperature, inp.top_k, inp.top_p,
                          inp.log_min_p, inp.seed, inp.output_index, tokens, logprobs, V, *extra,
-                         BLOCK_V=block_v, SEARCH_STEPS=33, HAS_PENALTIES=penalties is not None, num_warps=8)
+                         BLOCK_V=block_v, SEARCH_STEPS=33, HAS_PENALTIES=penalties is not None, num_warps=8,
+                         enable_fp_fusion=False)   # no FMA contraction: round as torch does, bit for bit
     return SampleOutput(tokens, logprobs)
 
 
