@@ -72,6 +72,18 @@ class ScriptedModel:
                 raise AssertionError(f"paged cache of {batch.request_ids[s]} does not hold its tokens")
 
 
+def prefill_batch(token_ids: Sequence[int], pages: Sequence[int], page_size: int,
+                  all_logits: bool = True) -> ForwardBatch:
+    """A ForwardBatch that prefills one sequence into the given pages (in that order), asking for
+    the logits of every position (or only the last): for tests of a model's forward."""
+    n = len(token_ids)
+    slots = [pages[p // page_size] * page_size + p % page_size for p in range(n)]
+    rows = torch.arange(n) if all_logits else torch.tensor([n - 1])
+    return ForwardBatch(torch.tensor(list(token_ids)), torch.arange(n), torch.tensor(slots),
+                        torch.tensor([list(pages)], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                        torch.tensor([0, n], dtype=torch.int32), rows, num_decode=0, max_new=n)
+
+
 class ByteVocabTokenizer:
     """vocab: {id: bytes}. decode joins the bytes; encode takes the longest match at each point."""
 

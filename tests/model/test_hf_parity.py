@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pagedecode as pd
-from pagedecode.model.batch import ForwardBatch
+from pagedecode.testing import prefill_batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,13 +68,8 @@ def test_prefill_logits_match_transformers(checkpoint):
     path, hf = checkpoint
     model, _ = pd.load_model(path)
     ids = PROMPTS[1]
-    n = len(ids)
     kv = pd.KVCache(model.config.num_layers, 4, 8, model.config.num_kv_heads, model.config.head_dim, torch.float32)
-    table = torch.tensor([[3, 0, 2]], dtype=torch.int32)                      # pages out of order
-    slots = torch.tensor([table[0, p // 8].item() * 8 + p % 8 for p in range(n)])
-    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, table, torch.tensor([n], dtype=torch.int32),
-                         torch.tensor([0, n], dtype=torch.int32), torch.arange(n), 0, n)
-    ours = model.forward(batch, kv)
+    ours = model.forward(prefill_batch(ids, pages=[3, 0, 2], page_size=8), kv)      # pages out of order
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
@@ -86,13 +81,8 @@ def test_half_precision_runs_close_to_float32(checkpoint, dtype, tol):
     model, _ = pd.load_model(path, dtype=dtype)
     assert model.dtype == getattr(torch, dtype)
     ids = PROMPTS[1]
-    n = len(ids)
     kv = pd.KVCache(model.config.num_layers, 3, 8, model.config.num_kv_heads, model.config.head_dim, model.dtype)
-    table = torch.tensor([[2, 0, 1]], dtype=torch.int32)
-    slots = torch.tensor([table[0, p // 8].item() * 8 + p % 8 for p in range(n)])
-    batch = ForwardBatch(torch.tensor(ids), torch.arange(n), slots, table, torch.tensor([n], dtype=torch.int32),
-                         torch.tensor([0, n], dtype=torch.int32), torch.arange(n), 0, n)
-    ours = model.forward(batch, kv)
+    ours = model.forward(prefill_batch(ids, pages=[2, 0, 1], page_size=8), kv)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert ((ours - ref).norm() / ref.norm()).item() < tol

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pagedecode as pd
-from pagedecode.model.batch import ForwardBatch
+from pagedecode.testing import prefill_batch
 
 REFERENCE = {
     "Once upon a time": ([1, 403, 407, 261, 378],
@@ -74,11 +74,7 @@ def test_first_step_logits(engine):
         ids = REFERENCE[prompt][0]
         kv = pd.KVCache(model.config.num_layers, 1, 16, model.config.num_kv_heads, model.config.head_dim,
                         torch.float32)
-        n = len(ids)
-        batch = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(n), torch.zeros(1, 1, dtype=torch.int32),
-                             torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
-                             torch.tensor([n - 1]), 0, n)
-        logits = model.forward(batch, kv)[0]
+        logits = model.forward(prefill_batch(ids, pages=[0], page_size=16, all_logits=False), kv)[0]
         values, idx = logits.topk(5)
         assert idx.tolist() == [t for t, _ in top]
         torch.testing.assert_close(values, torch.tensor([v for _, v in top]), atol=2e-4, rtol=0)
