@@ -22,6 +22,8 @@ class EngineConfig:
     attention_backend: str = "auto"          # "auto" | "triton" | "torch"
     sampling_backend: str = "auto"
     seed: int | None = None                  # draws the seeds of requests that give none
+    max_finished_kept: int = 10_000          # finished requests whose result / replay / trace stay
+                                             # readable; the oldest are forgotten first
     model_name: str | None = None            # shown in start events
 
     def __post_init__(self) -> None:
@@ -33,7 +35,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        for name in ("max_batch_size", "max_tokens_per_step", "stream_max_events", "stream_max_bytes"):
+        for name in ("max_batch_size", "max_tokens_per_step", "stream_max_events", "stream_max_bytes",
+                     "max_finished_kept"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.backpressure not in BACKPRESSURE_POLICIES:

@@ -6,7 +6,7 @@ import logging
 import random
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -62,7 +62,7 @@ class Engine:
         self.model_name = config.model_name or getattr(mc, "name", None) or mc.model_type
         self._lock = threading.RLock()
         self._live: dict[str, Request] = {}
-        self._done: dict[str, Request] = {}
+        self._done: OrderedDict[str, Request] = OrderedDict()    # terminal, oldest first
         self._outbox: list[Event] = []
         self._rng = random.Random(config.seed)
         self._auto_ids = itertools.count()
@@ -251,6 +251,8 @@ class Engine:
             self._release(req, resource)
         self._live.pop(req.request_id, None)
         self._done[req.request_id] = req
+        while len(self._done) > self.config.max_finished_kept:     # bounded memory for servers
+            self._done.popitem(last=False)
 
     def _release(self, req: Request, resource: str) -> None:
         req.mark_released(resource)           # a second release raises DoubleReleaseError

@@ -2,6 +2,8 @@
 import json
 import time
 
+import pytest
+
 import pagedecode as pd
 
 from .helpers import check_stream, engine, of, run
@@ -172,3 +174,13 @@ def test_shutdown_ends_every_live_request_once():
         assert len(of(events, rid, pd.TerminalEvent)) == 1
         assert eng.result(rid).state == S.CANCELLED
     assert eng.pool.free_pages == eng.pool.num_pages
+
+
+def test_finished_results_are_kept_up_to_a_bound():
+    eng = engine([101], max_finished_kept=3)
+    ids = [eng.add_request([5], pd.SamplingParams(max_tokens=1)) for _ in range(5)]
+    run(eng)
+    for rid in ids[:2]:
+        with pytest.raises(KeyError):
+            eng.result(rid)
+    assert [eng.result(rid).text for rid in ids[2:]] == ["AB"] * 3
