@@ -101,3 +101,24 @@ def test_extend_reference_agrees_with_dense_causal_attention():
     torch.testing.assert_close(out, dense)
     dec = paged_decode_attention_ref(q[-1:], kc, vc, table, torch.tensor([n]), d ** -0.5)
     torch.testing.assert_close(dec[0], dense[-1])
+
+
+@needs_triton
+@pytest.mark.parametrize("hq,hkv,d,page,lens", [(6, 1, 80, 8, [5, 70]), (12, 2, 96, 16, [33, 1])])
+def test_odd_head_dims_and_int64_metadata(hq, hkv, d, page, lens):
+    """Head dims that are not powers of two (masked lanes) and int64 page tables / lengths."""
+    g = torch.Generator().manual_seed(d)
+    num_pages = sum(-(-n // page) for n in lens) + 2
+    kc = torch.randn(num_pages, page, hkv, d, generator=g).to(DEVICE)
+    vc = torch.randn(num_pages, page, hkv, d, generator=g).to(DEVICE)
+    table = random_page_tables(lens, page, num_pages, g).long().to(DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    q = torch.randn(len(lens), hq, d, generator=g).to(DEVICE)
+    out = paged_decode_attention(q, kc, vc, table, seq_lens, backend="triton")
+    ref = paged_decode_attention_ref(q.double(), kc.double(), vc.double(), table, seq_lens, d ** -0.5)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    cu = torch.tensor([0, 3, 4], device=DEVICE)
+    qe = torch.randn(4, hq, d, generator=g).to(DEVICE)
+    out = paged_extend_attention(qe, kc, vc, table, cu, seq_lens, backend="triton")
+    ref = paged_extend_attention_ref(qe.double(), kc.double(), vc.double(), table, cu, seq_lens, d ** -0.5)
+    assert rel_err(out, ref) < TOL[torch.float32]
