@@ -184,3 +184,23 @@ def test_finished_results_are_kept_up_to_a_bound():
         with pytest.raises(KeyError):
             eng.result(rid)
     assert [eng.result(rid).text for rid in ids[2:]] == ["AB"] * 3
+
+
+def test_a_cleanup_failure_is_logged_and_the_stream_stays_closed(caplog):
+    eng = engine([101])
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=2))
+    real_release = eng.pool.release
+
+    def broken(pages):
+        raise RuntimeError("allocator on fire")
+    eng.pool.release = broken
+    with caplog.at_level("ERROR", logger="pagedecode"):
+        events = run(eng)
+    eng.pool.release = real_release
+    out = eng.result(rid)
+    assert out.state == S.FINISHED and out.text == "ABAB"
+    assert len(of(events, rid, pd.TerminalEvent)) == 1 and isinstance(of(events, rid)[-1], pd.TerminalEvent)
+    assert "releasing pages of request" in caplog.text and "allocator on fire" in caplog.text
+    releases = [r["resource"] for r in eng.trace(rid) if r["kind"] == "release"]
+    assert sorted(releases) == sorted(["pages", "slot", "rng", "stream", "trace"])   # the rest still released
+    assert eng.slots.free_slots == eng.slots.num_slots
