@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One call on the lent GPU (H200), under 8 minutes: kernel tests on the GPU, compute-sanitizer
-# once per kernel where it works, then the kernel benchmarks. Uses the machine's own python3
-# (torch + triton + pytest + hypothesis are there); nothing is installed.
+# One call on the lent GPU (H200), at most ~460 s even when every step hits its timeout:
+# the kernel tests and the CUDA engine test on the GPU, the kernel benchmarks with a sweep of
+# attention launch configs, then compute-sanitizer once per kernel where it works. Uses the
+# machine's own python3 (torch, triton, pytest, hypothesis are there); installs nothing.
 #   run: bash benchmarks/device_check.sh        (results under $OUT, or benchmarks/results/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,17 +14,18 @@ export TRITON_INTERPRET=0 TRITON_CACHE_DIR="$PWD/.triton_cache"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/env.txt"
 
 echo "== kernel tests and the engine on the GPU"
-timeout 200 python3 -m pytest tests/kernels tests/model/test_cuda_engine.py -q -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
+timeout 120 python3 -m pytest tests/kernels tests/model/test_cuda_engine.py -q -p no:cacheprovider 2>&1 \
+  | tail -25 | tee "$OUT/kernel_tests.txt"
+
+echo "== benchmarks (copy bandwidth first, then each kernel beside its torch baseline, then the sweep)"
+timeout 200 python3 benchmarks/kernels.py --sweep --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
 
 echo "== compute-sanitizer, one small launch per kernel"
 if command -v compute-sanitizer >/dev/null; then
   for k in kv_write decode extend sampling; do
-    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 3 python3 benchmarks/kernels.py --sanitize "$k" \
+    timeout 35 compute-sanitizer --tool memcheck --error-exitcode 3 python3 benchmarks/kernels.py --sanitize "$k" \
       2>&1 | tail -4 | tee -a "$OUT/sanitizer.txt"
   done
 else
   echo "compute-sanitizer not found" | tee "$OUT/sanitizer.txt"
 fi
-
-echo "== benchmarks"
-timeout 200 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"

@@ -2,7 +2,7 @@
 with triton.testing.do_bench (median), inputs rotated across copies so they exceed the L2,
 beside a torch baseline, against the copy bandwidth measured in the same run.
 
-    python3 benchmarks/kernels.py [--out FILE.json] [--quick] [--sanitize KERNEL]
+    python3 benchmarks/kernels.py [--out FILE.json] [--sweep] [--sanitize KERNEL]
 
 --sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling), for
 compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed beside results.
@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedecode.kernels.decode_attention import paged_decode_attention  # noqa: E402
-from pagedecode.kernels.extend_attention import paged_extend_attention  # noqa: E402
+from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_triton  # noqa: E402
+from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_triton  # noqa: E402
 from pagedecode.kernels.kv_write import write_kv  # noqa: E402
 from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref  # noqa: E402
 
@@ -143,6 +143,47 @@ def kv_write_case(bw, goal_us):
             "goal_us": goal_us, "correct": ok}
 
 
+DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
+                  ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2))]
+PREFILL_CONFIGS = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in
+                   ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3))]
+
+
+def sweep(bw):
+    """Time each launch configuration of the two attention kernels on the goal shapes; the
+    defaults in the wrappers should become the winners."""
+    rows = []
+    for batch, ctx in ((64, 4096), (1, 32768)):
+        kc, vc, tables, lens = paged_setup(batch, ctx)
+        qs = [torch.randn(batch, HQ, D, dtype=DT, device="cuda") for _ in range(COPIES)]
+        nbytes = 2 * batch * ctx * HKV * D * 2
+        for cfg in DECODE_CONFIGS:
+            i = iter(range(10**9))
+            try:
+                us = bench(lambda: paged_decode_attention_triton(qs[next(i) % COPIES], kc, vc, tables[next(i) % COPIES],
+                                                                 lens, D ** -0.5, **cfg))
+                rows.append({"kernel": f"decode B={batch} ctx={ctx}", **cfg, "us": round(us, 1),
+                             "of_bandwidth": round(nbytes / (us * 1e-6) / 1e9 / bw, 3)})
+            except Exception as e:
+                rows.append({"kernel": f"decode B={batch} ctx={ctx}", **cfg, "error": str(e)[:200]})
+            print(json.dumps(rows[-1]), flush=True)
+        del kc, vc
+        torch.cuda.empty_cache()
+    n = 8192
+    kc, vc, tables, lens = paged_setup(1, n, copies=1)
+    q = torch.randn(n, HQ, D, dtype=DT, device="cuda")
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    for cfg in PREFILL_CONFIGS:
+        try:
+            us = bench(lambda: paged_extend_attention_triton(q, kc, vc, tables[0], cu, lens, D ** -0.5, max_new=n, **cfg))
+            rows.append({"kernel": f"prefill n={n}", **cfg, "us": round(us, 1),
+                         "TFLOP/s": round(4 * n * n * HQ * D / 2 / (us * 1e-6) / 1e12, 1)})
+        except Exception as e:
+            rows.append({"kernel": f"prefill n={n}", **cfg, "error": str(e)[:200]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def sanitize(kernel):
     """One small launch, for compute-sanitizer."""
     kc, vc, tables, lens = paged_setup(3, 300, copies=1)
@@ -166,6 +207,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sanitize", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time the attention kernels' launch configs")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.py needs a CUDA GPU")
@@ -186,7 +228,7 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     result = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "results": rows}
+              "results": rows, "sweep": sweep(bw) if args.sweep else []}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print()

@@ -168,13 +168,15 @@ if HAS_TRITON:
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale: float,
-                                  split_tokens: int = SPLIT_TOKENS):
+                                  split_tokens: int = SPLIT_TOKENS, block_n: int | None = None,
+                                  num_warps: int = 4, num_stages: int = 2):
+    """Launch parameters are arguments so benchmarks/kernels.py --sweep can compare them."""
     B, Hq, D = q.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
     assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and page_table.stride(-1) == 1
-    block_n = 16 if interpreting() else 64
+    block_n = block_n or (16 if interpreting() else 64)
     assert split_tokens % block_n == 0
     num_splits = max(1, -(-int(seq_lens.max()) // split_tokens))
     part_out = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
@@ -189,7 +191,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, sca
         page_table.stride(0), num_splits,
         GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, SPLIT=split_tokens, BLOCK_G=block_g,
         BLOCK_N=block_n, BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q),
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     _decode_merge_kernel[(B, Hq)](part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
                                   HEAD_DIM=D, BLOCK_D=block_d)
     return out

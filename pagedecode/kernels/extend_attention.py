@@ -101,7 +101,9 @@ if HAS_TRITON:
 
 
 def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float,
-                                  max_new: int | None = None):
+                                  max_new: int | None = None, block_m: int | None = None,
+                                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+    """Launch parameters are arguments so benchmarks/kernels.py --sweep can compare them."""
     T, Hq, D = q.shape
     S = seq_lens.shape[0]
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -112,7 +114,8 @@ def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_len
         return out
     if max_new is None:
         max_new = int((cu_q[1:] - cu_q[:-1]).max())
-    block_m, block_n = (16, 16) if interpreting() else (64, 64)
+    block_m = block_m or (16 if interpreting() else 64)
+    block_n = block_n or (16 if interpreting() else 64)
     block_d = max(16, triton.next_power_of_2(D))
     grid = (S, Hq, -(-max_new // block_m))
     _extend_kernel[grid](
@@ -120,7 +123,7 @@ def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_len
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), num_warps=4, num_stages=2)
+        BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), num_warps=num_warps, num_stages=num_stages)
     return out
 
 
