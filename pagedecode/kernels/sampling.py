@@ -12,6 +12,11 @@ Shapes:
         seed         int64 (the 64-bit seed's bits), output_index int64
     returns SampleOutput(tokens int64 (B,), logprobs float32 (B,))
 
+Kernel plan, one program per row: pass 1 applies penalties (writing the processed row once) and
+takes max / sum-exp / argmax; top-k's k-th value comes from a radix select (4 passes); when
+top-k / min-p leave at most CANDIDATES tokens they are gathered once and top-p and the draw run
+in registers, otherwise top-p bisects over the row and a last pass draws.
+
 Semantics (both paths): z = logits / temperature; the kept set is z >= threshold; the token is
 argmax over kept of z + g, g = Gumbel noise keyed by (seed, output index, token id). With
 PenaltyInputs, `logits` above means the logits after penalties and bias (penalties.py). The
@@ -51,6 +56,10 @@ class SampleOutput:
     logprobs: torch.Tensor
 
 
+# Top-k / min-p survivors kept in registers for top-p and the draw; more than this falls back
+# to passes over the whole row. Small in the interpreter so tests reach both paths.
+CANDIDATES = 1024
+CANDIDATES_INTERPRETED = 32
 MIN_TEMPERATURE = 1e-5   # below this, logits / T overflows to inf (inf - inf = NaN): greedy instead
 
 
@@ -133,11 +142,10 @@ if HAS_TRITON:
         return x - freq * count - pres * (count > 0).to(tl.float32)
 
     @triton.jit
-    def _bisect(base, V, div, zmax, lo, hi, target, MASS: tl.constexpr, BLOCK_V: tl.constexpr,
-                SEARCH_STEPS: tl.constexpr):
-        """The largest value t (as a float) with measure(z >= t) >= target, searched over order
-        keys in [lo, hi): measure is the count of tokens (top-k), or with MASS the sum of
-        exp(z - zmax) (top-p). Invariant: measure(lo) >= target > measure(hi)."""
+    def _bisect(base, V, div, zmax, lo, hi, target, BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+        """The largest value t (as a float) with mass(z >= t) >= target, mass the sum of
+        exp(z - zmax), searched over order keys in [lo, hi) with a pass over the row per step.
+        Invariant: mass(lo) >= target > mass(hi)."""
         lanes = tl.arange(0, BLOCK_V)
         for _ in range(SEARCH_STEPS):
             mid = lo + (hi - lo) // 2
@@ -145,15 +153,72 @@ if HAS_TRITON:
             for v0 in range(0, V, BLOCK_V):
                 offs = v0 + lanes
                 z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
-                above = (offs < V) & (_order_key(z) >= mid)
-                if MASS:
-                    acc += tl.where(above, tl.exp(z - zmax), 0.0)
-                else:
-                    acc += above.to(tl.float32)
+                acc += tl.where((offs < V) & (_order_key(z) >= mid), tl.exp(z - zmax), 0.0)
             enough = tl.sum(acc, 0) >= target
             lo = tl.where(enough, mid, lo)
             hi = tl.where(enough, hi, mid)
         return _from_order_key(lo)
+
+    @triton.jit
+    def _radix_kth(base, V, div, k, BLOCK_V: tl.constexpr):
+        """The k-th largest value of z = x / div (ties counted), exactly: a radix select over the
+        32-bit order keys, one byte per pass (4 passes of 256-bin histograms)."""
+        lanes = tl.arange(0, BLOCK_V)
+        bins = tl.arange(0, 512)                      # bin 256 takes the tokens out of the race
+        prefix = tl.sum(lanes * 0, 0).to(tl.int64)    # the key bytes chosen so far
+        want = k                                      # rank still to find among the eligible
+        for d in tl.static_range(4):               # byte d from the top: bits 24 - 8d .. 31 - 8d
+            hist = tl.zeros([512], tl.int32)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + lanes
+                z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
+                u = _order_key(z) + 0x80000000           # unsigned order, in [0, 2**32)
+                eligible = (offs < V) & ((u >> (32 - 8 * d)) == prefix)
+                hist += tl.histogram(tl.where(eligible, ((u >> (24 - 8 * d)) & 0xFF).to(tl.int32), 256), 512)
+            hist = tl.where(bins < 256, hist, 0)
+            at_least = tl.cumsum(hist, 0, reverse=True)  # eligible tokens whose byte is >= i
+            b = tl.max(tl.where(at_least >= want, bins, -1), 0)
+            want = want - tl.sum(tl.where(bins > b, hist, 0), 0)
+            prefix = prefix * 256 + b
+        return _from_order_key(prefix - 0x80000000)
+
+    @triton.jit
+    def _compact(base, V, div, thr, cand_z, cand_i, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Write the tokens with z >= thr, in token order, to cand_z / cand_i (at most BLOCK_C of
+        them); returns how many there are (which may exceed BLOCK_C)."""
+        lanes = tl.arange(0, BLOCK_V)
+        n = tl.sum(lanes * 0, 0)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + lanes
+            z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
+            keep = (offs < V) & (z >= thr)
+            at = n + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(cand_z + at, z, mask=keep & (at < BLOCK_C))
+            tl.store(cand_i + at, offs, mask=keep & (at < BLOCK_C))
+            n += tl.sum(keep.to(tl.int32), 0)
+        return n
+
+    @triton.jit
+    def _tile_top_p(z, live, thr, zmax, top_p, SEARCH_STEPS: tl.constexpr):
+        """_bisect over candidates held in registers (all have z >= thr)."""
+        mass = tl.where(live, tl.exp(z - zmax), 0.0)
+        target = top_p * tl.sum(mass, 0)
+        keys = _order_key(z)
+        lo = _order_key(thr)
+        hi = _order_key(zmax) + 1
+        for _ in range(SEARCH_STEPS):
+            mid = lo + (hi - lo) // 2
+            enough = tl.sum(tl.where(keys >= mid, mass, 0.0), 0) >= target
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        return _from_order_key(lo)
+
+    @triton.jit
+    def _pick(z, tokens, keep, seed, index, V):
+        """argmax of z + Gumbel noise over the kept tokens; the first token on a tie."""
+        score = tl.where(keep, z + _philox_gumbel(seed, index, tokens), float("-inf"))
+        top = tl.max(score, 0)
+        return tl.min(tl.where(score == top, tokens, V), 0)
 
     @triton.jit
     def _philox_gumbel(seed, index, token):
@@ -180,7 +245,9 @@ if HAS_TRITON:
     def _sample_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
                        index_ptr, tokens_ptr, logprobs_ptr, V,
                        proc_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, active_ptr, counts_ptr, seen_ptr, bias_ptr,
-                       BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr, HAS_PENALTIES: tl.constexpr):
+                       cand_z_ptr, cand_i_ptr,
+                       BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr, HAS_PENALTIES: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
         row = tl.program_id(0)
         raw = logits_ptr + row.to(tl.int64) * stride_row
         if HAS_PENALTIES:   # pass 1 writes the processed row here; every later pass reads it
@@ -223,6 +290,8 @@ if HAS_TRITON:
             z = x / div + 0.0
             zmax_vec = tl.maximum(zmax_vec, z)
             zmin_vec = tl.minimum(zmin_vec, tl.where(ok, z, float("inf")))
+        if HAS_PENALTIES:
+            tl.debug_barrier()                     # the processed row is read back by every pass
         m_raw = tl.max(m_vec, 0)
         m_raw_safe = tl.where(m_raw == float("-inf"), 0.0, m_raw)
         l_raw = tl.sum(l_vec * tl.exp(m_vec - m_raw_safe), 0)
@@ -233,31 +302,43 @@ if HAS_TRITON:
         if temp > 0:
             thr = zmin - float("inf")              # -inf, as a loop-safe f32 scalar
             if (top_k > 0) & (top_k < V):
-                # largest value t with count(z >= t) >= k: the k-th largest, found by bisection
-                thr = _bisect(base, V, div, zmax, _order_key(zmin), _order_key(zmax) + 1, top_k.to(tl.float32),
-                              False, BLOCK_V, SEARCH_STEPS)
+                thr = _radix_kth(base, V, div, top_k, BLOCK_V)
             thr = tl.maximum(thr, zmax + log_min_p)
-            if top_p < 1.0:
-                tot = tl.zeros([BLOCK_V], tl.float32)
+            # few candidates left (top-k / min-p): gather them once, finish in registers
+            n_cand = V + 1
+            if (top_p < 1.0) & (thr > float("-inf")):
+                n_cand = _compact(base, V, div, thr, cand_z_ptr + row.to(tl.int64) * BLOCK_C,
+                                  cand_i_ptr + row.to(tl.int64) * BLOCK_C, BLOCK_C, BLOCK_V)
+                tl.debug_barrier()                 # other warps read what this pass wrote
+            if n_cand <= BLOCK_C:
+                c = tl.arange(0, BLOCK_C)
+                live = c < n_cand
+                z = tl.load(cand_z_ptr + row.to(tl.int64) * BLOCK_C + c, mask=live, other=float("-inf"))
+                ids = tl.load(cand_i_ptr + row.to(tl.int64) * BLOCK_C + c, mask=live, other=0)
+                thr = tl.maximum(thr, _tile_top_p(z, live, thr, zmax, top_p, SEARCH_STEPS))
+                token = _pick(z, ids, live & (z >= thr), seed, index, V)
+            else:
+                if top_p < 1.0:
+                    tot = tl.zeros([BLOCK_V], tl.float32)
+                    for v0 in range(0, V, BLOCK_V):
+                        offs = v0 + lanes
+                        z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
+                        tot += tl.where(z >= thr, tl.exp(z - zmax), 0.0)
+                    target = top_p * tl.sum(tot, 0)
+                    thr = tl.maximum(thr, _bisect(base, V, div, zmax, _order_key(thr), _order_key(zmax) + 1,
+                                                  target, BLOCK_V, SEARCH_STEPS))
+                best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+                best_at = tl.full([BLOCK_V], 0, tl.int32)
                 for v0 in range(0, V, BLOCK_V):
                     offs = v0 + lanes
-                    z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
-                    tot += tl.where(z >= thr, tl.exp(z - zmax), 0.0)
-                target = top_p * tl.sum(tot, 0)
-                thr = tl.maximum(thr, _bisect(base, V, div, zmax, _order_key(thr), _order_key(zmax) + 1, target,
-                                              True, BLOCK_V, SEARCH_STEPS))
-            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-            best_at = tl.full([BLOCK_V], 0, tl.int32)
-            for v0 in range(0, V, BLOCK_V):
-                offs = v0 + lanes
-                ok = offs < V
-                z = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32) / div + 0.0
-                score = tl.where(ok & (z >= thr), z + _philox_gumbel(seed, index, offs), float("-inf"))
-                better = score > best
-                best_at = tl.where(better, offs, best_at)
-                best = tl.where(better, score, best)
-            top = tl.max(best, 0)
-            token = tl.min(tl.where(best == top, best_at, V), 0)
+                    ok = offs < V
+                    z = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32) / div + 0.0
+                    score = tl.where(ok & (z >= thr), z + _philox_gumbel(seed, index, offs), float("-inf"))
+                    better = score > best
+                    best_at = tl.where(better, offs, best_at)
+                    best = tl.where(better, score, best)
+                top = tl.max(best, 0)
+                token = tl.min(tl.where(best == top, best_at, V), 0)
         x_tok = tl.load(base + token).to(tl.float32)
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(logprobs_ptr + row, x_tok - (m_raw + tl.log(l_raw)))
@@ -279,9 +360,13 @@ def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyI
                  p.presence, p.frequency, p.active, st.counts, st.seen, st.bias)
     else:
         extra = (logits,) * 9           # unused: HAS_PENALTIES=False compiles them away
+    block_c = CANDIDATES_INTERPRETED if interpreting() else CANDIDATES
+    cand_z = torch.empty(B, block_c, dtype=torch.float32, device=logits.device)
+    cand_i = torch.empty(B, block_c, dtype=torch.int32, device=logits.device)
     _sample_kernel[(B,)](logits, logits.stride(0), inp.temperature, inp.top_k, inp.top_p,
-                         inp.log_min_p, inp.seed, inp.output_index, tokens, logprobs, V, *extra,
-                         BLOCK_V=block_v, SEARCH_STEPS=33, HAS_PENALTIES=penalties is not None, num_warps=8,
+                         inp.log_min_p, inp.seed, inp.output_index, tokens, logprobs, V, *extra, cand_z, cand_i,
+                         BLOCK_V=block_v, SEARCH_STEPS=33, HAS_PENALTIES=penalties is not None, BLOCK_C=block_c,
+                         num_warps=8,
                          enable_fp_fusion=False)   # no FMA contraction: round as torch does, bit for bit
     return SampleOutput(tokens, logprobs)
 

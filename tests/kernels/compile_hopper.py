@@ -26,9 +26,9 @@ def cases():
                 "lminp_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", "tokens_ptr": "*i64",
                 "logprobs_ptr": "*fp32", "proc_ptr": "*fp32", "slot_ptr": "*i32", "rep_ptr": "*fp32",
                 "pres_ptr": "*fp32", "freq_ptr": "*fp32", "active_ptr": "*i32", "counts_ptr": "*i32",
-                "seen_ptr": "*u8", "bias_ptr": "*fp32"}
+                "seen_ptr": "*u8", "bias_ptr": "*fp32", "cand_z_ptr": "*fp32", "cand_i_ptr": "*i32"}
     for pen in (False, True):
-        yield f"sampling penalties={pen}", S._sample_kernel, sampling, dict(BLOCK_V=4096, SEARCH_STEPS=33,
+        yield f"sampling penalties={pen}", S._sample_kernel, sampling, dict(BLOCK_V=4096, SEARCH_STEPS=33, BLOCK_C=1024,
                                                                            HAS_PENALTIES=pen)
     for dt, tdt in DTYPES.items():
         kv = {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}", "pt_ptr": "*i32", "lens_ptr": "*i32",
@@ -58,7 +58,10 @@ def main() -> int:
                 print(f"FAIL {name}: needs more shared memory than Hopper has")
                 failed += 1
         except Exception as e:
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:800]}")
+            cause = e
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:600]}\n    cause: {str(cause)[-600:]}")
             failed += 1
     return 1 if failed else 0
 
