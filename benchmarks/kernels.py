@@ -145,7 +145,7 @@ def kv_write_case(bw, goal_us):
 
 DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
                   ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2))]
-PREFILL_CONFIGS = [dict(block_m=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in
+PREFILL_CONFIGS = [dict(block_rows=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in
                    ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3))]
 
 

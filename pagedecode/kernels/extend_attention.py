@@ -59,29 +59,33 @@ if HAS_TRITON:
     def _extend_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, cu_ptr, lens_ptr, out_ptr, sm_scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_cp, stride_co, stride_ch, stride_ptb,
-                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr):
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        # one program: BLOCK_M new tokens of one sequence x all GROUP query heads of one KV head,
+        # packed as rows r = token * GROUP_PAD + head, so each K/V tile is loaded once per group
         s = tl.program_id(0)
-        h = tl.program_id(1)
+        kvh = tl.program_id(1)
         mblk = tl.program_id(2)
         q_lo = tl.load(cu_ptr + s)
         n_new = tl.load(cu_ptr + s + 1) - q_lo
         if mblk * BLOCK_M < n_new:
             seq_len = tl.load(lens_ptr + s)
             prefix = seq_len - n_new
-            kvh = h // GROUP
-            i = mblk * BLOCK_M + tl.arange(0, BLOCK_M)        # index among the new tokens
-            i_ok = i < n_new
-            q_pos = prefix + i                               # logical position of each query
+            r = tl.arange(0, BLOCK_M * GROUP_PAD)
+            i = mblk * BLOCK_M + r // GROUP_PAD       # index among the new tokens
+            g = r % GROUP_PAD
+            row_ok = (i < n_new) & (g < GROUP)
+            q_pos = prefix + i                        # logical position of each row's token
+            heads = kvh * GROUP + g
             d = tl.arange(0, BLOCK_D)
             d_ok = d < HEAD_DIM
-            rows = (q_lo + i).to(tl.int64)
-            q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                        mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            tok = (q_lo + i).to(tl.int64)
+            q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32).to(DOT_DTYPE)
+            m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+            acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
             # keys 0 .. last query position of this block; key 0 is visible to every row, so the
             # running max is finite after the first tile and no row ever computes -inf - -inf
             kv_end = tl.minimum(prefix + (mblk + 1) * BLOCK_M, seq_len)
@@ -91,19 +95,20 @@ if HAS_TRITON:
                 pos_ok = pos < kv_end
                 k, v = _kv_tile(kc_ptr, vc_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co,
                                 stride_ch, PAGE_SIZE)
-                sc = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * sm_scale_log2        # (M, N)
+                sc = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * sm_scale_log2        # (rows, N)
                 visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
                 sc = tl.where(visible, sc, float("-inf"))
                 m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, sc, v, DOT_DTYPE)
             out = acc / l_i[:, None]
-            tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
+            tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float,
-                                  max_new: int | None = None, block_m: int | None = None,
+                                  max_new: int | None = None, block_rows: int | None = None,
                                   block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
-    """Launch parameters are arguments so benchmarks/kernels.py --sweep can compare them."""
+    """Launch parameters are arguments so benchmarks/kernels.py --sweep can compare them.
+    block_rows: rows of one program = tokens x (query heads per KV head, padded to a power of 2)."""
     T, Hq, D = q.shape
     S = seq_lens.shape[0]
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -114,15 +119,18 @@ def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_len
         return out
     if max_new is None:
         max_new = int((cu_q[1:] - cu_q[:-1]).max())
-    block_m = block_m or (16 if interpreting() else 64)
+    group = Hq // Hkv
+    group_pad = triton.next_power_of_2(group)
+    block_rows = max(block_rows or (16 if interpreting() else 64), group_pad, 16)   # tl.dot: M >= 16
+    block_m = block_rows // group_pad                                              # tokens per program
     block_n = block_n or (16 if interpreting() else 64)
     block_d = max(16, triton.next_power_of_2(D))
-    grid = (S, Hq, -(-max_new // block_m))
+    grid = (S, Hkv, -(-max_new // block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, page_table, cu_q, seq_lens, out, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        GROUP=Hq // Hkv, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), num_warps=num_warps, num_stages=num_stages)
     return out
 

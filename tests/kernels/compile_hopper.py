@@ -40,7 +40,8 @@ def cases():
         yield f"decode merge {dt}", DA._decode_merge_kernel, kv, dict(HEAD_DIM=128, BLOCK_D=128)
         for bm, bn in (((64, 64), (128, 64), (128, 32), (64, 32)) if dt == "bf16" else ((64, 64),)):
             yield f"extend {dt} m={bm} n={bn}", EA._extend_kernel, kv, dict(
-                GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=128, DOT_DTYPE=tdt)
+                GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=bm // 4, BLOCK_N=bn, BLOCK_D=128,
+                DOT_DTYPE=tdt)
         yield f"kv write {dt}", KW._write_kv_kernel, kv, dict(PAGE_SIZE=16, HEADS=8, HEAD_DIM=128, BLOCK_H=8,
                                                             BLOCK_D=128)
 
