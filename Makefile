@@ -20,6 +20,7 @@ demo: install
 	$(BIN)/pagedecode demo $(ARGS)
 
 test: install
+	$(BIN)/mypy
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 bench: install

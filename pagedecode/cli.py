@@ -44,7 +44,8 @@ def cmd_generate(args) -> int:
                 end = ev
     sys.stdout.write("\n")
     u = end.usage
-    print(f"[{end.state.value}: {end.finish_reason.value}; prompt {u.prompt_tokens} tokens, "
+    reason = end.finish_reason.value if end.finish_reason else "none"
+    print(f"[{end.state.value}: {reason}; prompt {u.prompt_tokens} tokens, "
           f"selected {u.selected_tokens}, returned {u.returned_tokens} tokens / {u.returned_bytes} bytes]"
           + (f" error: {end.error}" if end.error else ""), file=sys.stderr)
     return 0 if end.error is None else 1
@@ -54,7 +55,11 @@ def cmd_demo(args) -> int:
     engine = _engine(args)
     prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.requests)]
     start = time.perf_counter()
-    ids, arrival, stamps, texts, ends = [], {}, {}, {}, {}
+    ids: list[str] = []
+    arrival: dict[str, float] = {}
+    stamps: dict[str, list[tuple[float, int]]] = {}
+    texts: dict[str, str] = {}
+    ends: dict[str, TerminalEvent] = {}
     for i, p in enumerate(prompts):
         rid = engine.add_request(p, _sampling(args, seed=(args.seed or 0) + i), request_id=f"demo-{i}")
         ids.append(rid)

@@ -91,7 +91,7 @@ class SamplingParams:
                 raise bad(f"stop string longer than {MAX_STOP_CHARS} characters")
         id_seqs = []
         for item in self.stop_token_ids:
-            seq = (item,) if _is_int(item) else tuple(item) if isinstance(item, Sequence) else None
+            seq: tuple | None = (item,) if _is_int(item) else tuple(item) if isinstance(item, Sequence) else None
             if not seq or not all(_is_int(t) and t >= 0 for t in seq):
                 raise bad(f"stop_token_ids entries must be ids or non-empty id sequences, got {item!r}")
             if len(seq) > MAX_STOP_IDS:

@@ -10,7 +10,8 @@ import torch
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -> torch.Tensor:
     """Inverse frequencies (head_dim // 2,) in float32, after the checkpoint's rope scaling."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).double() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         pass
     elif kind == "linear":

@@ -7,7 +7,8 @@ except through the cache: each layer writes the new tokens' K/V, then attends ov
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +24,18 @@ from .config import ModelConfig
 from .kv_cache import KVCache
 
 
+@dataclass
 class _Layer:
-    __slots__ = ("ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "down_w")
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv_w: torch.Tensor                 # q, k, v projections stacked: one matmul
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    q_norm: torch.Tensor | None         # Qwen3
+    k_norm: torch.Tensor | None
+    gate_up_w: torch.Tensor             # gate and up stacked: one matmul
+    down_w: torch.Tensor
 
 
 class LlamaModel:
@@ -39,7 +50,7 @@ class LlamaModel:
         self.backend = attention_backend
         c = config
 
-        def take(name: str, required: bool = True):
+        def take(name: str, required: bool = True) -> Any:
             t = weights.get(name)
             if t is None:
                 if required:
@@ -59,20 +70,16 @@ class LlamaModel:
         self.layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            L = _Layer()
-            L.ln1 = take(p + "input_layernorm.weight")
-            L.ln2 = take(p + "post_attention_layernorm.weight")
-            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            L.qkv_w = torch.cat(qkv, 0)
             biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
-            L.qkv_b = torch.cat(biases, 0) if all(b is not None for b in biases) else None
-            L.o_w = take(p + "self_attn.o_proj.weight")
-            L.o_b = take(p + "self_attn.o_proj.bias", required=False)
-            L.q_norm = take(p + "self_attn.q_norm.weight", required=c.qk_norm)
-            L.k_norm = take(p + "self_attn.k_norm.weight", required=c.qk_norm)
-            L.gate_up_w = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
-            L.down_w = take(p + "mlp.down_proj.weight")
-            self.layers.append(L)
+            self.layers.append(_Layer(
+                ln1=take(p + "input_layernorm.weight"), ln2=take(p + "post_attention_layernorm.weight"),
+                qkv_w=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0),
+                qkv_b=torch.cat(biases, 0) if all(b is not None for b in biases) else None,
+                o_w=take(p + "self_attn.o_proj.weight"), o_b=take(p + "self_attn.o_proj.bias", required=False),
+                q_norm=take(p + "self_attn.q_norm.weight", required=c.qk_norm),
+                k_norm=take(p + "self_attn.k_norm.weight", required=c.qk_norm),
+                gate_up_w=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0),
+                down_w=take(p + "mlp.down_proj.weight")))
         scaling = c.rope_scaling
         inv = rope_inv_freq(c.head_dim, c.rope_theta, scaling)
         factor = 1.0
@@ -101,6 +108,7 @@ class LlamaModel:
                 qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, c.head_dim), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
             else:
+                assert L.k_norm is not None
                 q = rms_norm(qkv[:, :self._q_size].view(T, H, c.head_dim), L.q_norm, c.rms_norm_eps)
                 k = rms_norm(qkv[:, self._q_size:self._q_size + self._kv_size].view(T, Hkv, c.head_dim),
                              L.k_norm, c.rms_norm_eps)
@@ -114,7 +122,7 @@ class LlamaModel:
         h = rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return F.linear(h, self.lm_head).float()                         # (N, vocab)
 
-    def _decode_context(self, b: ForwardBatch, kv: KVCache):
+    def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On the torch path, the cache slots of every decode sequence's context, computed once per
         step and shared by all layers (the Triton kernel walks the page table itself)."""
         if b.num_decode == 0 or use_triton(b.input_ids, self.backend):
@@ -123,10 +131,11 @@ class LlamaModel:
         lens = b.seq_lens[:nd]
         return context_slots(b.page_table[:nd], lens, kv.page_size, int(lens.max()))
 
-    def _attention(self, q, k_cache, v_cache, b: ForwardBatch, ctx) -> torch.Tensor:
+    def _attention(self, q, k_cache, v_cache, b: ForwardBatch,
+                   ctx: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         nd = b.num_decode
         if ctx is not None and nd == b.num_seqs:
-            return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), *ctx, self.scale)
+            return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1], self.scale)
         if nd == b.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, self.scale,
                                           backend=self.backend)
@@ -136,7 +145,8 @@ class LlamaModel:
         # decode rows come first (see ForwardBatch): one vectorised decode call, one extend call
         out = torch.empty_like(q)
         if ctx is not None:
-            out[:nd] = attend_gathered(q[:nd], k_cache.flatten(0, 1), v_cache.flatten(0, 1), *ctx, self.scale)
+            out[:nd] = attend_gathered(q[:nd], k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1],
+                                       self.scale)
         else:
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd],
                                               self.scale, backend=self.backend)

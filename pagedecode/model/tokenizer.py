@@ -104,8 +104,9 @@ class Tokenizer:
         if bos_token_id is None and isinstance(cfg.get("bos_token"), str):
             bos_token_id = tok.token_to_id(cfg["bos_token"])
         eos = list(eos_token_ids)
-        if not eos and isinstance(cfg.get("eos_token"), str) and tok.token_to_id(cfg["eos_token"]) is not None:
-            eos = [tok.token_to_id(cfg["eos_token"])]
+        named_eos = tok.token_to_id(cfg["eos_token"]) if isinstance(cfg.get("eos_token"), str) else None
+        if not eos and named_eos is not None:
+            eos = [named_eos]
         return cls(tok, add_bos=cfg.get("add_bos_token"), add_eos=bool(cfg.get("add_eos_token", False)),
                    bos_token_id=bos_token_id, eos_token_ids=eos)
 
@@ -117,7 +118,7 @@ class Tokenizer:
             return self._tok.encode(text, add_special_tokens=True).ids
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id] + ids
+            ids = [int(self.bos_token_id)] + ids
         if self.add_eos and self.eos_token_ids:
             ids = ids + [self.eos_token_ids[0]]
         return ids
@@ -154,8 +155,9 @@ class Tokenizer:
         if s is None:
             return b""
         if self.kind == "bytelevel":
-            if all(c in self._alphabet for c in s):
-                return bytes(self._alphabet[c] for c in s)
+            alphabet = self._alphabet or {}
+            if all(c in alphabet for c in s):
+                return bytes(alphabet[c] for c in s)
             return s.encode()
         if self.kind == "sentencepiece":
             return s.replace(self._opts["replacement"], " ").encode()

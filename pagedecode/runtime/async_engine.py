@@ -128,6 +128,7 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine is shutting down")
         rid = self.engine.add_request(prompt, params, request_id, stream=True)
         buffer = self.engine._get(rid).buffer
+        assert buffer is not None and self._loop is not None
         stream = RequestStream(self, rid, buffer)
         loop = self._loop
         ref = weakref.ref(stream)          # a dropped stream must be collectable (disconnect)

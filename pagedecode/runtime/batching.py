@@ -9,7 +9,13 @@ from .scheduler import SchedulerOutput
 
 def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> ForwardBatch:
     seqs = plan.seqs
-    ids, positions, slots, cu, lens, logits_rows, logits_seqs = [], [], [], [0], [], [], []
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    lens: list[int] = []
+    logits_rows: list[int] = []
+    logits_seqs: list[int] = []
     max_pages = max(len(s.request.pages) for s in seqs)
     table = []
     for i, s in enumerate(seqs):

@@ -27,7 +27,8 @@ class _Pending:
     __slots__ = ("token", "logprob", "start")
 
     def __init__(self, token: int, logprob: float) -> None:
-        self.token, self.logprob, self.start = token, logprob, None
+        self.token, self.logprob = token, logprob
+        self.start: int | None = None          # offset of its first character, once it has one
 
 
 class OutputPipeline:
@@ -118,7 +119,8 @@ class OutputPipeline:
             self._held_since = None
         if self.stop_strings.held and self._held_since is None:
             self._held_since = now
-        keep, out = [], []
+        keep: list[_Pending] = []
+        out: list[_Pending] = []
         for p in self._pending:
             shown = p.start is not None and p.start < self._released
             (out if shown or everything else keep).append(p)

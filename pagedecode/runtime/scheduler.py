@@ -128,6 +128,7 @@ class Scheduler:
         self.running.remove(req)
         self._release_pages(req)
         req.num_computed = 0
+        assert req.slot is not None, "a running request holds a slot"
         self.slots.release(req.slot)
         req.slot = None
         req.trace.add("preempted", output_tokens=len(req.output_ids))

@@ -36,6 +36,7 @@ class TokenSelector:
     def admit(self, req: Request) -> None:
         """A request took a slot (first time or after preemption): its state moves in."""
         if uses_penalties(req.params):
+            assert req.slot is not None, "admitted requests hold a slot"
             self._penalty_state().reset(req.slot, req.prompt_ids, req.output_ids, req.params.logit_bias)
 
     def select(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list]:
@@ -52,13 +53,13 @@ class TokenSelector:
                                       [len(r.output_ids) for r in reqs], device=dev)
         penalties = None
         if any(active):
-            penalties = make_penalty_inputs(self._penalty_state(), [r.slot for r in reqs],
+            penalties = make_penalty_inputs(self._penalty_state(), [r.slot or 0 for r in reqs],
                                             [q.repetition_penalty for q in p], [q.presence_penalty for q in p],
                                             [q.frequency_penalty for q in p], active, dev)
         out = sample(logits.float().contiguous(), inputs, backend=self.backend, penalties=penalties)
         tokens = out.tokens.tolist()
         if penalties is not None:
-            chosen = [(r.slot, t) for r, t, a in zip(reqs, tokens, active) if a]
+            chosen = [(r.slot or 0, t) for r, t, a in zip(reqs, tokens, active) if a]
             self._penalty_state().record([s for s, _ in chosen], [t for _, t in chosen])
         return tokens, out.logprobs.tolist()
 

@@ -10,7 +10,7 @@ class SlotTable:
             raise ValueError(f"need at least one batch slot, got {num_slots}")
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._held = set()
+        self._held: set[int] = set()
 
     @property
     def free_slots(self) -> int:

@@ -41,7 +41,7 @@ class EventBuffer:
             self.on_push()
 
     def pop(self, max_events: int | None = None) -> list[Event]:
-        out = []
+        out: list[Event] = []
         now = time.perf_counter()
         with self._lock:
             while self._items and (max_events is None or len(out) < max_events):
