@@ -18,6 +18,12 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ._backend import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
 
 class PenaltyState:
     def __init__(self, num_slots: int, vocab_size: int, device) -> None:
@@ -87,3 +93,14 @@ def apply_penalties_ref(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
     out = logits.clone()
     out[rows] = x
     return out
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _penalize(x, offs, ok, state, rep, pres, freq, counts_ptr, seen_ptr, bias_ptr):
+        # mirrors penalties.apply_penalties_ref: bias, repetition, then frequency and presence
+        x = x + tl.load(bias_ptr + state + offs, mask=ok, other=0.0)
+        seen = tl.load(seen_ptr + state + offs, mask=ok, other=0) != 0
+        x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+        count = tl.load(counts_ptr + state + offs, mask=ok, other=0).to(tl.float32)
+        return x - freq * count - pres * (count > 0).to(tl.float32)

@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from ._backend import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
 MASK32 = 0xFFFFFFFF
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57     # Philox multipliers
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85         # Weyl key increments
@@ -66,3 +72,26 @@ def uniform(seed, index, token) -> torch.Tensor:
 def gumbel(seed, index, token) -> torch.Tensor:
     """Gumbel(0, 1) noise in float32: -log(-log(u))."""
     return -torch.log(-torch.log(uniform(seed, index, token)))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _philox_gumbel(seed, index, token):
+        # Philox4x32-10, key = seed, counter = (token, index, DOMAIN, 0); mirrors philox4x32 / uniform / gumbel above
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c0 = token.to(tl.uint32)
+        c1 = (index & 0xFFFFFFFF).to(tl.uint32) + c0 * 0
+        c2 = c0 * 0 + 0x53414D50
+        c3 = c0 * 0
+        for _ in tl.static_range(10):
+            a0 = c0
+            a2 = c2
+            c0 = tl.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
+            c2 = tl.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
+            c1 = a2 * 0xCD9E8D57
+            c3 = a0 * 0xD2511F53
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        u = (c0 >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+        return -tl.log(-tl.log(u))

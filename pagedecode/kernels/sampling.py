@@ -33,6 +33,10 @@ from .penalties import PenaltyInputs, apply_penalties_ref
 from .philox import GUMBEL_MAX, GUMBEL_MIN, gumbel
 
 if HAS_TRITON:
+    from .penalties import _penalize
+    from .philox import _philox_gumbel
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
@@ -133,15 +137,6 @@ if HAS_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _penalize(x, offs, ok, state, rep, pres, freq, counts_ptr, seen_ptr, bias_ptr):
-        # mirrors penalties.apply_penalties_ref: bias, repetition, then frequency and presence
-        x = x + tl.load(bias_ptr + state + offs, mask=ok, other=0.0)
-        seen = tl.load(seen_ptr + state + offs, mask=ok, other=0) != 0
-        x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
-        count = tl.load(counts_ptr + state + offs, mask=ok, other=0).to(tl.float32)
-        return x - freq * count - pres * (count > 0).to(tl.float32)
-
-    @triton.jit
     def _bisect(base, V, div, zmax, lo, hi, target, BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr):
         """The largest value t (as a float) with mass(z >= t) >= target, mass the sum of
         exp(z - zmax), searched over order keys in [lo, hi) with a pass over the row per step.
@@ -219,27 +214,6 @@ if HAS_TRITON:
         score = tl.where(keep, z + _philox_gumbel(seed, index, tokens), float("-inf"))
         top = tl.max(score, 0)
         return tl.min(tl.where(score == top, tokens, V), 0)
-
-    @triton.jit
-    def _philox_gumbel(seed, index, token):
-        # Philox4x32-10, key = seed, counter = (token, index, DOMAIN, 0); mirrors philox.py
-        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        c0 = token.to(tl.uint32)
-        c1 = (index & 0xFFFFFFFF).to(tl.uint32) + c0 * 0
-        c2 = c0 * 0 + 0x53414D50
-        c3 = c0 * 0
-        for _ in tl.static_range(10):
-            a0 = c0
-            a2 = c2
-            c0 = tl.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
-            c2 = tl.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
-            c1 = a2 * 0xCD9E8D57
-            c3 = a0 * 0xD2511F53
-            k0 = k0 + 0x9E3779B9
-            k1 = k1 + 0xBB67AE85
-        u = (c0 >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
-        return -tl.log(-tl.log(u))
 
     @triton.jit
     def _sample_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,

@@ -17,7 +17,7 @@ from ..model.kv_cache import KVCache
 from ..params import SamplingParams
 from .batching import build_batch
 from .config import DEFAULT_CACHE_TOKENS, EngineConfig
-from .events import DeltaEvent, Event, RequestOutput, StartEvent, TerminalEvent
+from .events import Event, RequestOutput, StartEvent, TerminalEvent
 from .intake import make_request
 from .lifecycle import FinishReason, RequestState
 from .output import Emission
@@ -305,34 +305,13 @@ class Engine:
                                 f"consumer did not read for {self.config.backpressure_timeout_s}s", events)
 
     def _runnable(self, req: Request) -> bool:
-        """Backpressure: a request whose outgoing buffer is full is not scheduled."""
-        if req.cancel_requested_at is not None:
-            return False
-        if req.buffer is not None and req.buffer.full:
-            if req.paused_since is None:
-                req.paused_since = time.perf_counter()
-                req.trace.add("backpressure.paused", buffered=len(req.buffer))
-            return False
-        if req.paused_since is not None:
-            req.paused_since = None
-            req.trace.add("backpressure.resumed")
-        return True
+        """Not scheduled: a request being cancelled, or held back by its full outgoing buffer."""
+        return req.cancel_requested_at is None and not req.backpressured()
 
     # -- events out ---------------------------------------------------------------------------
     def _deliver(self, req: Request, em: Emission, events: list[Event]) -> None:
-        if not em.text and not em.token_ids:
-            return
-        lps = em.logprobs if req.params.logprobs is not None else None
-        ev = DeltaEvent(req.request_id, req.take_seq(), em.text, em.token_ids, lps)
-        req.text_parts.append(em.text)
-        req.returned_ids.extend(em.token_ids)
-        req.returned_logprobs.extend(em.logprobs)
-        req.usage.returned_tokens += len(em.token_ids)
-        n_bytes = len(em.text.encode())
-        req.usage.returned_bytes += n_bytes
-        req.trace.add("delta", seq=ev.seq, bytes=n_bytes, tokens=len(em.token_ids),
-                      held_chars=len(req.pipeline.stop_strings.held), held_ids=len(req.pipeline.stop_ids.held))
-        self._emit(req, ev, events)
+        if em.text or em.token_ids:
+            self._emit(req, req.delta(em), events)
 
     def _emit(self, req: Request, ev: Event, events: list[Event]) -> None:
         req.history.append(ev)

@@ -19,9 +19,6 @@ class PagePool:
     def free_pages(self) -> int:
         return len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int] | None:
         """n fresh pages with ref count 1, or None (and nothing taken) when too few are free."""
         if n > len(self._free):

@@ -10,13 +10,14 @@ to 0 (pages gone) and nothing else: the output, seed and decoder state are untou
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
-from .events import Event, RequestOutput, Timings, Usage
+from .events import DeltaEvent, Event, RequestOutput, Timings, Usage
 from .lifecycle import FinishReason, RequestState, check_transition
-from .output import OutputPipeline
+from .output import Emission, OutputPipeline
 from .stream import EventBuffer
 from .trace import Trace
 
@@ -74,6 +75,33 @@ class Request:
         seq = self.next_seq
         self.next_seq += 1
         return seq
+
+    def delta(self, em: Emission) -> DeltaEvent:
+        """The next delta event, with the returned text, ids and usage counted."""
+        lps = em.logprobs if self.params.logprobs is not None else None
+        ev = DeltaEvent(self.request_id, self.take_seq(), em.text, em.token_ids, lps)
+        self.text_parts.append(em.text)
+        self.returned_ids.extend(em.token_ids)
+        self.returned_logprobs.extend(em.logprobs)
+        n_bytes = len(em.text.encode())
+        self.usage.returned_tokens += len(em.token_ids)
+        self.usage.returned_bytes += n_bytes
+        self.trace.add("delta", seq=ev.seq, bytes=n_bytes, tokens=len(em.token_ids),
+                       held_chars=len(self.pipeline.stop_strings.held), held_ids=len(self.pipeline.stop_ids.held))
+        return ev
+
+    def backpressured(self) -> bool:
+        """True while the outgoing buffer is full (the request then waits, its state untouched);
+        records when a pause starts and ends."""
+        if self.buffer is not None and self.buffer.full:
+            if self.paused_since is None:
+                self.paused_since = time.perf_counter()
+                self.trace.add("backpressure.paused", buffered=len(self.buffer))
+            return True
+        if self.paused_since is not None:
+            self.paused_since = None
+            self.trace.add("backpressure.resumed")
+        return False
 
     def to_output(self) -> RequestOutput:
         if self.buffer is not None:

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from .events import DeltaEvent, Event, TerminalEvent
+from .events import DeltaEvent, Event
 
 
 class EventBuffer:
@@ -21,7 +21,6 @@ class EventBuffer:
         self.on_push = on_push
         self.on_pop: Callable[[], None] | None = None
         self.wait_s = 0.0               # summed time events sat here before being read
-        self.closed = False
 
     def __len__(self) -> int:
         return len(self._items)
@@ -53,7 +52,3 @@ class EventBuffer:
         if out and self.on_pop is not None:
             self.on_pop()
         return out
-
-    def has_terminal(self) -> bool:
-        with self._lock:
-            return any(isinstance(e, TerminalEvent) for _, e in self._items)

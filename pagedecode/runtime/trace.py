@@ -22,9 +22,6 @@ class Trace:
         if not self.closed:
             self.records.append({"t_us": now_us(), "kind": kind, **fields})
 
-    def kinds(self) -> list[str]:
-        return [r["kind"] for r in self.records]
-
 
 def _jsonable(v):
     if hasattr(v, "value"):

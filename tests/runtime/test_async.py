@@ -16,6 +16,12 @@ def slow_engine(script=(101, 102, 103), delay=0.002, **cfg):
     return engine(list(script), on_forward=lambda info: time.sleep(delay), **cfg)
 
 
+async def until_terminal(eng, rid, timeout_s=5.0):
+    deadline = time.perf_counter() + timeout_s
+    while not eng.result(rid).state.terminal and time.perf_counter() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def test_streams_deliver_the_ordered_events():
     async def main():
         eng = slow_engine()
@@ -98,10 +104,7 @@ def test_disconnect_cancels_as_transport_error(how):
             else:
                 del stream
                 gc.collect()
-            for _ in range(200):
-                if eng.result(rid).state.terminal:
-                    break
-                await asyncio.sleep(0.01)
+            await until_terminal(eng, rid)
         return eng, rid
     eng, rid = asyncio.run(main())
     out = eng.result(rid)
@@ -117,10 +120,7 @@ def test_disconnect_with_continue_runs_to_the_end():
             rid = stream.request_id
             await stream.__anext__()
             await stream.aclose()
-            for _ in range(500):
-                if eng.result(rid).state.terminal:
-                    break
-                await asyncio.sleep(0.01)
+            await until_terminal(eng, rid)
         return eng, rid
     eng, rid = asyncio.run(main())
     assert eng.result(rid).state == S.FINISHED and len(eng.result(rid).selected_token_ids) == 30
