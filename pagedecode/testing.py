@@ -85,20 +85,25 @@ def prefill_batch(token_ids: Sequence[int], pages: Sequence[int], page_size: int
 
 
 class ByteVocabTokenizer:
-    """vocab: {id: bytes}. decode joins the bytes; encode takes the longest match at each point."""
+    """vocab: {id: bytes}. decode joins the bytes; encode takes the longest match at each point.
+    A pd.TokenizerLike whose byte table is exact by construction."""
+
+    strip_first = 0
 
     def __init__(self, vocab: Mapping[int, bytes], bos_token_id: int | None = None,
                  eos_token_id: int | None = None) -> None:
         self.vocab = dict(vocab)
         self.vocab_size = max(self.vocab) + 1
         self.bos_token_id = bos_token_id
-        self.eos_token_ids = () if eos_token_id is None else (eos_token_id,)
+        self.eos_token_ids: tuple[int, ...] = () if eos_token_id is None else (eos_token_id,)
         self.special_ids = frozenset(i for i in (bos_token_id, eos_token_id) if i is not None)
+        self.byte_pieces: ByteVocabTokenizer | None = self
+        self.splits_characters = True
         self._by_bytes = {b: i for i, b in sorted(self.vocab.items(), reverse=True)
                           if b and i not in self.special_ids}
         self._longest = max(len(b) for b in self._by_bytes)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         data, ids, i = text.encode(), [], 0
         while i < len(data):
             for n in range(min(self._longest, len(data) - i), 0, -1):
@@ -109,7 +114,8 @@ class ByteVocabTokenizer:
                     break
             else:
                 raise ValueError(f"byte {data[i]:#x} at {i} has no token")
-        return ([self.bos_token_id] if self.bos_token_id is not None else []) + ids
+        bos = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
+        return bos + ids
 
     def is_shown(self, token_id: int, skip_special_tokens: bool) -> bool:
         if token_id not in self.vocab:
@@ -118,6 +124,9 @@ class ByteVocabTokenizer:
 
     def token_bytes(self, token_id: int, first: bool) -> bytes:
         return self.vocab.get(token_id, b"")
+
+    def byte_fallback_value(self, token_id: int) -> int | None:
+        return None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return b"".join(self.vocab[i] for i in ids if self.is_shown(i, skip_special_tokens)).decode(

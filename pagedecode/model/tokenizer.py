@@ -1,23 +1,25 @@
-"""Tokenizer: `tokenizers` for encode and decode, plus each token's exact bytes for streaming.
+"""Tokenizer: `tokenizers` for encode and decode, plus, where provably exact, each token's bytes.
 
-The incremental detokenizer needs bytes, not text: half a UTF-8 character must be held, not
-shown as U+FFFD. `token_bytes(id, first)` gives the bytes a token contributes to the batch
-decode, for the decoder families accepted here (they are all context-free per token, apart
-from "is this the first shown token"):
+The incremental detokenizer (runtime/detokenizer.py) has two ways to stream text:
 
-    ByteLevel (GPT-2, Llama 3, Qwen)      chars mapped back through the byte alphabet
-    SentencePiece style (Llama 2, Mistral) "▁" -> space; <0xNN> tokens are bytes, decoded a run
-                                           at a time (byte_fallback_value); `strip_first`
-                                           leading spaces of the text are dropped (Strip / Metaspace)
-    WordPiece (BERT)                      "##" joins, other tokens get a space, cleanup rules
-    no decoder                            the token text as is
+- a byte table (`BytePieces`): each token's exact bytes, for the decoder families whose
+  batch decode is a per-token function (apart from "is this the first shown token"):
+
+      ByteLevel (GPT-2, Llama 3, Qwen)        chars mapped back through the byte alphabet
+      Metaspace (SentencePiece)               "▁" -> space; the first token loses one space
+      Replace(▁ -> " "), ByteFallback, Fuse,  Llama 2 / Mistral: <0xNN> tokens are bytes,
+      Strip(" ", n, 0) as a Sequence          decoded a run at a time; n leading spaces dropped
+      WordPiece (BERT)                        "##" joins, other tokens get a space, cleanup
+
+- for any other decoder (bare ByteFallback, other Strip / Replace forms, BPEDecoder, CTC,
+  none at all, other Sequences) a sliding window of ids decoded by the tokenizer itself.
 """
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 from ..errors import ModelLoadError
 
@@ -25,6 +27,36 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _WORDPIECE_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
                       (" n't", "n't"), (" 'm", "'m"), (" do not", " don't"), (" 's", "'s"),
                       (" 've", "'ve"), (" 're", "'re"))
+# decoders that turn token text into bytes: their decode may end inside a character (U+FFFD)
+_BYTE_DECODERS = ("ByteLevel", "ByteFallback")
+
+
+class BytePieces(Protocol):
+    """Exact per-token bytes, for the streaming fast path."""
+    strip_first: int             # leading spaces of the decoded text to drop (a Strip decoder)
+
+    def token_bytes(self, token_id: int, first: bool) -> bytes: ...
+
+    def byte_fallback_value(self, token_id: int) -> int | None: ...
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """What the engine needs of a tokenizer. `pd.Tokenizer` and `pd.testing.ByteVocabTokenizer`
+    are two; `as_tokenizer` wraps the objects users already have."""
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    byte_pieces: BytePieces | None     # None: stream by decoding a window of ids
+    splits_characters: bool           # decode can end inside a character (shown as U+FFFD)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def is_shown(self, token_id: int, skip_special_tokens: bool) -> bool: ...
+
+    def byte_fallback_value(self, token_id: int) -> int | None: ...
 
 
 def byte_alphabet() -> dict[str, int]:
@@ -40,55 +72,72 @@ def byte_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars)}
 
 
-def _decoder_kind(decoder: dict | None) -> tuple[str, int, bool, dict]:
-    """(kind, leading spaces to strip from the first shown token, byte fallback, options)."""
+def _decoder_types(decoder: dict | None) -> list[str]:
     if decoder is None:
-        return "plain", 0, False, {}
+        return []
+    if decoder.get("type") == "Sequence":
+        return [t for d in decoder.get("decoders", []) for t in _decoder_types(d)]
+    return [str(decoder.get("type"))]
+
+
+def _fast_kind(decoder: dict | None) -> tuple[str, dict] | None:
+    """(kind, options) when the decoder is one whose output is a per-token function; else None."""
+    if decoder is None:
+        return None
     kind = decoder.get("type")
     if kind == "ByteLevel":
-        return "bytelevel", 0, False, {}
+        return "bytelevel", {}
     if kind == "WordPiece":
-        return "wordpiece", 0, False, {"prefix": decoder.get("prefix", "##"),
-                                       "cleanup": decoder.get("cleanup", True)}
+        return "wordpiece", {"prefix": decoder.get("prefix", "##"), "cleanup": decoder.get("cleanup", True)}
     if kind == "Metaspace":
-        strip = 0 if decoder.get("prepend_scheme", "always") == "never" else 1
-        return "sentencepiece", strip, False, {"replacement": decoder.get("replacement", "▁")}
-    if kind == "Sequence":
-        parts = decoder.get("decoders", [])
-        types = [p.get("type") for p in parts]
-        if set(types) <= {"Replace", "ByteFallback", "Fuse", "Strip"}:
-            strip, replacement = 0, "▁"
-            for p in parts:
-                if p["type"] == "Strip":
-                    if p.get("content") != " " or p.get("stop", 0) != 0:
-                        break
-                    strip = p.get("start", 0)
-                if p["type"] == "Replace":
-                    if p.get("content") != " " or "String" not in p.get("pattern", {}):
-                        break
-                    replacement = p["pattern"]["String"]
-            else:
-                return "sentencepiece", strip, "ByteFallback" in types, {"replacement": replacement}
-    raise ModelLoadError(f"unsupported tokenizer decoder {json.dumps(decoder)[:200]}; supported: "
-                         "ByteLevel, Metaspace / SentencePiece sequences, WordPiece")
+        # the first token loses every "▁" (not only a leading one), unless prepend_scheme is never
+        return "sentencepiece", {"replacement": decoder.get("replacement", "▁"), "strip": 0,
+                                 "drop_first": decoder.get("prepend_scheme", "always") != "never"}
+    if kind != "Sequence":
+        return None
+    # Llama 2 / Mistral: [Replace(▁ -> " "), ByteFallback, Fuse, Strip(" ", n, 0)], in that order
+    parts = decoder.get("decoders", [])
+    types = [p.get("type") for p in parts]
+    if types not in (["Replace", "ByteFallback", "Fuse", "Strip"], ["Replace", "ByteFallback", "Fuse"],
+                     ["Replace", "Fuse", "Strip"], ["Replace", "Fuse"]):
+        return None
+    rep = parts[0]
+    pattern = rep.get("pattern", {})
+    if rep.get("content") != " " or "String" not in pattern or len(pattern["String"]) != 1:
+        return None
+    strip = 0
+    if types[-1] == "Strip":
+        s = parts[-1]
+        if s.get("content") != " " or s.get("stop", 0) != 0:
+            return None
+        strip = int(s.get("start", 0))
+    return "sentencepiece", {"replacement": pattern["String"], "strip": strip, "drop_first": False}
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` with the model's BOS/EOS rules and exact per-token bytes."""
+    """A `tokenizers.Tokenizer` with the model's BOS/EOS rules, and exact per-token bytes where
+    the decoder allows them (`byte_pieces`)."""
 
-    def __init__(self, tok, *, add_bos: bool | None = None, add_eos: bool = False,
+    def __init__(self, tok: Any, *, add_bos: bool | None = None, add_eos: bool = False,
                  bos_token_id: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
         self._tok = tok
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.bos_token_id = bos_token_id
-        self.eos_token_ids = tuple(eos_token_ids)
-        spec = json.loads(tok.to_str())
-        self.kind, self.strip_first, self.byte_fallback, self._opts = _decoder_kind(spec.get("decoder"))
+        self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
+        decoder = json.loads(tok.to_str()).get("decoder")
+        self.decoder_types = _decoder_types(decoder)
+        self.splits_characters = any(t in _BYTE_DECODERS for t in self.decoder_types)
+        self.has_byte_fallback = "ByteFallback" in self.decoder_types
+        fast = _fast_kind(decoder)
+        self.kind, self._opts = fast if fast is not None else ("window", {})
+        self.strip_first = int(self._opts.get("strip", 0))
+        self.byte_pieces: BytePieces | None = self if fast is not None else None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._alphabet = byte_alphabet() if self.kind == "bytelevel" else None
         self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._byte_values: dict[int, int | None] = {}
 
     @classmethod
     def from_dir(cls, path: str | Path, eos_token_ids: Iterable[int] = (),
@@ -98,25 +147,37 @@ class Tokenizer:
         file = path / "tokenizer.json"
         if not file.is_file():
             raise ModelLoadError(f"missing tokenizer file: {file}")
-        tok = HFTokenizer.from_file(str(file))
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as e:
+            raise ModelLoadError(f"{file} cannot be read by `tokenizers`: {e}") from None
         cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        if bos_token_id is None and isinstance(cfg.get("bos_token"), str):
-            bos_token_id = tok.token_to_id(cfg["bos_token"])
+        try:
+            cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from None
+        if bos_token_id is None:
+            bos = _token_name(cfg.get("bos_token"))
+            bos_token_id = tok.token_to_id(bos) if bos else None
         eos = list(eos_token_ids)
-        named_eos = tok.token_to_id(cfg["eos_token"]) if isinstance(cfg.get("eos_token"), str) else None
+        named = _token_name(cfg.get("eos_token"))
+        named_eos = tok.token_to_id(named) if named else None
         if not eos and named_eos is not None:
             eos = [named_eos]
         return cls(tok, add_bos=cfg.get("add_bos_token"), add_eos=bool(cfg.get("add_eos_token", False)),
                    bos_token_id=bos_token_id, eos_token_ids=eos)
 
     # -- encode / decode ---------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        """Prompt ids. With add_bos_token in tokenizer_config.json, BOS is added by that rule;
-        without it, the tokenizer's own post-processor decides (as transformers does)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text`. With add_special_tokens, BOS (and EOS) are added by tokenizer_config's
+        add_bos_token / add_eos_token when it has them, else by the tokenizer's own
+        post-processor (as transformers does). Text that is already rendered with its special
+        tokens (a chat template) is encoded with add_special_tokens=False: no second BOS."""
+        if not add_special_tokens:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
         if self.add_bos is None:
-            return self._tok.encode(text, add_special_tokens=True).ids
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+            return list(self._tok.encode(text, add_special_tokens=True).ids)
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         if self.add_bos and self.bos_token_id is not None:
             ids = [int(self.bos_token_id)] + ids
         if self.add_eos and self.eos_token_ids:
@@ -124,24 +185,34 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size],
-                                skip_special_tokens=skip_special_tokens)
+        try:
+            return str(self._tok.decode([i for i in ids if 0 <= i < self.vocab_size],
+                                        skip_special_tokens=skip_special_tokens))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:      # a Rust panic inside `tokenizers` is not an Exception
+            raise RuntimeError(f"the tokenizer failed to decode {len(ids)} ids: {e}") from None
 
-    # -- bytes for streaming -----------------------------------------------------------------
     def is_shown(self, token_id: int, skip_special_tokens: bool) -> bool:
         """Whether the token reaches the decoder at all (unknown ids and skipped specials don't)."""
         if not 0 <= token_id < self.vocab_size:
             return False
         return not (skip_special_tokens and token_id in self.special_ids)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)  # type: ignore[no-any-return]
+
     def byte_fallback_value(self, token_id: int) -> int | None:
         """The byte a <0xNN> token stands for, under a ByteFallback decoder; else None."""
-        if not self.byte_fallback:
+        if not self.has_byte_fallback:
             return None
-        s = self._tok.id_to_token(token_id)
-        m = _BYTE_TOKEN.fullmatch(s) if s is not None else None
-        return int(m.group(1), 16) if m else None
+        if token_id not in self._byte_values:
+            s = self._tok.id_to_token(token_id)
+            m = _BYTE_TOKEN.fullmatch(s) if s is not None else None
+            self._byte_values[token_id] = int(m.group(1), 16) if m else None
+        return self._byte_values[token_id]
 
+    # -- bytes for streaming (fast path only) -------------------------------------------------
     def token_bytes(self, token_id: int, first: bool) -> bytes:
         """Bytes this token adds to the batch decode; `first`: it is the first shown token."""
         key = (token_id, first)
@@ -158,9 +229,10 @@ class Tokenizer:
             alphabet = self._alphabet or {}
             if all(c in alphabet for c in s):
                 return bytes(alphabet[c] for c in s)
-            return s.encode()
+            return str(s).encode()
         if self.kind == "sentencepiece":
-            return s.replace(self._opts["replacement"], " ").encode()
+            space = "" if first and self._opts["drop_first"] else " "
+            return str(s).replace(self._opts["replacement"], space).encode()
         if self.kind == "wordpiece":
             prefix = self._opts["prefix"]
             if not first:
@@ -168,5 +240,40 @@ class Tokenizer:
             if self._opts["cleanup"]:
                 for dirty, clean in _WORDPIECE_CLEANUP:
                     s = s.replace(dirty, clean)
-            return s.encode()
-        return s.encode()
+            return str(s).encode()
+        raise AssertionError(f"no byte table for decoder kind {self.kind!r}")
+
+
+def _token_name(value: Any) -> str | None:
+    """tokenizer_config.json names a token as a string or as {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def as_tokenizer(obj: Any) -> TokenizerLike:
+    """Wrap what a user has: a pd.Tokenizer (or any TokenizerLike), a `tokenizers.Tokenizer`,
+    a transformers fast tokenizer, or a folder holding tokenizer.json. Anything else: TypeError."""
+    if isinstance(obj, (str, Path)):
+        path = Path(obj)
+        if not (path / "tokenizer.json").is_file():
+            raise TypeError(f"tokenizer folder {path} holds no tokenizer.json")
+        return Tokenizer.from_dir(path)
+    if isinstance(obj, TokenizerLike):
+        return obj
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:  # pragma: no cover - tokenizers is a dependency
+        HFTokenizer = None
+    if HFTokenizer is not None and isinstance(obj, HFTokenizer):
+        return Tokenizer(obj)
+    backend = getattr(obj, "backend_tokenizer", None)      # transformers PreTrainedTokenizerFast
+    if HFTokenizer is not None and isinstance(backend, HFTokenizer):
+        eos = getattr(obj, "eos_token_id", None)
+        return Tokenizer(backend, bos_token_id=getattr(obj, "bos_token_id", None),
+                         eos_token_ids=[] if eos is None else [eos])
+    raise TypeError(f"cannot use a {type(obj).__module__}.{type(obj).__name__} as a tokenizer: give a "
+                    "pd.Tokenizer, a tokenizers.Tokenizer, a transformers fast tokenizer, or a folder "
+                    "holding tokenizer.json")

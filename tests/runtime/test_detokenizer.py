@@ -1,18 +1,23 @@
-"""Incremental detokenizer against the tokenizer's own batch decode, for the three families the
-loader accepts: SentencePiece-style byte fallback (stories260k), byte-level BPE, WordPiece."""
+"""Incremental detokenizer against the tokenizer's own batch decode, for every decoder kind:
+the byte-table fast paths (SentencePiece byte fallback, byte-level BPE, WordPiece, Metaspace)
+and the generic window path (bare ByteFallback, Strip / Replace variants, BPEDecoder, CTC,
+no decoder, Sequences), with added and special tokens, skip_special_tokens on and off, and
+every split of the ids into prompt and output."""
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
 import pagedecode as pd
-from pagedecode.runtime.detokenizer import IncrementalDetokenizer, Utf8TailError
+from pagedecode.runtime.detokenizer import (ByteStream, IncrementalDetokenizer, Utf8TailError, WindowStream,
+                                            make_detokenizer)
 
 TEXTS = ["Hello wörld", "naïve café — ünïcode ✓", "日本語のテキスト", "emoji 🎉🚀 mix", "tabs\tand\nnewlines",
          "  leading spaces", "punctuation, it's don't !?", "x", "A  B   C"]
 
 
 def byte_level_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
+    from tokenizers import pre_tokenizers, trainers
+    tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|bos|>", "<|eos|>"],
@@ -24,8 +29,8 @@ def byte_level_tokenizer():
 
 
 def wordpiece_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    from tokenizers import normalizers, pre_tokenizers, trainers
+    tok = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
@@ -35,86 +40,188 @@ def wordpiece_tokenizer():
     return pd.Tokenizer(tok, add_bos=False)
 
 
+# A hand-made vocabulary with the pieces every decoder kind cares about: SentencePiece words,
+# WordPiece continuations, BPE end-of-word suffixes, CTC's pad and word delimiter, all 256
+# byte-fallback tokens; added special and non-special tokens on top.
+WORDS = ["▁the", "▁cat", "▁", "▁▁", "a", "b", "ab", "##s", "##ing", "x</w>", "y</w>", "<pad>", "|", " ",
+         "'s", ".", "é", "▁é", "\ufffd"]
+
+
+def sample_vocab_tokenizer(decoder):
+    vocab = {"<unk>": 0}
+    for w in WORDS:
+        vocab[w] = len(vocab)
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.add_tokens([AddedToken("<ADD>", special=False), AddedToken("▁added", special=False)])
+    if decoder is not None:
+        tok.decoder = decoder
+    return pd.Tokenizer(tok, add_bos=False)
+
+
+def llama2_decoder(strip=(1, 0)):
+    return decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                              decoders.Strip(" ", *strip)])
+
+
+KINDS = {
+    # fast paths (byte tables)
+    "llama2": (lambda: sample_vocab_tokenizer(llama2_decoder()), "fast"),
+    "llama2-no-strip": (lambda: sample_vocab_tokenizer(decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])), "fast"),
+    "metaspace": (lambda: sample_vocab_tokenizer(decoders.Metaspace()), "fast"),
+    "metaspace-never": (lambda: sample_vocab_tokenizer(decoders.Metaspace(prepend_scheme="never")), "fast"),
+    "wordpiece-sample": (lambda: sample_vocab_tokenizer(decoders.WordPiece()), "fast"),
+    "bytelevel-sample": (lambda: sample_vocab_tokenizer(decoders.ByteLevel()), "fast"),
+    # the generic window path
+    "bytefallback": (lambda: sample_vocab_tokenizer(decoders.ByteFallback()), "window"),
+    # (a Strip with stop > 0 is left out: `tokenizers` itself panics on short tokens with it)
+    "strip-per-token": (lambda: sample_vocab_tokenizer(decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Strip(" ", 1, 0)])), "window"),
+    "strip-2": (lambda: sample_vocab_tokenizer(decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 2, 0)])), "fast"),
+    "replace-other": (lambda: sample_vocab_tokenizer(decoders.Sequence(
+        [decoders.Replace("a", "AA"), decoders.ByteFallback(), decoders.Fuse()])), "window"),
+    "bpe-decoder": (lambda: sample_vocab_tokenizer(decoders.BPEDecoder("</w>")), "window"),
+    "ctc": (lambda: sample_vocab_tokenizer(decoders.CTC()), "window"),
+    "no-decoder": (lambda: sample_vocab_tokenizer(None), "window"),
+    "bytefallback-metaspace": (lambda: sample_vocab_tokenizer(decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace()])), "window"),
+}
+
+
 @pytest.fixture(scope="module")
-def tokenizers(stories_path):
+def kinds():
+    return {name: make() for name, (make, _) in KINDS.items()}
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_each_kind_takes_its_path(kinds, name):
+    tok = kinds[name]
+    want = ByteStream if KINDS[name][1] == "fast" else WindowStream
+    assert isinstance(make_detokenizer(tok, [1], True), want)
+
+
+def streams_for(tok):
+    """Every implementation that claims to be exact for this tokenizer."""
+    out = [lambda p, s: WindowStream(tok, p, s)]
+    if tok.byte_pieces is not None:
+        out.append(lambda p, s: ByteStream(tok, tok.byte_pieces, p, s))
+    return out
+
+
+def check_every_split(tok, ids, skip):
+    full = tok.decode(ids, skip)
+    for make in streams_for(tok):
+        for k in range(1, len(ids) + 1):
+            d = make(ids[:k], skip)
+            out = "".join(d.add(t) for t in ids[k:]) + d.flush("replace")
+            assert d.prompt_text + out == full, (k, d.prompt_text, out, full)
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), skip=st.booleans())
+def test_stream_equals_batch_decode_for_every_split(kinds, name, data, skip):
+    """Random ids (byte tokens, specials, added tokens, invalid UTF-8 included), cut into prompt
+    and output at every position: prompt text + stream + flush == the batch decode."""
+    tok = kinds[name]
+    interesting = [tok._tok.token_to_id(f"<0x{b:02X}>") for b in "é€🐱".encode() + b"\xff\x41\x20"] + \
+        list(range(len(WORDS) + 1)) + list(range(tok.vocab_size - 4, tok.vocab_size))   # words, specials, added
+    ids = st.one_of(st.sampled_from(sorted(set(interesting))), st.integers(0, tok.vocab_size - 1))
+    check_every_split(tok, data.draw(st.lists(ids, min_size=1, max_size=10)), skip)
+
+
+@pytest.fixture(scope="module")
+def real(stories_path):
     return {"sentencepiece": pd.Tokenizer.from_dir(stories_path), "bytelevel": byte_level_tokenizer(),
             "wordpiece": wordpiece_tokenizer()}
 
 
-def stream(tok, prompt, output, skip=True, errors="replace"):
-    d = IncrementalDetokenizer(tok, prompt, skip)
-    return "".join(d.add(t) for t in output) + d.flush(errors)
-
-
-def open_tail(tok, ids, skip):
-    """The prompt leaves something for the output to finish: an open byte run or half a char."""
-    shown = [t for t in ids if tok.is_shown(t, skip)]
-    if not shown:
-        return False
-    if getattr(tok, "byte_fallback_value", lambda t: None)(shown[-1]) is not None:
-        return True
-    return tok.decode(ids, skip).endswith("\ufffd")
-
-
 @pytest.mark.parametrize("kind", ["sentencepiece", "bytelevel", "wordpiece"])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), skip=st.booleans())
-def test_stream_equals_batch_decode(tokenizers, kind, data, skip):
-    """Random ids (byte tokens, specials, invalid UTF-8 included): prompt text + stream + flush
-    is exactly the tokenizer's batch decode of prompt + output."""
-    tok = tokenizers[kind]
-    ids = st.integers(0, tok.vocab_size - 1)
-    prompt = data.draw(st.lists(ids, min_size=1, max_size=6))
-    output = data.draw(st.lists(ids, max_size=12))
-    if open_tail(tok, prompt, skip):            # a prompt ending mid-character: tested below
-        prompt = prompt + tok.encode("a")[-1:]
-    prompt_text = tok.decode(prompt, skip)
-    full = tok.decode(prompt + output, skip)
-    assert full.startswith(prompt_text)
-    assert stream(tok, prompt, output, skip) == full[len(prompt_text):]
+def test_trained_tokenizers_random_ids(real, kind, data, skip):
+    tok = real[kind]
+    check_every_split(tok, data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=10)),
+                      skip)
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "bytelevel"])
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=20),
-       cut=st.integers(1, 40))
-def test_real_text_split_anywhere(tokenizers, kind, text, cut):
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=20))
+def test_real_text_split_anywhere(real, kind, text):
     """Real text, split into prompt and output at any token, even inside a character: the
-    stream holds the rest of the text exactly, never half a character and never prompt text
-    (a character straddling the cut belongs to the output)."""
-    tok = tokenizers[kind]
+    stream never shows half a character or prompt text, and strict flush succeeds."""
+    tok = real[kind]
     ids = tok.encode("The " + text)
-    cut = min(cut, len(ids))
-    prompt, output = ids[:cut], ids[cut:]
-    d = IncrementalDetokenizer(tok, prompt, True)
-    pieces = [d.add(t) for t in output] + [d.flush("strict")]
-    streamed = "".join(pieces)
     full = tok.decode(ids)
-    assert "\ufffd" not in streamed
-    assert full.endswith(streamed)
-    not_streamed = full[:len(full) - len(streamed)]
-    assert tok.decode(prompt).startswith(not_streamed)
-    assert not_streamed == tok.decode(prompt) or open_tail(tok, prompt, True)
+    for make in streams_for(tok):
+        for cut in range(1, len(ids) + 1):
+            d = make(ids[:cut], True)
+            pieces = [d.add(t) for t in ids[cut:]] + [d.flush("strict")]
+            assert "\ufffd" not in "".join(pieces)
+            assert d.prompt_text + "".join(pieces) == full
 
 
-def test_sentencepiece_leading_space_and_byte_fallback(tokenizers):
-    tok = tokenizers["sentencepiece"]
-    assert stream(tok, [1, 403, 407, 261, 378], [432, 383]) == ", there"
-    assert stream(tok, [1], [403, 407]) == "Once upon"           # the first shown token loses its space
-    assert stream(tok, [1], [1, 403], skip=False) == "<s> Once"   # a shown special stops the strip
-    euro = [3 + b for b in "€".encode()]                            # <0xE2> <0x82> <0xAC>
+def test_prompt_ending_in_a_complete_byte_run_is_not_repeated(real):
+    """Reproduction: stories260k, prompt "The cat 🐱🐶": the emoji run is the prompt's, so the
+    output starts after it (it used to start with the emoji again)."""
+    tok = real["sentencepiece"]
+    prompt = tok.encode("The cat 🐱🐶")
+    out = tok.encode(". She", add_special_tokens=False)
+    for make in streams_for(tok):
+        d = make(prompt, True)
+        assert d.prompt_text == "The cat 🐱🐶"
+        assert "".join(d.add(t) for t in out) + d.flush() == tok.decode(prompt + out)[len("The cat 🐱🐶"):]
+
+
+def test_byte_level_prompt_ending_inside_a_character(real):
+    """Reproduction: a byte-level prompt whose last token ends inside "é": the output's first
+    text is the whole character, never U+FFFD."""
+    tok = real["bytelevel"]
+    alphabet = {b: c for c, b in pd.model.tokenizer.byte_alphabet().items()}
+    first, second = (tok._tok.token_to_id(alphabet[b]) for b in "é".encode())
+    prompt = tok.encode("caf", add_special_tokens=False) + [first]
+    for make in streams_for(tok):
+        d = make(prompt, True)
+        assert d.prompt_text == "caf"
+        assert d.add(second) == "é"
+        assert d.flush() == ""
+
+
+def test_sentencepiece_leading_space_and_byte_fallback(real):
+    tok = real["sentencepiece"]
+
+    def stream(prompt, output, skip=True, errors="replace"):
+        d = IncrementalDetokenizer(tok, prompt, skip)
+        return "".join(d.add(t) for t in output) + d.flush(errors)
+    assert stream([1, 403, 407, 261, 378], [432, 383]) == ", there"
+    assert stream([1], [403, 407]) == "Once upon"           # the first shown token loses its space
+    assert stream([1], [1, 403], skip=False) == "<s> Once"   # a shown special stops the strip
+    euro = [3 + b for b in "€".encode()]                       # <0xE2> <0x82> <0xAC>
     d = IncrementalDetokenizer(tok, [1, 403], True)
-    assert [d.add(t) for t in euro] == ["", "", ""]               # a run is held ...
-    assert d.add(403) == "€ Once"                                   # ... until a normal token closes it
-    d = IncrementalDetokenizer(tok, [1, 403], True)
-    for t in euro[:2]:
-        d.add(t)
-    with pytest.raises(Utf8TailError):
-        d.flush("strict")
-    assert stream(tok, [1, 403], euro[:2], skip=True, errors="replace") == "\ufffd\ufffd" == \
-        tok.decode([1, 403] + euro[:2])[len(" Once") - 1:]
+    assert [d.add(t) for t in euro] == ["", "", ""]          # a run is held ...
+    assert d.add(403) == "€ Once"                              # ... until a normal token closes it
+    for make in streams_for(tok):
+        d = make([1, 403], True)
+        for t in euro[:2]:
+            d.add(t)
+        with pytest.raises(Utf8TailError):
+            d.flush("strict")
+    assert stream([1, 403], euro[:2], errors="replace") == "\ufffd\ufffd"
 
 
-def test_ids_beyond_vocabulary_add_nothing(tokenizers):
-    for tok in tokenizers.values():
-        assert stream(tok, tok.encode("a"), [tok.vocab_size + 5, 10**9]) == ""
+def test_ids_beyond_vocabulary_add_nothing(real, kinds):
+    for tok in list(real.values()) + list(kinds.values()):
+        for make in streams_for(tok):
+            d = make(tok.encode("a"), True)
+            assert d.add(tok.vocab_size + 5) + d.add(10**9) + d.flush() == ""
+
+
+def test_window_slides_and_stays_exact(kinds):
+    tok = kinds["ctc"]
+    ids = [tok._tok.token_to_id(w) for w in ("a", "b", "a", "a", "|", "<pad>", "b")] * 40
+    check_every_split(tok, ids[:300], True)
