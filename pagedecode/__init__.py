@@ -12,20 +12,22 @@ from .model.config import ModelConfig
 from .model.kv_cache import KVCache
 from .model.llama import LlamaModel
 from .model.loader import load_model
-from .model.tokenizer import Tokenizer
+from .model.tokenizer import Tokenizer, TokenizerLike, as_tokenizer
 from .params import SamplingParams
+from .protocols import Model
 from .runtime.async_engine import AsyncEngine
 from .runtime.config import EngineConfig
 from .runtime.engine import Engine
 from .runtime.events import (DeltaEvent, RequestOutput, StartEvent, TerminalEvent, Timings, Usage,
                              STOP_RULE_VERSION)
 from .runtime.lifecycle import ALLOWED, FinishReason, RequestState
+from .runtime.registry import ForgottenRequestError
 from .runtime.trace import to_chrome, to_jsonl
 
-Model = LlamaModel   # any object with config, device, dtype and forward(batch, kv_cache) is a model
 
 __all__ = [
     "ALLOWED", "AsyncEngine", "DeltaEvent", "DoubleReleaseError", "Engine", "EngineConfig", "FinishReason",
+    "ForgottenRequestError", "TokenizerLike", "as_tokenizer",
     "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "Model",
     "ModelConfig", "ModelLoadError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
     "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "Usage", "load_model",

@@ -6,8 +6,9 @@ need one (ids inside the vocabulary) in `add_request`. Both raise InvalidRequest
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .errors import InvalidRequestError
 
@@ -15,15 +16,61 @@ MAX_STOPS = 16          # stop strings plus stop id sequences
 MAX_STOP_CHARS = 256    # longest stop string, in characters
 MAX_STOP_IDS = 32       # longest stop id sequence
 MAX_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1   # the sampler's integer fields (top_k, ids, counts) are int32
+FLOAT32_MAX = 3.4e38    # the sampler computes in float32
+MAX_BIAS = 1e6          # |logit_bias| beyond this only overflows; -inf bans a token
+REPETITION_RANGE = (0.01, 100.0)
 UTF8_POLICIES = ("strict", "replace")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _bad(name: str, msg: str, value: Any) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid SamplingParams.{name}: {msg}, got {value!r}")
+
+
+def _int(name: str, v: Any, lo: int, hi: int) -> None:
+    if not _is_int(v) or not lo <= v <= hi:
+        raise _bad(name, f"must be an integer in [{lo}, {hi}]", v)
+
+
+def _real(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    if not _is_real(v) or not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        raise _bad(name, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]", v)
+
+
+def _stop_strings(v: Any) -> tuple[str, ...]:
+    stops = (v,) if isinstance(v, str) else v
+    if not isinstance(stops, (list, tuple)):
+        raise _bad("stop", "must be a str or a list of str", v)
+    for s in stops:
+        if not isinstance(s, str):
+            raise _bad("stop", "must hold only strings", s)
+        if s == "":
+            raise _bad("stop", "an empty stop string would match everywhere", s)
+        if len(s) > MAX_STOP_CHARS:
+            raise _bad("stop", f"a stop string is longer than {MAX_STOP_CHARS} characters", s[:40] + "...")
+    return tuple(stops)
+
+
+def _stop_id_seqs(v: Any) -> tuple[tuple[int, ...], ...]:
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+        raise _bad("stop_token_ids", "must be a list of token ids or of id sequences", v)
+    seqs = []
+    for item in v:
+        seq = (item,) if _is_int(item) else tuple(item) if isinstance(item, (list, tuple)) else None
+        if not seq or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in seq):
+            raise _bad("stop_token_ids", "entries must be token ids or non-empty id sequences", item)
+        if len(seq) > MAX_STOP_IDS:
+            raise _bad("stop_token_ids", f"an id sequence is longer than {MAX_STOP_IDS}", item)
+        seqs.append(tuple(int(t) for t in seq))
+    return tuple(seqs)
 
 
 @dataclass(frozen=True)
@@ -33,10 +80,10 @@ class SamplingParams:
     top_k: int = 0                       # 0 disables; keeps ties at the k-th value
     top_p: float = 1.0                   # in (0, 1]; 1 disables
     min_p: float = 0.0                   # in [0, 1]; relative to the most likely token
-    repetition_penalty: float = 1.0      # > 0; over prompt and output ids (1 disables)
+    repetition_penalty: float = 1.0      # in [0.01, 100]; over prompt and output ids (1 disables)
     presence_penalty: float = 0.0        # in [-2, 2]; over output ids
     frequency_penalty: float = 0.0       # in [-2, 2]; over output ids
-    logit_bias: Mapping[int, float] | None = None
+    logit_bias: Mapping[int, float] | None = None   # id -> bias in [-1e6, 1e6], or -inf
     seed: int | None = None              # None: the engine draws one per request
     stop: Sequence[str] | str = ()       # stop strings, matched on generated text
     stop_token_ids: Sequence[int | Sequence[int]] = ()   # ids or id sequences
@@ -51,70 +98,43 @@ class SamplingParams:
     stop_id_seqs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid SamplingParams: {msg}")
-
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if (not _is_real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty)
-                or self.repetition_penalty <= 0):
-            raise bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_real(v) or not (-2.0 <= v <= 2.0):
-                raise bad(f"{name} must be in [-2, 2], got {v!r}")
+        _int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        _int("top_k", self.top_k, 0, MAX_INT32)
+        _real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _real("min_p", self.min_p, 0.0, 1.0)
+        _real("repetition_penalty", self.repetition_penalty, *REPETITION_RANGE)
+        _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
-                raise bad("logit_bias must be a mapping of token id to bias")
+                raise _bad("logit_bias", "must be a mapping of token id to bias", self.logit_bias)
             for tok, b in self.logit_bias.items():
-                if not _is_int(tok) or tok < 0:
-                    raise bad(f"logit_bias key {tok!r} is not a token id")
-                if not _is_real(b) or not (math.isfinite(b) or b == -math.inf):
-                    raise bad(f"logit_bias for {tok} must be finite or -inf, got {b!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**64)):
-            raise bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        for s in stops:
-            if not isinstance(s, str):
-                raise bad(f"stop strings must be str, got {s!r}")
-            if s == "":
-                raise bad("an empty stop string would match everywhere")
-            if len(s) > MAX_STOP_CHARS:
-                raise bad(f"stop string longer than {MAX_STOP_CHARS} characters")
-        id_seqs = []
-        for item in self.stop_token_ids:
-            seq: tuple | None = (item,) if _is_int(item) else tuple(item) if isinstance(item, Sequence) else None
-            if not seq or not all(_is_int(t) and t >= 0 for t in seq):
-                raise bad(f"stop_token_ids entries must be ids or non-empty id sequences, got {item!r}")
-            if len(seq) > MAX_STOP_IDS:
-                raise bad(f"stop id sequence longer than {MAX_STOP_IDS}")
-            id_seqs.append(seq)
+                if not _is_int(tok) or not 0 <= tok <= MAX_INT32:
+                    raise _bad("logit_bias", "keys must be token ids", tok)
+                if not _is_real(b) or not (abs(b) <= MAX_BIAS or b == -math.inf):
+                    raise _bad("logit_bias", f"values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] or -inf", b)
+        if self.seed is not None:
+            _int("seed", self.seed, 0, 2**64 - 1)
+        stops = _stop_strings(self.stop)
+        id_seqs = _stop_id_seqs(self.stop_token_ids)
         if len(stops) + len(id_seqs) > MAX_STOPS:
-            raise bad(f"at most {MAX_STOPS} stops, got {len(stops) + len(id_seqs)}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise _bad("stop", f"at most {MAX_STOPS} stops (strings and id sequences together)",
+                       len(stops) + len(id_seqs))
+        _int("min_tokens", self.min_tokens, 0, MAX_INT32)
         if self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.deadline_s is not None and (not _is_real(self.deadline_s) or not math.isfinite(self.deadline_s)
-                                            or self.deadline_s <= 0):
-            raise bad(f"deadline_s must be a finite number > 0, got {self.deadline_s!r}")
+            raise _bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.deadline_s is not None:
+            _real("deadline_s", self.deadline_s, 0.0, 1e9, lo_open=True)
         if self.utf8_errors not in UTF8_POLICIES:
-            raise bad(f"utf8_errors must be one of {UTF8_POLICIES}, got {self.utf8_errors!r}")
+            raise _bad("utf8_errors", f"must be one of {UTF8_POLICIES}", self.utf8_errors)
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
-                raise bad(f"{flag} must be a bool")
+                raise _bad(flag, "must be a bool", getattr(self, flag))
         object.__setattr__(self, "stop_strings", stops)
-        object.__setattr__(self, "stop_id_seqs", tuple(id_seqs))
+        object.__setattr__(self, "stop_id_seqs", id_seqs)
 
     @property
     def greedy(self) -> bool:

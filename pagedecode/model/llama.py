@@ -47,7 +47,7 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.backend = attention_backend
+        self.attention_backend = attention_backend
         c = config
 
         def take(name: str, required: bool = True) -> Any:
@@ -113,7 +113,7 @@ class LlamaModel:
                 k = rms_norm(qkv[:, self._q_size:self._q_size + self._kv_size].view(T, Hkv, c.head_dim),
                              L.k_norm, c.rms_norm_eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend=self.backend)
+            write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend=self.attention_backend)
             attn = self._attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, heads, head_dim)
             h = h + F.linear(attn.reshape(T, self._q_size), L.o_w, L.o_b)
             x = rms_norm(h, L.ln2, c.rms_norm_eps)
@@ -125,7 +125,7 @@ class LlamaModel:
     def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On the torch path, the cache slots of every decode sequence's context, computed once per
         step and shared by all layers (the Triton kernel walks the page table itself)."""
-        if b.num_decode == 0 or use_triton(b.input_ids, self.backend):
+        if b.num_decode == 0 or use_triton(b.input_ids, self.attention_backend):
             return None
         nd = b.num_decode
         lens = b.seq_lens[:nd]
@@ -138,10 +138,10 @@ class LlamaModel:
             return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1], self.scale)
         if nd == b.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, self.scale,
-                                          backend=self.backend)
+                                          backend=self.attention_backend)
         if nd == 0:
             return paged_extend_attention(q, k_cache, v_cache, b.page_table, b.cu_q, b.seq_lens,
-                                          self.scale, backend=self.backend, max_new=b.max_new)
+                                          self.scale, backend=self.attention_backend, max_new=b.max_new)
         # decode rows come first (see ForwardBatch): one vectorised decode call, one extend call
         out = torch.empty_like(q)
         if ctx is not None:
@@ -149,9 +149,9 @@ class LlamaModel:
                                        self.scale)
         else:
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd],
-                                              self.scale, backend=self.backend)
+                                              self.scale, backend=self.attention_backend)
         cu = b.cu_q[nd:] - b.cu_q[nd]
         out[nd:] = paged_extend_attention(q[nd:], k_cache, v_cache, b.page_table[nd:], cu,
-                                          b.seq_lens[nd:], self.scale, backend=self.backend,
+                                          b.seq_lens[nd:], self.scale, backend=self.attention_backend,
                                           max_new=b.max_new)
         return out

@@ -263,14 +263,11 @@ def as_tokenizer(obj: Any) -> TokenizerLike:
         return Tokenizer.from_dir(path)
     if isinstance(obj, TokenizerLike):
         return obj
-    try:
-        from tokenizers import Tokenizer as HFTokenizer
-    except ImportError:  # pragma: no cover - tokenizers is a dependency
-        HFTokenizer = None
-    if HFTokenizer is not None and isinstance(obj, HFTokenizer):
+    from tokenizers import Tokenizer as HFTokenizer
+    if isinstance(obj, HFTokenizer):
         return Tokenizer(obj)
     backend = getattr(obj, "backend_tokenizer", None)      # transformers PreTrainedTokenizerFast
-    if HFTokenizer is not None and isinstance(backend, HFTokenizer):
+    if isinstance(backend, HFTokenizer):
         eos = getattr(obj, "eos_token_id", None)
         return Tokenizer(backend, bos_token_id=getattr(obj, "bos_token_id", None),
                          eos_token_ids=[] if eos is None else [eos])

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..kernels._backend import BACKENDS
+from .trace import TRACE_LEVELS
+
 BACKPRESSURE_POLICIES = ("pause", "fail")
 DEFAULT_CACHE_TOKENS = 16384
 
@@ -24,6 +27,9 @@ class EngineConfig:
     seed: int | None = None                  # draws the seeds of requests that give none
     max_finished_kept: int = 10_000          # finished requests whose result / replay / trace stay
                                              # readable; the oldest are forgotten first
+    max_finished_bytes: int | None = 256 << 20   # ... and at most this many bytes of them (estimated)
+    trace: str = "lifecycle"                 # "off" | "lifecycle" | "tokens": what each request's
+                                             # trace keeps (see runtime/trace.py)
     model_name: str | None = None            # shown in start events
 
     def __post_init__(self) -> None:
@@ -43,3 +49,10 @@ class EngineConfig:
             raise ValueError(f"backpressure must be one of {BACKPRESSURE_POLICIES}, got {self.backpressure!r}")
         if self.backpressure_timeout_s <= 0:
             raise ValueError("backpressure_timeout_s must be > 0")
+        for name in ("attention_backend", "sampling_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
+        if self.trace not in TRACE_LEVELS:
+            raise ValueError(f"trace must be one of {TRACE_LEVELS}, got {self.trace!r}")
+        if self.max_finished_bytes is not None and self.max_finished_bytes < 1:
+            raise ValueError(f"max_finished_bytes must be >= 1 or None, got {self.max_finished_bytes}")

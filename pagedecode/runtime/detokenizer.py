@@ -41,7 +41,8 @@ class DetokenizerError(RuntimeError):
 
 
 class Detokenizer(Protocol):
-    prompt_text: str
+    @property
+    def prompt_text(self) -> str: ...
 
     def add(self, token_id: int) -> str: ...
 

@@ -1,43 +1,58 @@
-"""The synchronous engine: requests in, ordered events out, one safe point per step."""
+"""The synchronous engine: requests in, ordered events out, one safe point per step.
+
+A step is a transaction: schedule (under the lock), then build the batch, run the model and
+choose tokens without touching any request, then commit under the lock. An exception before
+the commit fails that step's requests (model_error) and nothing of the step is kept; an
+exception while committing one request fails that request only. Cancels and deadlines take
+effect at the safe points around it.
+"""
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import replace
-from typing import Callable, Sequence
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import InvalidRequestError
 from ..model.kv_cache import KVCache
+from ..model.tokenizer import TokenizerLike, as_tokenizer
 from ..params import SamplingParams
+from ..protocols import Model
 from .batching import build_batch
 from .config import DEFAULT_CACHE_TOKENS, EngineConfig
+from .endings import check_ending, is_eos
 from .events import Event, RequestOutput, StartEvent, TerminalEvent
 from .intake import make_request
 from .lifecycle import FinishReason, RequestState
 from .output import Emission
 from .page_pool import PagePool
+from .registry import RequestRegistry
 from .request import RESOURCES, Request
 from .scheduler import Scheduler, SchedulerOutput
-from .selector import TokenSelector
+from .selector import Selection, TokenSelector
 from .slots import SlotTable
 from .stream import EventBuffer
 from .trace import now_us
 
 log = logging.getLogger("pagedecode")
 S, R = RequestState, FinishReason
+ENDED = (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED)
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: Model, tokenizer: Any, config: EngineConfig | None = None) -> None:
+        if not isinstance(model, Model):
+            raise TypeError(f"model must be a pd.Model (config, device, dtype, forward), got {type(model).__name__}")
         self.model = model
-        self.tokenizer = tokenizer
+        self.tokenizer: TokenizerLike = as_tokenizer(tokenizer)
         self.config = config = config or EngineConfig()
+        if config.attention_backend != "auto" and hasattr(model, "attention_backend"):
+            model.attention_backend = config.attention_backend
         mc = model.config
         self.device = torch.device(getattr(model, "device", "cpu"))
         self.bytes_per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype)
@@ -53,59 +68,54 @@ class Engine:
                           model.dtype, self.device)
         self.pool = PagePool(num_pages)
         self.slots = SlotTable(config.max_batch_size)
-        self.scheduler = Scheduler(self.pool, self.slots, config.page_size, config.max_tokens_per_step,
-                                   self._drop_pages)
+        self.scheduler = Scheduler(self.pool, self.slots, config.page_size, config.max_tokens_per_step)
         # a sequence never holds more than the pool: that bounds the context too
         self.max_context = min(model_ctx, num_pages * config.page_size)
         self.vocab_size = mc.vocab_size
-        self.eos_ids = frozenset(mc.eos_token_ids or getattr(tokenizer, "eos_token_ids", ()))
+        self.eos_ids = frozenset(mc.eos_token_ids or self.tokenizer.eos_token_ids)
         self.model_name = config.model_name or getattr(mc, "name", None) or mc.model_type
+        self.requests = RequestRegistry(config.max_finished_kept, config.max_finished_bytes)
         self._lock = threading.RLock()
-        self._live: dict[str, Request] = {}
-        self._done: OrderedDict[str, Request] = OrderedDict()    # terminal, oldest first
         self._outbox: list[Event] = []
         self._rng = random.Random(config.seed)
-        self._auto_ids = itertools.count()
         self._step_no = 0
-        self.step_records: deque[dict] = deque(maxlen=100_000)
+        self.step_records: deque[dict[str, Any]] = deque(maxlen=4096 if config.trace != "off" else 0)
         self.selector = TokenSelector(self.eos_ids, config.max_batch_size, self.vocab_size, self.device,
                                       config.sampling_backend)
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
 
     @classmethod
-    def from_pretrained(cls, path, device: str = "cpu", dtype=None, **engine_options) -> "Engine":
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = None,
+                        **engine_options: Any) -> "Engine":
         from ..model.loader import load_model
-        model, tokenizer = load_model(path, device=device, dtype=dtype,
-                                      attention_backend=engine_options.get("attention_backend", "auto"))
-        engine_options.setdefault("model_name", str(path))
-        return cls(model, tokenizer, EngineConfig(**engine_options))
+        config = EngineConfig(**{"model_name": str(path), **engine_options})
+        model, tokenizer = load_model(path, device=device, dtype=dtype, attention_backend=config.attention_backend)
+        return cls(model, tokenizer, config)
 
     # -- requests in ----------------------------------------------------------------------
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    stream: bool = False) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, stream: bool = False) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError (nothing queued) when the
         request can never be served. stream=True keeps its events in a bounded buffer for
         `read_events` (backpressure applies); otherwise `step()`'s return is the delivery."""
-        req = self._make_request(prompt, params, request_id, stream)
         with self._lock:
+            req = self._make_request(prompt, params, request_id, stream)
             self._enqueue(req)
         return req.request_id
 
-    def _make_request(self, prompt, params, request_id, stream) -> Request:
+    def _make_request(self, prompt: object, params: SamplingParams | None, request_id: str | None,
+                      stream: bool) -> Request:
         if request_id is None:
-            request_id = f"req-{next(self._auto_ids)}"
+            request_id = self.requests.new_id()
         req = make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                           max_context=self.max_context, rng=self._rng)
+                           max_context=self.max_context, rng=self._rng, trace_level=self.config.trace)
         if stream:
             req.buffer = EventBuffer(self.config.stream_max_events, self.config.stream_max_bytes)
             req.buffer.on_pop = self._wake
         return req
 
     def _enqueue(self, req: Request) -> None:
-        if req.request_id in self._live:
-            raise InvalidRequestError(f"request id {req.request_id!r} is still live")
-        self._done.pop(req.request_id, None)          # reuse once the earlier one is terminal
-        self._live[req.request_id] = req
+        self.requests.add(req)
         req.trace.add("added", prompt_tokens=len(req.prompt_ids), seed=req.seed)
         req.transition(S.QUEUED)
         self._emit(req, StartEvent(req.request_id, req.take_seq(), self.model_name), self._outbox)
@@ -116,20 +126,21 @@ class Engine:
         """Ask to cancel; effective at the next safe point. Thread-safe. False when the request is
         unknown, terminal, or its finish reason is already fixed (draining)."""
         with self._lock:
-            req = self._live.get(request_id)
-            if req is None or req.state in (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED):
+            req = self.requests.live.get(request_id)
+            if req is None or req.state in ENDED:
                 return False
-            if req.cancel_requested_at is None:
-                req.cancel_requested_at = time.perf_counter()
-                req.cancel_reason = reason
+            if req.state != S.CANCEL_REQUESTED:
                 req.trace.add("cancel.requested", reason=reason.value)
+                req.cancel_reason = reason
+                req.transition(S.CANCEL_REQUESTED)      # observed: nothing more is scheduled
+                req.trace.add("cancel.observed")
         self._wake()
         return True
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Schedule, run the model, then at the safe point apply cancels and deadlines, commit
-        the selected tokens and emit events. Returns this step's events in order."""
+        """Schedule, run the model and choose tokens, then at the safe point commit them, apply
+        cancels and deadlines and emit events. Returns this step's events in order."""
         t0 = now_us()
         with self._lock:
             events, self._outbox = self._outbox, []
@@ -138,21 +149,19 @@ class Engine:
             if plan.empty:
                 return events
             self._begin(plan)
-            batch = build_batch(plan, self.config.page_size, self.device)
         try:
-            logits, failure = self.model.forward(batch, self.kv), None
-        except Exception as exc:       # a device fault fails this step's requests, not the engine
-            logits, failure = None, exc
+            selection, failure = self._run(plan), None
+        except Exception as exc:       # a device or sampler fault fails this step's requests, not the engine
+            selection, failure = None, exc
         with self._lock:
-            if failure is None:
-                self._commit(plan, logits, events, (now_us() - t0) / 1e6)
+            if selection is not None:
+                self._commit(plan, selection, (now_us() - t0) / 1e6, events)
             else:
                 self._fail_step(plan, failure, events)
             self._safe_point(events)
             self._step_no += 1
             self.step_records.append({"step": self._step_no, "t_us": t0, "dur_us": now_us() - t0,
-                                      "decode": len(plan.decode), "prefill": len(plan.prefill),
-                                      "tokens": batch.num_tokens})
+                                      "decode": len(plan.decode), "prefill": len(plan.prefill)})
         return events
 
     def _begin(self, plan: SchedulerOutput) -> None:
@@ -162,78 +171,90 @@ class Engine:
             if req.first_scheduled is None:
                 req.first_scheduled = now
                 req.timings.queue_s = now - req.arrival
+        for s in plan.decode:
+            s.request.trace.token("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
+
+    def _run(self, plan: SchedulerOutput) -> Selection:
+        """Everything between scheduling and commit; reads requests, changes none of them."""
         for req in plan.admitted:       # a (re)admitted request brings its sampler state to its slot
             self.selector.admit(req)
-        for s in plan.decode:
-            s.request.trace.add("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
+        batch = build_batch(plan, self.config.page_size, self.device)
+        logits = self.model.forward(batch, self.kv)
+        choosers = [s.request for s in plan.seqs if s.samples]
+        if logits.shape[0] != len(choosers):
+            raise RuntimeError(f"the model returned {logits.shape[0]} rows of logits for {len(choosers)} sequences")
+        return self.selector.select(logits, choosers)
 
-    def _commit(self, plan: SchedulerOutput, logits, events: list[Event], dt: float) -> None:
-        choosers = []
+    def _commit(self, plan: SchedulerOutput, sel: Selection, dt: float, events: list[Event]) -> None:
+        row = 0
         for s in plan.seqs:
-            req = s.request
-            req.num_computed += s.num_new
-            req.usage.processed_tokens += s.num_new
-            if s.samples:
-                choosers.append(req)
-        for s in plan.decode:
-            s.request.timings.decode_s += dt
-            s.request.trace.add("decode.completed", t=len(s.request.output_ids), cache_len=s.request.num_computed)
-        for s in plan.prefill:
-            s.request.timings.prefill_s += dt
-            s.request.trace.add("prefill.chunk", tokens=s.num_new, cache_len=s.request.num_computed)
-        rows = [i for i, req in enumerate(choosers) if req.cancel_requested_at is None and not req.state.terminal]
-        if not rows:
-            return
-        tokens, logprobs = self.selector.select(logits[rows] if len(rows) < len(choosers) else logits,
-                                                [choosers[i] for i in rows])
-        for i, tok, lp in zip(rows, tokens, logprobs):
-            self._on_token(choosers[i], tok, lp, events)
+            req, i = s.request, row
+            row += s.samples
+            if req.state == S.CANCEL_REQUESTED or req.state.terminal:
+                continue                        # cancelled while the step ran: its result is discarded
+            try:
+                req.num_computed += s.num_new
+                req.processed_tokens += s.num_new
+                is_decode = req.state == S.DECODING
+                if is_decode:
+                    req.timings.decode_s += dt
+                    req.trace.token("decode.completed", t=len(req.output_ids), cache_len=req.num_computed)
+                else:
+                    req.timings.prefill_s += dt
+                    req.trace.token("prefill.chunk", tokens=s.num_new, cache_len=req.num_computed)
+                if s.samples:
+                    if i in sel.bad:
+                        raise FloatingPointError("the model returned non-finite logits (NaN or inf) for it")
+                    self._on_token(req, sel.tokens[i], None if sel.logprobs is None else sel.logprobs[i], events)
+            except Exception as exc:
+                self._fail(req, exc, events)
 
-    def _on_token(self, req: Request, token: int, logprob: float, events: list[Event]) -> None:
-        p = req.params
+    def _on_token(self, req: Request, token: int, logprob: float | None, events: list[Event]) -> None:
         req.output_ids.append(token)
-        req.logprobs.append(logprob)
-        req.usage.selected_tokens += 1
         t = len(req.output_ids)
         if req.state == S.PREFILLING:
             req.transition(S.DECODING)
-        req.trace.add("token.selected", t=t, token=token, logprob=logprob, cache_len=req.num_computed,
-                      temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed)
-        reason = None
-        if token in self.eos_ids and not p.ignore_eos:
-            reason = R.EOS
-        else:
+        if req.trace.tokens:
+            p = req.params
+            req.trace.token("token.selected", t=t, token=token, logprob=logprob, cache_len=req.num_computed,
+                            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed)
+        stop = None
+        if not is_eos(req, token, self.eos_ids):
+            assert req.pipeline is not None, "a live request has its output pipeline"
             em = req.pipeline.push(token, logprob, t)
             self._deliver(req, em, events)
-            if em.stop is not None:
-                reason = self._stop_hit(req, em)
-        if reason is None and t >= p.max_tokens:
-            reason = R.MAX_OUTPUT_TOKENS
-        if reason is None and req.num_computed + 1 >= self.max_context:
-            reason = R.CONTEXT_LIMIT
+            stop = em.stop
+            if stop is not None:
+                self._stop_hit(req, stop)
+        reason = check_ending(req, token, stop, self.eos_ids, self.max_context)
         if reason is not None:
             self._finish(req, reason, events)
 
-    def _stop_hit(self, req: Request, em: Emission) -> FinishReason:
-        stop = em.stop
+    def _stop_hit(self, req: Request, stop: str | tuple[int, ...]) -> None:
         req.stop_reason = stop[0] if isinstance(stop, tuple) and len(stop) == 1 else stop
         req.trace.add("stop.hit", stop=req.stop_reason, rule_version=1)
-        return R.STOP_SEQUENCE
 
     # -- endings ----------------------------------------------------------------------------
     def _finish(self, req: Request, reason: FinishReason, events: list[Event]) -> None:
         """A normal end: fix the reason (DRAINING), flush what is held, then FINISHED."""
         req.transition(S.DRAINING)
         req.finish_reason = reason
-        if reason != R.STOP_SEQUENCE:
+        if reason != R.STOP_SEQUENCE and req.pipeline is not None:
             em = req.pipeline.finish("drop" if reason == R.DEADLINE_EXCEEDED else None)
             self._deliver(req, em, events)
             if em.stop is not None:
-                reason = self._stop_hit(req, em)
+                self._stop_hit(req, em.stop)
+                reason = R.STOP_SEQUENCE
             if em.error is not None:
                 self._terminate(req, S.FAILED, R.CONTENT_INTERRUPTED, em.error, events)
                 return
         self._terminate(req, S.FINISHED, reason, None, events)
+
+    def _fail(self, req: Request, exc: BaseException, events: list[Event]) -> None:
+        if req.state.terminal:
+            log.exception("request %s failed after it ended", req.request_id)
+            return
+        self._terminate(req, S.FAILED, R.MODEL_ERROR, f"{type(exc).__name__}: {exc}", events)
 
     def _terminate(self, req: Request, state: RequestState, reason: FinishReason, error: str | None,
                    events: list[Event]) -> None:
@@ -242,54 +263,42 @@ class Engine:
         req.transition(state)
         req.finish_reason = reason
         req.error = error
-        req.timings.hold_s = req.pipeline.hold_s
+        if req.pipeline is not None:
+            req.timings.hold_s = req.pipeline.hold_s
         req.trace.add("finish", state=state.value, reason=reason.value, error=error)
-        self._emit(req, TerminalEvent(req.request_id, req.take_seq(), state, reason, replace(req.usage),
+        self._emit(req, TerminalEvent(req.request_id, req.take_seq(), state, reason, req.usage(),
                                       error, req.stop_reason), events)
-        self.scheduler.remove(req)
-        for resource in RESOURCES:
-            self._release(req, resource)
-        self._live.pop(req.request_id, None)
-        self._done[req.request_id] = req
-        while len(self._done) > self.config.max_finished_kept:     # bounded memory for servers
-            self._done.popitem(last=False)
+        self._release_all(req)
+        self.requests.finish(req)
 
-    def _release(self, req: Request, resource: str) -> None:
-        req.mark_released(resource)           # a second release raises DoubleReleaseError
-        req.trace.add("release", resource=resource)
+    def _release_all(self, req: Request) -> None:
+        """Pages and slot go back through the scheduler, which owns them; the rest is dropped
+        here. Each is marked once (a second release raises); a failing one is logged and the
+        others still go."""
         try:
-            if resource == "pages":
-                self._drop_pages(req)
-            elif resource == "slot" and req.slot is not None:
-                self.slots.release(req.slot)
-                req.slot = None
-            elif resource == "trace":
-                req.trace.closed = True
-            # "rng": the seed is the whole generator state; "stream": the engine stops writing
-            # to the buffer, which stays with its consumer until read
+            self.scheduler.release(req)
         except Exception:
-            log.exception("releasing %s of request %s failed", resource, req.request_id)
+            log.exception("releasing the pages and slot of request %s failed", req.request_id)
+        for resource in RESOURCES:
+            req.mark_released(resource)
+            req.trace.add("release", resource=resource)
+        # "rng": the seed is the whole generator state; "stream": the engine stops writing to
+        # the buffer, which stays with its consumer until read; "trace": closed below
+        req.pipeline = None
+        req.trace.closed = True
 
-    def _drop_pages(self, req: Request) -> None:
-        pages, req.pages = req.pages, []
-        if pages:
-            self.pool.release(pages)
-
-    def _fail_step(self, plan: SchedulerOutput, exc: Exception, events: list[Event]) -> None:
+    def _fail_step(self, plan: SchedulerOutput, exc: BaseException | None, events: list[Event]) -> None:
         log.error("model step failed: %s: %s", type(exc).__name__, exc)
         for s in plan.seqs:
             req = s.request
-            if req.state.terminal or req.cancel_requested_at is not None:
-                continue
-            self._terminate(req, S.FAILED, R.MODEL_ERROR, f"model step failed: {type(exc).__name__}: {exc}",
-                            events)
+            if not req.state.terminal and req.state != S.CANCEL_REQUESTED:
+                self._terminate(req, S.FAILED, R.MODEL_ERROR, f"model step failed: {type(exc).__name__}: {exc}",
+                                events)
 
     def _safe_point(self, events: list[Event]) -> None:
         now = time.perf_counter()
-        for req in list(self._live.values()):
-            if req.cancel_requested_at is not None:
-                req.trace.add("cancel.observed")
-                req.transition(S.CANCEL_REQUESTED)
+        for req in list(self.requests.live.values()):
+            if req.state == S.CANCEL_REQUESTED:
                 req.trace.add("cancel.effective")
                 self._terminate(req, S.CANCELLED, req.cancel_reason, None, events)
             elif req.deadline is not None and now >= req.deadline:
@@ -306,7 +315,7 @@ class Engine:
 
     def _runnable(self, req: Request) -> bool:
         """Not scheduled: a request being cancelled, or held back by its full outgoing buffer."""
-        return req.cancel_requested_at is None and not req.backpressured()
+        return req.state != S.CANCEL_REQUESTED and not req.backpressured()
 
     # -- events out ---------------------------------------------------------------------------
     def _deliver(self, req: Request, em: Emission, events: list[Event]) -> None:
@@ -325,10 +334,7 @@ class Engine:
 
     # -- reading ------------------------------------------------------------------------------
     def _get(self, request_id: str) -> Request:
-        req = self._live.get(request_id) or self._done.get(request_id)
-        if req is None:
-            raise KeyError(f"unknown request id {request_id!r}")
-        return req
+        return self.requests.get(request_id)
 
     def read_events(self, request_id: str, max_events: int | None = None) -> list[Event]:
         """Take events from a streaming request's buffer (making room: backpressure lifts)."""
@@ -348,43 +354,52 @@ class Engine:
         self._wake()
 
     def replay(self, request_id: str, after_seq: int = -1) -> list[Event]:
-        """Every event of the request with seq > after_seq, in order (for a reconnecting client)."""
+        """Every event of the request with seq > after_seq, in order (for a reconnecting client).
+        A request forgotten to bound memory raises ForgottenRequestError (a KeyError) saying so."""
         with self._lock:
             return [e for e in self._get(request_id).history if e.seq > after_seq]
 
     def has_unfinished(self) -> bool:
-        return bool(self._live)
+        return bool(self.requests.live)
 
     def result(self, request_id: str) -> RequestOutput:
         with self._lock:
             return self._get(request_id).to_output()
 
-    def trace(self, request_id: str) -> list[dict]:
-        return list(self._get(request_id).trace.records)
+    def trace(self, request_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._get(request_id).trace.records)
 
-    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
+    def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run the prompts to completion; outputs in the order given. All requests are checked
         before any is queued, so a bad one raises and queues nothing."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        plist: list[SamplingParams | None] = (list(params) if isinstance(params, (list, tuple))
+                                              else [params] * len(prompts))  # type: ignore[list-item]
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        reqs = [self._make_request(p, sp, None, False) for p, sp in zip(prompts, plist)]
         with self._lock:
+            reqs: list[Request] = []
+            try:
+                for p, sp in zip(prompts, plist):
+                    reqs.append(self._make_request(p, sp, None, False))
+                    self.requests.live[reqs[-1].request_id] = reqs[-1]   # reserve its id meanwhile
+            finally:
+                for req in reqs:
+                    del self.requests.live[req.request_id]
             for req in reqs:
                 self._enqueue(req)
         while any(not r.state.terminal for r in reqs):
             self.step()
-        return [self.result(r.request_id) for r in reqs]
+        return [r.to_output() for r in reqs]
 
     def shutdown(self) -> list[Event]:
         """End every live request (cancelled) at once, each exactly once; returns the events."""
-        events: list[Event] = []
         with self._lock:
             events, self._outbox = self._outbox, []
-            for rid in list(self._live):
+            for rid in list(self.requests.live):
                 self.cancel(rid)
             self._safe_point(events)
         return events
@@ -392,4 +407,4 @@ class Engine:
     def forget(self, request_id: str) -> None:
         """Drop a terminal request's stored result and history."""
         with self._lock:
-            self._done.pop(request_id, None)
+            self.requests.forget(request_id)

@@ -39,7 +39,7 @@ class DeltaEvent:
     seq: int
     text: str                          # complete UTF-8: never half a character
     token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...] | None = None
+    logprobs: tuple[float | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class RequestOutput:
     usage: Usage
     error: str | None = None
     selected_token_ids: list[int] = field(default_factory=list)   # every decision, EOS included
-    logprobs: list[float] | None = None
+    logprobs: list[float | None] | None = None
     stop_rule_version: int = STOP_RULE_VERSION
     timings: Timings = field(default_factory=Timings)
 

@@ -2,17 +2,19 @@
 Nothing here touches the engine's state: a rejected request leaves no trace."""
 from __future__ import annotations
 
+import numbers
 import random
 import time
 
 from ..errors import InvalidRequestError
+from ..model.tokenizer import TokenizerLike
 from ..params import SamplingParams
 from .output import OutputPipeline
 from .request import Request
 from .trace import Trace
 
 
-def prompt_ids(prompt, tokenizer, vocab_size: int, max_context: int) -> list[int]:
+def prompt_ids(prompt: object, tokenizer: TokenizerLike, vocab_size: int, max_context: int) -> list[int]:
     bad = InvalidRequestError
     if isinstance(prompt, str):
         if not prompt:
@@ -22,9 +24,9 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_context: int) -> list[int
         except Exception as e:
             raise bad(f"the tokenizer cannot encode the prompt: {e}") from None
     elif isinstance(prompt, (list, tuple)):
-        ids = list(prompt)
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) for t in prompt):
             raise bad("a prompt given as ids must hold only ints")
+        ids = [int(t) for t in prompt]
     else:
         raise bad(f"prompt must be str or list[int], got {type(prompt).__name__}")
     if not ids:
@@ -37,8 +39,8 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_context: int) -> list[int
     return ids
 
 
-def make_request(prompt, params: SamplingParams | None, request_id: str, *, tokenizer, vocab_size: int,
-                 max_context: int, rng: random.Random) -> Request:
+def make_request(prompt: object, params: SamplingParams | None, request_id: str, *, tokenizer: TokenizerLike,
+                 vocab_size: int, max_context: int, rng: random.Random, trace_level: str) -> Request:
     if params is None:
         params = SamplingParams()
     if not isinstance(params, SamplingParams):
@@ -50,7 +52,6 @@ def make_request(prompt, params: SamplingParams | None, request_id: str, *, toke
     now = time.perf_counter()
     seed = params.seed if params.seed is not None else rng.getrandbits(64)
     req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, arrival=now,
-                  pipeline=OutputPipeline(tokenizer, ids, params), trace=Trace(request_id),
+                  pipeline=OutputPipeline(tokenizer, ids, params), trace=Trace(request_id, trace_level),
                   deadline=None if params.deadline_s is None else now + params.deadline_s)
-    req.usage.prompt_tokens = len(ids)
     return req

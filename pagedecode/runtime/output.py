@@ -1,128 +1,151 @@
-"""From selected tokens to what the client sees: stop ids -> detokenizer -> stop strings.
+"""From selected tokens to what the client sees: detokenizer, stop ids and stop strings.
 
+Every token goes to the detokenizer at once, so stop strings see its text in the same step
+(a partly matched stop id sequence never delays a stop string). What may still be cut is held:
+
+    produced text   [ released | unreleased ........................................ ]
+                                ^ base      ^ fed_at of the first token a stop id     ^
+                                              sequence may still claim    longest suffix that
+                                                                           starts a stop string
 A token id (and its logprob) is released with the first delta that carries any of its text;
-ids whose text is still held (unfinished character, possible stop prefix) wait with it.
+ids whose text is still held (unfinished character, possible stop) wait with it.
+
+A stop id sequence that hits cuts the text from where its first token's text began (the
+absorbed ids are never shown); held text that no stop matched is sent. A stop string that
+ends earlier than that cut wins.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
+from ..model.tokenizer import TokenizerLike
 from ..params import SamplingParams
-from .detokenizer import IncrementalDetokenizer, Utf8TailError
-from .stop import StopIdMatcher, StopStringMatcher
+from .detokenizer import Utf8TailError, make_detokenizer
+from .stop import StopIdMatcher, find_stop_string, stop_prefix_len
 
 
 @dataclass
 class Emission:
     text: str = ""
     token_ids: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()
+    logprobs: tuple[float | None, ...] = ()
     stop: str | tuple[int, ...] | None = None      # the stop that hit, if one did
     error: str | None = None                       # an unfinished UTF-8 tail under "strict"
 
 
 class _Pending:
-    __slots__ = ("token", "logprob", "start")
+    __slots__ = ("token", "logprob", "fed_at", "start")
 
-    def __init__(self, token: int, logprob: float) -> None:
+    def __init__(self, token: int, logprob: float | None, fed_at: int) -> None:
         self.token, self.logprob = token, logprob
+        self.fed_at = fed_at                   # text produced before it was decoded
         self.start: int | None = None          # offset of its first character, once it has one
 
 
 class OutputPipeline:
-    def __init__(self, tokenizer, prompt_ids, params: SamplingParams) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+    def __init__(self, tokenizer: TokenizerLike, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.detok = make_detokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stop_ids = StopIdMatcher(params.stop_id_seqs)
-        self.stop_strings = StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)
+        self.stops = params.stop_strings
+        self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.utf8_errors = params.utf8_errors
-        self._id_held: deque[tuple[int, float]] = deque()    # mirrors stop_ids.held, with logprobs
-        self._pending: list[_Pending] = []                    # passed on, not yet released
-        self._text_total = 0        # characters produced by the detokenizer so far
-        self._released = 0          # characters sent
+        self._text = ""              # produced, not yet released (starts at offset _base)
+        self._base = 0               # characters released so far
+        self._pending: list[_Pending] = []
         self._held_since: float | None = None
         self.hold_s = 0.0
 
-    def push(self, token: int, logprob: float, n_selected: int) -> Emission:
+    @property
+    def held_chars(self) -> int:
+        return len(self._text)
+
+    def push(self, token: int, logprob: float | None, n_selected: int) -> Emission:
         """Take the n_selected-th output token (1-based). Inside min_tokens, stops don't match."""
-        protected = n_selected <= self.min_tokens
-        if protected:
-            passed, id_hit = [token], None
-            self._id_held.append((token, logprob))
-        else:
-            self._id_held.append((token, logprob))
-            passed, id_hit = self.stop_ids.feed(token)
-        text, string_hit = self._pass_on(len(passed), protected)
-        if string_hit is not None:
-            return self._release(text, cut=True, stop=string_hit)
-        if id_hit is not None:
-            return self._release(text, cut=True, stop=id_hit)
-        return self._release(text)
+        if n_selected <= self.min_tokens:
+            self._decode(token, logprob)
+            return self._release(len(self._text))
+        hit = self.stop_ids.feed(token)
+        if hit is not None:
+            return self._id_stop(hit, logprob)
+        self._decode(token, logprob)
+        found = find_stop_string(self._text, self.stops) if self.stops else None
+        if found is not None:
+            return self._release(found.end if self.include_stop else found.start, cut=True, stop=found.stop)
+        keep = stop_prefix_len(self._text, self.stops) if self.stops else 0
+        end = len(self._text) - keep
+        if self.stop_ids.held:
+            end = min(end, self._pending[-self.stop_ids.held].fed_at - self._base)
+        return self._release(end)
+
+    def _decode(self, token: int, logprob: float | None) -> None:
+        self._pending.append(_Pending(token, logprob, self._base + len(self._text)))
+        self._note_text(self.detok.add(token))
+
+    def _note_text(self, piece: str) -> None:
+        if not piece:
+            return
+        offset = self._base + len(self._text)
+        for p in self._pending:
+            if p.start is None:
+                p.start = offset
+        self._text += piece
+
+    def _id_stop(self, hit: tuple[int, ...], logprob: float | None) -> Emission:
+        if len(hit) == 1:                    # the token itself is never decoded: close what is open
+            cut = self._base + len(self._text)
+            self._note_text(self._complete_tail())
+        else:                                # its earlier tokens were decoded: cut where they began
+            cut = self._pending[-(len(hit) - 1)].fed_at
+        before = self._text[:cut - self._base]
+        found = find_stop_string(before, self.stops) if self.stops else None
+        if found is not None:                # a stop string ended earlier: it wins
+            return self._release(found.end if self.include_stop else found.start, cut=True, stop=found.stop)
+        return self._release(cut - self._base, cut=True, stop=hit)
+
+    def _complete_tail(self) -> str:
+        """What the detokenizer holds that is already complete text (an unfinished character
+        is dropped: the stop cut the output there)."""
+        try:
+            return self.detok.flush("strict")
+        except Utf8TailError:
+            return ""
 
     def finish(self, errors: str | None = None) -> Emission:
         """The request ends for a reason other than a stop: everything held is sent.
         errors: "strict" / "replace" for an unfinished character, "drop" to discard it."""
         errors = errors or self.utf8_errors
-        text, hit = self._pass_on(len(self.stop_ids.flush()), protected=False)
+        self.stop_ids.release()
         error = None
-        if hit is not None:                     # held ids completed a stop string after all
-            return self._release(text, cut=True, stop=hit)
         try:
-            tail = self.detok.flush("replace" if errors == "drop" else errors)
-            if errors == "drop":
-                tail = ""
+            tail = self._complete_tail() if errors == "drop" else self.detok.flush(errors)
         except Utf8TailError as e:
             tail, error = "", str(e)
-        if tail:
-            self._note_text(tail)
-        more, hit = self.stop_strings.feed(tail)
-        text += more
-        if hit is not None:
-            return self._release(text, cut=True, stop=hit)
-        text += self.stop_strings.flush()
-        em = self._release(text, everything=True)
+        self._note_text(tail)
+        found = find_stop_string(self._text, self.stops) if self.stops else None
+        if found is not None:                # held ids completed a stop string after all
+            return self._release(found.end if self.include_stop else found.start, cut=True, stop=found.stop)
+        em = self._release(len(self._text), everything=True)
         em.error = error
         return em
 
-    def _pass_on(self, n: int, protected: bool) -> tuple[str, str | None]:
-        """Feed the first n id-held tokens to the detokenizer and the stop-string matcher."""
-        out = []
-        for _ in range(n):
-            token, lp = self._id_held.popleft()
-            self._pending.append(_Pending(token, lp))
-            piece = self.detok.add(token)
-            if not piece:
-                continue
-            self._note_text(piece)
-            if protected:
-                out.append(self.stop_strings.flush() + piece)
-                continue
-            released, hit = self.stop_strings.feed(piece)
-            out.append(released)
-            if hit is not None:
-                return "".join(out), hit
-        return "".join(out), None
-
-    def _note_text(self, piece: str) -> None:
-        for p in self._pending:
-            if p.start is None:
-                p.start = self._text_total
-        self._text_total += len(piece)
-
-    def _release(self, text: str, cut: bool = False, everything: bool = False, stop=None) -> Emission:
-        self._released += len(text)
+    def _release(self, n_chars: int, cut: bool = False, everything: bool = False,
+                 stop: str | tuple[int, ...] | None = None) -> Emission:
+        """Send the first n_chars of the unreleased text; `cut`: the rest is dropped for good."""
+        n_chars = max(0, n_chars)
+        text, self._text = self._text[:n_chars], ("" if cut else self._text[n_chars:])
+        self._base += len(text)
         now = time.perf_counter()
         if self._held_since is not None and (text or cut or everything):
             self.hold_s += now - self._held_since
             self._held_since = None
-        if self.stop_strings.held and self._held_since is None:
+        if self._text and self._held_since is None:
             self._held_since = now
-        keep: list[_Pending] = []
         out: list[_Pending] = []
+        keep: list[_Pending] = []
         for p in self._pending:
-            shown = p.start is not None and p.start < self._released
+            shown = p.start is not None and p.start < self._base
             (out if shown or everything else keep).append(p)
         self._pending = [] if cut else keep
         return Emission(text, tuple(p.token for p in out), tuple(p.logprob for p in out), stop)

@@ -1,7 +1,7 @@
 """The page allocator: reference counts, a free list, and an integrity check."""
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import Iterable
 
 from ..errors import DoubleReleaseError
@@ -38,9 +38,12 @@ class PagePool:
         """Drop one reference to each page; a page whose count reaches 0 is free again.
         Releasing a page that is already free raises: that is a double release."""
         pages = list(pages)
-        for p in pages:
-            if self.ref_counts[p] <= 0:
-                raise DoubleReleaseError(f"page {p} released twice")
+        for p, times in Counter(pages).items():
+            if not 0 <= p < self.num_pages:
+                raise ValueError(f"page {p} is outside the pool of {self.num_pages}")
+            if self.ref_counts[p] < times:
+                raise DoubleReleaseError(f"page {p} released more often than it is held "
+                                         f"({times} releases, {self.ref_counts[p]} references)")
         for p in pages:
             self.ref_counts[p] -= 1
             if self.ref_counts[p] == 0:

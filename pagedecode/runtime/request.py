@@ -7,11 +7,14 @@ Between a selection and the next decode, num_computed == m + t - 1: the newest t
 but not yet cached. A step computes known[num_computed : num_computed + n]; when that reaches
 the end of the known tokens, its last logits choose token t + 1. Preemption sets num_computed
 to 0 (pages gone) and nothing else: the output, seed and decoder state are untouched.
+
+What the client got is not kept twice: text, returned ids and logprobs are read off the delta
+events in `history`, and usage counts are lengths.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
@@ -31,29 +34,23 @@ class Request:
     params: SamplingParams
     seed: int
     arrival: float
-    pipeline: OutputPipeline
+    pipeline: OutputPipeline | None       # None once terminal (its decoder state is dropped)
     trace: Trace
     deadline: float | None = None
     state: RequestState = RequestState.CREATED
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0
+    processed_tokens: int = 0             # K/V written for it, recompute included
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
-    admitted_order: int = -1            # larger = admitted later (preempted first)
     next_seq: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | tuple[int, ...] | None = None
     error: str | None = None
-    cancel_requested_at: float | None = None
     cancel_reason: FinishReason = FinishReason.CANCELLED
-    buffer: EventBuffer | None = None   # set when a consumer reads events itself (streaming)
-    paused_since: float | None = None   # backpressure: buffer full since
+    buffer: EventBuffer | None = None     # set when a consumer reads events itself (streaming)
+    paused_since: float | None = None     # backpressure: buffer full since
     history: list[Event] = field(default_factory=list)
-    text_parts: list[str] = field(default_factory=list)
-    returned_ids: list[int] = field(default_factory=list)
-    returned_logprobs: list[float] = field(default_factory=list)
-    usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
     first_scheduled: float | None = None
     released: set[str] = field(default_factory=set)
@@ -76,18 +73,22 @@ class Request:
         self.next_seq += 1
         return seq
 
+    def deltas(self) -> list[DeltaEvent]:
+        return [e for e in self.history if isinstance(e, DeltaEvent)]
+
+    def usage(self) -> Usage:
+        deltas = self.deltas()
+        return Usage(prompt_tokens=len(self.prompt_ids), selected_tokens=len(self.output_ids),
+                     processed_tokens=self.processed_tokens,
+                     returned_tokens=sum(len(d.token_ids) for d in deltas),
+                     returned_bytes=sum(len(d.text.encode()) for d in deltas))
+
     def delta(self, em: Emission) -> DeltaEvent:
-        """The next delta event, with the returned text, ids and usage counted."""
         lps = em.logprobs if self.params.logprobs is not None else None
         ev = DeltaEvent(self.request_id, self.take_seq(), em.text, em.token_ids, lps)
-        self.text_parts.append(em.text)
-        self.returned_ids.extend(em.token_ids)
-        self.returned_logprobs.extend(em.logprobs)
-        n_bytes = len(em.text.encode())
-        self.usage.returned_tokens += len(em.token_ids)
-        self.usage.returned_bytes += n_bytes
-        self.trace.add("delta", seq=ev.seq, bytes=n_bytes, tokens=len(em.token_ids),
-                       held_chars=len(self.pipeline.stop_strings.held), held_ids=len(self.pipeline.stop_ids.held))
+        if self.trace.tokens and self.pipeline is not None:
+            self.trace.token("delta", seq=ev.seq, bytes=len(em.text.encode()), tokens=len(em.token_ids),
+                             held_chars=self.pipeline.held_chars, held_ids=self.pipeline.stop_ids.held)
         return ev
 
     def backpressured(self) -> bool:
@@ -106,16 +107,34 @@ class Request:
     def to_output(self) -> RequestOutput:
         if self.buffer is not None:
             self.timings.send_s = self.buffer.wait_s
+        deltas = self.deltas()
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=list(self.prompt_ids), token_ids=list(self.returned_ids),
-            text="".join(self.text_parts), state=self.state, finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason, usage=replace(self.usage), error=self.error,
-            selected_token_ids=list(self.output_ids),
-            logprobs=list(self.returned_logprobs) if self.params.logprobs is not None else None,
-            timings=replace(self.timings))
+            request_id=self.request_id, prompt_token_ids=list(self.prompt_ids),
+            token_ids=[t for d in deltas for t in d.token_ids], text="".join(d.text for d in deltas),
+            state=self.state, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            usage=self.usage(), error=self.error, selected_token_ids=list(self.output_ids),
+            logprobs=logprobs, timings=Timings(**vars(self.timings)))
 
     def mark_released(self, resource: str) -> None:
         """Each resource is released exactly once; a second release is a bug and raises."""
         if resource in self.released:
             raise DoubleReleaseError(f"request {self.request_id}: {resource} released twice")
         self.released.add(resource)
+
+    def kept_bytes(self) -> int:
+        """An estimate of the memory a finished request keeps (ids, events, trace records),
+        calibrated with tracemalloc (see tests/runtime/test_memory.py)."""
+        ids = len(self.prompt_ids) + len(self.output_ids)
+        text = sum(len(e.text) for e in self.deltas())
+        return (BASE_BYTES + ID_BYTES * ids + EVENT_BYTES * len(self.history) + text
+                + RECORD_BYTES * len(self.trace.records))
+
+
+# calibration of kept_bytes (CPython 3.11, 64-bit)
+BASE_BYTES = 2000
+ID_BYTES = 12
+EVENT_BYTES = 230
+RECORD_BYTES = 420

@@ -1,10 +1,15 @@
 """Continuous batching: who computes how many tokens this step, and who gives up pages.
 
+The scheduler owns the pages and batch slots: it alone takes them (admission, growth) and
+gives them back (preemption, and `release` when a request ends).
+
 Order each step: running requests with one token to decode, oldest first; then running
-requests still prefilling (chunked under the token budget); then admission from the queue
-while slots, pages and budget last. When a running request needs a page and none is free,
-the most recently admitted request not yet scheduled this step is preempted: pages and slot
-released, back to the front of the queue, its step state untouched (it recomputes later).
+requests still prefilling (chunked under the token budget); then admission from the queue,
+in order, skipping requests that cannot run now (a paused consumer), while slots, pages and
+budget last. When pages run out, a paused request (its consumer is not reading) is preempted
+first; a running request that needs a page then takes it from the most recently admitted
+request not yet scheduled this step. Preemption releases pages and slot and puts the request
+back at the front of the queue, its step state untouched (it recomputes later).
 """
 from __future__ import annotations
 
@@ -42,16 +47,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, slots: SlotTable, page_size: int, max_tokens_per_step: int,
-                 on_release_pages: Callable[[Request], None]) -> None:
+    def __init__(self, pool: PagePool, slots: SlotTable, page_size: int, max_tokens_per_step: int) -> None:
         self.pool = pool
         self.slots = slots
         self.page_size = page_size
         self.max_tokens_per_step = max_tokens_per_step
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self._release_pages = on_release_pages
-        self._admissions = 0
+        self.running: list[Request] = []          # in admission order: the last is the newest
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -59,45 +61,63 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Forget a request that ended (its resources are released by the engine)."""
+    def release(self, req: Request) -> tuple[bool, bool]:
+        """A request ended: forget it and give back its pages and slot. Returns (pages were
+        held, slot was held)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        return self._give_back(req)
+
+    def _give_back(self, req: Request) -> tuple[bool, bool]:
+        pages, req.pages = req.pages, []
+        slot, req.slot = req.slot, None
+        try:
+            if pages:
+                self.pool.release(pages)
+        finally:                              # a failing page release never keeps the slot
+            if slot is not None:
+                self.slots.release(slot)
+        return bool(pages), slot is not None
 
     def schedule(self, runnable: Callable[[Request], bool]) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_tokens_per_step
         scheduled: set[int] = set()
-        by_age = sorted(self.running, key=lambda r: r.admitted_order)
-        decoding = [r for r in by_age if r.num_tokens - r.num_computed == 1]
-        chunking = [r for r in by_age if r.num_tokens - r.num_computed > 1]
-        for req in decoding + chunking:
+        ready = [r for r in self.running if runnable(r)]
+        decoding = [r for r in ready if r.num_tokens - r.num_computed == 1]
+        chunking = [r for r in ready if r.num_tokens - r.num_computed > 1]
+        for req, queue in [(r, out.decode) for r in decoding] + [(r, out.prefill) for r in chunking]:
             if budget == 0:
                 break
-            if req not in self.running or not runnable(req):
+            if req not in self.running:          # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
-            if not self._grow(req, n, scheduled, out):
+            if not self._grow(req, n, scheduled, out, runnable):
                 continue
             scheduled.add(id(req))
             budget -= n
-            seq = ScheduledSeq(req, n, req.num_computed + n == req.num_tokens)
-            (out.decode if req in decoding else out.prefill).append(seq)
+            queue.append(ScheduledSeq(req, n, req.num_computed + n == req.num_tokens))
+        self._admit(out, budget, scheduled, runnable)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, scheduled: set[int],
+               runnable: Callable[[Request], bool]) -> None:
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and self.slots.free_slots:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             if not runnable(req):
-                break
+                skipped.append(req)               # a paused consumer holds back only itself
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
-            pages = self.pool.allocate(self.pages_for(req.num_computed + n) - len(req.pages))
+            need = self.pages_for(req.num_computed + n) - len(req.pages)
+            pages = self._allocate(need, runnable, scheduled, out, allow_active=False)
             if pages is None:
-                break                      # head of line waits for pages; nothing is preempted
-            self.waiting.popleft()
+                self.waiting.appendleft(req)      # head of line waits for pages
+                break
             req.pages.extend(pages)
             req.slot = self.slots.acquire()
-            req.admitted_order = self._admissions
-            self._admissions += 1
             self.running.append(req)
             if req.state == RequestState.QUEUED:
                 req.transition(RequestState.PREFILLING)
@@ -105,31 +125,50 @@ class Scheduler:
             scheduled.add(id(req))
             budget -= n
             out.prefill.append(ScheduledSeq(req, n, req.num_computed + n == req.num_tokens))
-        return out
+        self.waiting.extendleft(reversed(skipped))
 
-    def _grow(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput) -> bool:
-        """Give req the pages for n more tokens, preempting the newest others if needed.
-        False when req itself had to be preempted."""
+    def _grow(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput,
+              runnable: Callable[[Request], bool]) -> bool:
+        """Give req the pages for n more tokens, preempting others if needed. False when req
+        itself had to be preempted (it was the newest candidate)."""
         need = self.pages_for(req.num_computed + n) - len(req.pages)
         while need > 0:
             pages = self.pool.allocate(need)
             if pages is not None:
                 req.pages.extend(pages)
                 return True
-            victims = [r for r in self.running if id(r) not in scheduled]
-            victim = max(victims, key=lambda r: r.admitted_order)
-            self.preempt(victim)
-            out.preempted.append(victim)
-            if victim is req:
+            victim = self._victim(runnable, scheduled, allow_active=True)
+            self.preempt(victim if victim is not None else req)
+            out.preempted.append(victim if victim is not None else req)
+            if victim is None or victim is req:
                 return False
         return True
 
+    def _allocate(self, need: int, runnable: Callable[[Request], bool], protected: set[int],
+                  out: SchedulerOutput, allow_active: bool) -> list[int] | None:
+        """`need` pages, preempting paused requests first, then (allow_active) the newest
+        running request outside `protected`; None when even that is not enough."""
+        while True:
+            pages = self.pool.allocate(need)
+            if pages is not None:
+                return pages
+            victim = self._victim(runnable, protected, allow_active)
+            if victim is None:
+                return None
+            self.preempt(victim)
+            out.preempted.append(victim)
+
+    def _victim(self, runnable: Callable[[Request], bool], protected: set[int], allow_active: bool
+                ) -> Request | None:
+        candidates = [r for r in self.running if id(r) not in protected and r.pages]
+        paused = [r for r in candidates if not runnable(r)]
+        if paused:
+            return paused[-1]
+        return candidates[-1] if allow_active and candidates else None
+
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release_pages(req)
+        self._give_back(req)
         req.num_computed = 0
-        assert req.slot is not None, "a running request holds a slot"
-        self.slots.release(req.slot)
-        req.slot = None
         req.trace.add("preempted", output_tokens=len(req.output_ids))
         self.waiting.appendleft(req)

@@ -4,6 +4,7 @@ Owns the per-slot sampler state (penalties and bias, made on first use) and buil
 per-row inputs of the sampler; the min_tokens mask is applied here as one indexed write."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -13,6 +14,13 @@ from ..kernels.philox import seed_to_int64
 from ..kernels.sampling import make_sampling_inputs, sample
 from ..params import SamplingParams
 from .request import Request
+
+
+@dataclass
+class Selection:
+    tokens: list[int]                    # one per row
+    logprobs: list[float] | None         # None when no row needed them (greedy, no logprobs)
+    bad: frozenset[int]                  # rows whose logits were not usable (NaN / inf)
 
 
 def uses_penalties(p: SamplingParams) -> bool:
@@ -36,32 +44,52 @@ class TokenSelector:
     def admit(self, req: Request) -> None:
         """A request took a slot (first time or after preemption): its state moves in."""
         if uses_penalties(req.params):
-            assert req.slot is not None, "admitted requests hold a slot"
-            self._penalty_state().reset(req.slot, req.prompt_ids, req.output_ids, req.params.logit_bias)
+            self._penalty_state().reset(self._slot(req), req.prompt_ids, req.output_ids, req.params.logit_bias)
 
-    def select(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list]:
-        """logits (N, V), one row per request; returns the tokens and their logprobs (None when
-        no request asked for logprobs and all are greedy)."""
+    def select(self, logits: torch.Tensor, reqs: Sequence[Request]) -> Selection:
+        """logits (N, V), one row per request. A row with NaN or +inf, or nothing above -inf,
+        chooses no token: it is reported in `bad` and its request fails."""
         logits = self._mask_min_tokens(logits, reqs)
         active = [uses_penalties(r.params) for r in reqs]
-        if not any(active) and all(r.params.greedy and r.params.logprobs is None for r in reqs):
-            return logits.argmax(dim=-1).tolist(), [None] * len(reqs)
+        want_logprobs = any(r.params.logprobs is not None for r in reqs)
+        if not any(active) and not want_logprobs and all(r.params.greedy for r in reqs):
+            best, argmax = logits.max(dim=-1)
+            return Selection(argmax.tolist(), None, self._bad_rows(best))
         dev = logits.device
         p = [r.params for r in reqs]
-        inputs = make_sampling_inputs([q.temperature for q in p], [q.top_k for q in p], [q.top_p for q in p],
-                                      [q.min_p for q in p], [seed_to_int64(r.seed) for r in reqs],
-                                      [len(r.output_ids) for r in reqs], device=dev)
+        vocab = logits.shape[-1]
+        inputs = make_sampling_inputs([q.temperature for q in p], [q.top_k if q.top_k < vocab else 0 for q in p],
+                                      [q.top_p for q in p], [q.min_p for q in p],
+                                      [seed_to_int64(r.seed) for r in reqs], [len(r.output_ids) for r in reqs],
+                                      device=dev)
         penalties = None
         if any(active):
-            penalties = make_penalty_inputs(self._penalty_state(), [r.slot or 0 for r in reqs],
+            penalties = make_penalty_inputs(self._penalty_state(), [self._slot(r) for r in reqs],
                                             [q.repetition_penalty for q in p], [q.presence_penalty for q in p],
                                             [q.frequency_penalty for q in p], active, dev)
-        out = sample(logits.float().contiguous(), inputs, backend=self.backend, penalties=penalties)
+        rows = logits.float().contiguous()
+        bad = self._bad_rows(rows.amax(dim=-1))
+        out = sample(rows, inputs, backend=self.backend, penalties=penalties)
         tokens = out.tokens.tolist()
         if penalties is not None:
-            chosen = [(r.slot or 0, t) for r, t, a in zip(reqs, tokens, active) if a]
+            chosen = [(self._slot(r), t) for i, (r, t, a) in enumerate(zip(reqs, tokens, active))
+                      if a and i not in bad]
             self._penalty_state().record([s for s, _ in chosen], [t for _, t in chosen])
-        return tokens, out.logprobs.tolist()
+        return Selection(tokens, out.logprobs.tolist(), bad)
+
+    @staticmethod
+    def _slot(req: Request) -> int:
+        if req.slot is None:
+            raise RuntimeError(f"request {req.request_id} selects a token without a batch slot")
+        return req.slot
+
+    @staticmethod
+    def _bad_rows(row_max: torch.Tensor) -> frozenset[int]:
+        """Rows whose maximum is not finite: NaN anywhere, +inf, or every logit -inf."""
+        ok = torch.isfinite(row_max)
+        if bool(ok.all()):
+            return frozenset()
+        return frozenset(int(i) for i in torch.nonzero(~ok).flatten().tolist())
 
     def _mask_min_tokens(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """EOS and single stop ids get -inf until a request has min_tokens tokens."""

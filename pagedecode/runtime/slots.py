@@ -16,9 +16,10 @@ class SlotTable:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def acquire(self) -> int | None:
+    def acquire(self) -> int:
+        """A free slot; callers check free_slots first (none free is a scheduler bug)."""
         if not self._free:
-            return None
+            raise RuntimeError("no free batch slot")
         slot = self._free.pop()
         self._held.add(slot)
         return slot

@@ -1,81 +1,72 @@
 """Stop matching: id sequences on the token stream, strings on the detokenized text.
 
 Both hold back the least they can: only the longest unsent suffix that is still a prefix of
-some stop. The first hit absorbs the stop and everything after it. When several stops complete
-at once: earliest end, then the longest, then the order given (rule version 1).
+some stop. When several stops complete at once: earliest end, then the longest, then the
+order given (rule version 1). Both are pure: they keep no text of their own beyond what the
+caller passes in.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 
-class StopStringMatcher:
-    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
-        self.stops = tuple(stops)
-        self.include_stop = include_stop
-        self.held = ""
-        self._longest = max((len(s) for s in self.stops), default=0)
+class StringHit(NamedTuple):
+    start: int       # where the stop string starts in the searched text
+    end: int
+    stop: str
 
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """(text safe to send now, the stop that hit or None). After a hit, the held text and
-        anything later are dropped; the caller ends the request."""
-        buf = self.held + text
-        if not self.stops:
-            self.held = ""
-            return buf, None
-        best = None                       # (end, -len, order, start, stop)
-        for order, stop in enumerate(self.stops):
-            start = buf.find(stop)
-            if start >= 0:
-                key = (start + len(stop), -len(stop), order, start, stop)
-                best = key if best is None or key < best else best
-        if best is not None:
-            end, _, _, start, stop = best
-            self.held = ""
-            return (buf[:end] if self.include_stop else buf[:start]), stop
-        hold = self._held_suffix(buf)
-        self.held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], None
 
-    def _held_suffix(self, buf: str) -> int:
-        for n in range(min(len(buf), self._longest - 1), 0, -1):
-            tail = buf[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
+def find_stop_string(text: str, stops: Sequence[str]) -> StringHit | None:
+    """The stop that ends earliest in text (then the longest, then the first given)."""
+    best: tuple[int, int, int, int, str] | None = None
+    for order, stop in enumerate(stops):
+        start = text.find(stop)
+        if start >= 0:
+            key = (start + len(stop), -len(stop), order, start, stop)
+            if best is None or key < best:
+                best = key
+    if best is None:
+        return None
+    return StringHit(best[3], best[0], best[4])
 
-    def flush(self) -> str:
-        """The request ended for another reason: the held text was never part of a stop."""
-        out, self.held = self.held, ""
-        return out
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    longest = max((len(s) for s in stops), default=0)
+    for n in range(min(len(text), longest - 1), 0, -1):
+        tail = text[-n:]
+        if any(s.startswith(tail) for s in stops):
+            return n
+    return 0
 
 
 class StopIdMatcher:
+    """Id sequences over the token stream. `held` trailing tokens may still start a stop."""
+
     def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
         self.sequences = tuple(tuple(s) for s in sequences)
-        self.held: list[int] = []
         self._longest = max((len(s) for s in self.sequences), default=0)
+        self._recent: list[int] = []      # the last (longest - 1) tokens seen
+        self.held = 0
 
-    def feed(self, token: int) -> tuple[list[int], tuple[int, ...] | None]:
-        """(ids safe to pass on, the sequence that hit or None)."""
-        buf = self.held + [token]
+    def feed(self, token: int) -> tuple[int, ...] | None:
+        """The sequence this token completes (the longest, then the first given), or None."""
         if not self.sequences:
-            self.held = []
-            return buf, None
+            return None
+        buf = self._recent + [token]
         hits = [(-len(s), order, s) for order, s in enumerate(self.sequences)
                 if len(s) <= len(buf) and tuple(buf[-len(s):]) == s]
         if hits:
-            _, _, seq = min(hits)
-            self.held = []
-            return buf[:len(buf) - len(seq)], seq
-        hold = 0
+            self._recent, self.held = [], 0
+            return min(hits)[2]
+        self.held = 0
         for n in range(min(len(buf), self._longest - 1), 0, -1):
             if any(s[:n] == tuple(buf[-n:]) for s in self.sequences):
-                hold = n
+                self.held = n
                 break
-        self.held = buf[len(buf) - hold:] if hold else []
-        return buf[:len(buf) - hold], None
+        self._recent = buf[-(self._longest - 1):] if self._longest > 1 else []
+        return None
 
-    def flush(self) -> list[int]:
-        out, self.held = self.held, []
-        return out
+    def release(self) -> None:
+        """The request ends otherwise: held tokens were not part of a stop."""
+        self._recent, self.held = [], 0

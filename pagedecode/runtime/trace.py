@@ -3,23 +3,35 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 
 def now_us() -> float:
     return time.perf_counter_ns() / 1000.0
 
 
+TRACE_LEVELS = ("off", "lifecycle", "tokens")
+
+
 class Trace:
-    """Ordered records of one request: {"t_us": ..., "kind": ..., **fields}."""
+    """Ordered records of one request: {"t_us": ..., "kind": ..., **fields}.
 
-    def __init__(self, request_id: str) -> None:
+    level "lifecycle" keeps transitions, cancels, deadlines, preemptions, releases and stop
+    hits; "tokens" adds a record per selection, decode, prefill chunk and delta; "off" none."""
+
+    def __init__(self, request_id: str, level: str = "lifecycle") -> None:
         self.request_id = request_id
-        self.records: list[dict] = []
-        self.closed = False
+        self.records: list[dict[str, Any]] = []
+        self.closed = level == "off"
+        self.tokens = level == "tokens"
 
-    def add(self, kind: str, **fields) -> None:
+    def add(self, kind: str, **fields: Any) -> None:
         if not self.closed:
+            self.records.append({"t_us": now_us(), "kind": kind, **fields})
+
+    def token(self, kind: str, **fields: Any) -> None:
+        """A per-token record: kept only at level "tokens"."""
+        if self.tokens and not self.closed:
             self.records.append({"t_us": now_us(), "kind": kind, **fields})
 
 

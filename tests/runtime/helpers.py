@@ -15,6 +15,7 @@ def engine(script, vocab_size=200, on_forward=None, max_context=4096, **config):
     model = ScriptedModel(script, vocab_size=vocab_size, on_forward=on_forward, max_context=max_context,
                           eos_token_ids=[EOS])
     config.setdefault("max_cache_tokens", 4096)
+    config.setdefault("trace", "tokens")        # the contract tests read per-token records
     return pd.Engine(model, tokenizer(), pd.EngineConfig(**config))
 
 

@@ -200,7 +200,7 @@ def test_a_cleanup_failure_is_logged_and_the_stream_stays_closed(caplog):
     out = eng.result(rid)
     assert out.state == S.FINISHED and out.text == "ABAB"
     assert len(of(events, rid, pd.TerminalEvent)) == 1 and isinstance(of(events, rid)[-1], pd.TerminalEvent)
-    assert "releasing pages of request" in caplog.text and "allocator on fire" in caplog.text
+    assert "releasing the pages and slot of request" in caplog.text and "allocator on fire" in caplog.text
     releases = [r["resource"] for r in eng.trace(rid) if r["kind"] == "release"]
     assert sorted(releases) == sorted(["pages", "slot", "rng", "stream", "trace"])   # the rest still released
     assert eng.slots.free_slots == eng.slots.num_slots

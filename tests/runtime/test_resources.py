@@ -67,7 +67,9 @@ def test_page_pool_integrity_under_random_use(ops):
 def test_slots_release_once():
     slots = SlotTable(2)
     a, b = slots.acquire(), slots.acquire()
-    assert slots.acquire() is None
+    assert slots.free_slots == 0 and {a, b} == {0, 1}
+    with pytest.raises(RuntimeError, match="no free batch slot"):   # never an Optional read as slot 0
+        slots.acquire()
     slots.release(a)
     with pytest.raises(pd.DoubleReleaseError):
         slots.release(a)

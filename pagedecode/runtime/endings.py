@@ -1,0 +1,34 @@
+"""Whether a selected token ends its request, and why: one pure function, tested directly.
+
+Order (DESIGN.md): EOS before stops, stops before length, length before context. `token` is
+the t-th selected token, already appended to req.output_ids; `stop` is the stop the output
+pipeline matched on it (None for EOS: EOS never reaches the pipeline).
+"""
+from __future__ import annotations
+
+from typing import AbstractSet
+
+from .lifecycle import FinishReason
+from .request import Request
+
+
+def is_eos(req: Request, token: int, eos_ids: AbstractSet[int]) -> bool:
+    return token in eos_ids and not req.params.ignore_eos
+
+
+def check_ending(req: Request, token: int, stop: object, eos_ids: AbstractSet[int], max_context: int
+                 ) -> FinishReason | None:
+    """The finish reason token fixes, or None when the request goes on.
+
+    context: the cache will hold num_computed + 1 tokens once this token is decoded; a request
+    whose next decode would reach the context C ends now (so a prompt of C - 1 tokens gets
+    exactly one token)."""
+    if is_eos(req, token, eos_ids):
+        return FinishReason.EOS
+    if stop is not None:
+        return FinishReason.STOP_SEQUENCE
+    if len(req.output_ids) >= req.params.max_tokens:
+        return FinishReason.MAX_OUTPUT_TOKENS
+    if req.num_computed + 1 >= max_context:
+        return FinishReason.CONTEXT_LIMIT
+    return None

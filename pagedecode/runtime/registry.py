@@ -1,0 +1,87 @@
+"""The request registry: live requests by id, and the finished ones kept readable (result,
+replay, trace) within a count and a byte budget, the oldest forgotten first."""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+from ..errors import InvalidRequestError
+from .request import Request
+
+FORGOTTEN_IDS_KEPT = 100_000      # ids of forgotten requests, so a lookup can say what happened
+
+
+class ForgottenRequestError(KeyError):
+    """The request finished and its record was dropped to bound memory."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class RequestRegistry:
+    def __init__(self, max_finished: int, max_finished_bytes: int | None) -> None:
+        self.max_finished = max_finished
+        self.max_finished_bytes = max_finished_bytes
+        self.live: dict[str, Request] = {}
+        self._finished: OrderedDict[str, tuple[Request, int]] = OrderedDict()   # oldest first
+        self._finished_bytes = 0
+        self._forgotten: OrderedDict[str, None] = OrderedDict()
+        self._auto = itertools.count()
+
+    @property
+    def finished_bytes(self) -> int:
+        return self._finished_bytes
+
+    @property
+    def num_finished(self) -> int:
+        return len(self._finished)
+
+    def new_id(self) -> str:
+        """An id no live or kept request has (a user may have chosen "req-0" already)."""
+        while True:
+            rid = f"req-{next(self._auto)}"
+            if rid not in self.live and rid not in self._finished:
+                return rid
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.live:
+            raise InvalidRequestError(f"request id {req.request_id!r} is still live")
+        self._drop(req.request_id)             # reuse once the earlier one is terminal
+        self._forgotten.pop(req.request_id, None)
+        self.live[req.request_id] = req
+
+    def finish(self, req: Request) -> None:
+        """A request became terminal: keep it readable within the budgets."""
+        self.live.pop(req.request_id, None)
+        size = req.kept_bytes()
+        self._finished[req.request_id] = (req, size)
+        self._finished_bytes += size
+        budget = self.max_finished_bytes
+        while len(self._finished) > self.max_finished or (budget is not None and self._finished_bytes > budget
+                                                          and len(self._finished) > 1):
+            rid = next(iter(self._finished))
+            self._drop(rid)
+            self._forgotten[rid] = None
+            while len(self._forgotten) > FORGOTTEN_IDS_KEPT:
+                self._forgotten.popitem(last=False)
+
+    def _drop(self, rid: str) -> None:
+        entry = self._finished.pop(rid, None)
+        if entry is not None:
+            self._finished_bytes -= entry[1]
+
+    def forget(self, rid: str) -> None:
+        self._drop(rid)
+
+    def get(self, rid: str) -> Request:
+        req = self.live.get(rid)
+        if req is not None:
+            return req
+        entry = self._finished.get(rid)
+        if entry is not None:
+            return entry[0]
+        if rid in self._forgotten:
+            raise ForgottenRequestError(f"request {rid!r} finished and was forgotten to bound memory "
+                                        "(max_finished_kept / max_finished_bytes): its result, events "
+                                        "and trace are no longer kept")
+        raise KeyError(f"unknown request id {rid!r}")
