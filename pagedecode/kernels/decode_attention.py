@@ -36,32 +36,42 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_tokens: int) -
 
 
 def context_slots(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, n_tokens: int):
-    """Flat cache slots (B, n_tokens) of each sequence's positions 0..n_tokens-1, and an additive
-    mask (B, n_tokens): 0 where the position exists (pos < seq_len), -inf past the end.
+    """Flat cache slots (B, n_tokens) of each sequence's positions 0..n_tokens-1, and a mask
+    (B, n_tokens): True where the position exists (pos < seq_len). Slots past the end point at
+    whatever page the table pads with; attend_gathered never lets what they hold through.
 
         position p of sequence b  ->  slot page_table[b, p // page_size] * page_size + p % page_size
     """
     pos = torch.arange(n_tokens, device=page_table.device)
     pages = page_table[:, pos // page_size].long().clamp(min=0)      # (B, L)
-    past_end = pos[None, :] >= seq_lens[:, None].long()
-    bias = torch.zeros(past_end.shape, device=page_table.device).masked_fill_(past_end, float("-inf"))
-    return pages * page_size + pos % page_size, bias
+    valid = pos[None, :] < seq_lens[:, None].long()
+    return pages * page_size + pos % page_size, valid
 
 
-def attend_gathered(q, k_flat, v_flat, slots, bias, scale: float):
-    """q (B, Hq, D) against the cache rows `slots` (B, L) of k_flat / v_flat (rows, Hkv, D), with
-    the additive mask `bias` (B, L). Shared by the reference and the model's CPU path, which
-    computes slots and bias once per step for all layers."""
+def attend_gathered(q, k_flat, v_flat, slots, valid, scale: float):
+    """q (B, Hq, D) against the cache rows `slots` (B, L) of k_flat / v_flat (rows, Hkv, D),
+    where `valid` (B, L) says which rows belong to the sequence. Shared by the reference and the
+    model's CPU path, which computes slots and mask once per step for all layers.
+
+    Rows outside the sequence may hold anything (a free page, another request's tail, NaN):
+    their K and V are zeroed and their scores set to -inf with `where`, never by adding -inf,
+    which would leave NaN * 0 = NaN in the output."""
     B, L = slots.shape
     Hkv, D = k_flat.shape[1], k_flat.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
     rows = slots.reshape(-1)
-    k = k_flat.view(k_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D).transpose(1, 2)
-    v = v_flat.view(v_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D).transpose(1, 2)
+    k = k_flat.view(k_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D)
+    v = v_flat.view(v_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D)
+    keep = valid[:, :, None, None]
+    if not bool(valid.all()):
+        k = torch.where(keep, k, 0)
+        v = torch.where(keep, v, 0)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)                        # (B, Hkv, L, D)
     if k.dtype != acc:
         k, v = k.to(acc), v.to(acc)
     qg = q.view(B, Hkv, -1, D).to(acc)                                 # (B, Hkv, G, D)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale + bias.to(acc)[:, None, None, :]   # (B, Hkv, G, L)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale             # (B, Hkv, G, L)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v)              # (B, Hkv, G, D)
     return out.reshape(q.shape).to(q.dtype)
 
