@@ -83,6 +83,7 @@ class Engine:
         self.selector = TokenSelector(self.eos_ids, config.max_batch_size, self.vocab_size, self.device,
                                       config.sampling_backend)
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
+        self.idle = True            # the last step found nothing to run (all waiting or paused)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = None,
@@ -146,6 +147,7 @@ class Engine:
             events, self._outbox = self._outbox, []
             self._safe_point(events)
             plan = self.scheduler.schedule(self._runnable)
+            self.idle = plan.empty
             if plan.empty:
                 return events
             self._begin(plan)

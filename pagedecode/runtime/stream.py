@@ -43,12 +43,13 @@ class EventBuffer:
         out: list[Event] = []
         now = time.perf_counter()
         with self._lock:
+            was_full = self.full
             while self._items and (max_events is None or len(out) < max_events):
                 t, ev = self._items.popleft()
                 self.wait_s += now - t
                 if isinstance(ev, DeltaEvent):
                     self._bytes -= len(ev.text.encode())
                 out.append(ev)
-        if out and self.on_pop is not None:
+        if out and was_full and self.on_pop is not None:     # only a full buffer held its request back
             self.on_pop()
         return out
