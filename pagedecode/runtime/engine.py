@@ -286,8 +286,8 @@ class Engine:
             req.trace.add("release", resource=resource)
         # "rng": the seed is the whole generator state; "stream": the engine stops writing to
         # the buffer, which stays with its consumer until read; "trace": closed below
-        req.pipeline = None
         req.trace.closed = True
+        req.compact()
 
     def _fail_step(self, plan: SchedulerOutput, exc: BaseException | None, events: list[Event]) -> None:
         log.error("model step failed: %s: %s", type(exc).__name__, exc)
@@ -325,6 +325,7 @@ class Engine:
             self._emit(req, req.delta(em), events)
 
     def _emit(self, req: Request, ev: Event, events: list[Event]) -> None:
+        assert isinstance(req.history, list), "a live request's history is a list"
         req.history.append(ev)
         events.append(ev)
         if req.buffer is not None and "stream" not in req.released:

@@ -14,11 +14,12 @@ events in `history`, and usage counts are lengths.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
 from .events import DeltaEvent, Event, RequestOutput, Timings, Usage
+from .history import CompactHistory
 from .lifecycle import FinishReason, RequestState, check_transition
 from .output import Emission, OutputPipeline
 from .stream import EventBuffer
@@ -50,7 +51,7 @@ class Request:
     cancel_reason: FinishReason = FinishReason.CANCELLED
     buffer: EventBuffer | None = None     # set when a consumer reads events itself (streaming)
     paused_since: float | None = None     # backpressure: buffer full since
-    history: list[Event] = field(default_factory=list)
+    history: list[Event] | CompactHistory = field(default_factory=list)   # compacted when it ends
     timings: Timings = field(default_factory=Timings)
     first_scheduled: float | None = None
     released: set[str] = field(default_factory=set)
@@ -74,9 +75,19 @@ class Request:
         return seq
 
     def deltas(self) -> list[DeltaEvent]:
+        if isinstance(self.history, CompactHistory):
+            return self.history.deltas()
         return [e for e in self.history if isinstance(e, DeltaEvent)]
 
+    def compact(self) -> None:
+        """The request ended: keep only what results and replay need, compactly."""
+        if isinstance(self.history, list):
+            self.history = CompactHistory(self.history)
+        self.pipeline = None
+
     def usage(self) -> Usage:
+        if isinstance(self.history, CompactHistory) and self.history.terminal is not None:
+            return replace(self.history.terminal.usage)
         deltas = self.deltas()
         return Usage(prompt_tokens=len(self.prompt_ids), selected_tokens=len(self.output_ids),
                      processed_tokens=self.processed_tokens,
@@ -125,16 +136,12 @@ class Request:
         self.released.add(resource)
 
     def kept_bytes(self) -> int:
-        """An estimate of the memory a finished request keeps (ids, events, trace records),
-        calibrated with tracemalloc (see tests/runtime/test_memory.py)."""
-        ids = len(self.prompt_ids) + len(self.output_ids)
-        text = sum(len(e.text) for e in self.deltas())
-        return (BASE_BYTES + ID_BYTES * ids + EVENT_BYTES * len(self.history) + text
-                + RECORD_BYTES * len(self.trace.records))
+        """An estimate of the memory a finished request keeps: its ids, compact history and
+        trace records (calibrated with tracemalloc in tests/runtime/test_memory.py)."""
+        history = self.history.kept_bytes() if isinstance(self.history, CompactHistory) else 230 * len(self.history)
+        ids = 8 * (len(self.prompt_ids) + len(self.output_ids))
+        return BASE_BYTES + ids + history + RECORD_BYTES * len(self.trace.records)
 
 
-# calibration of kept_bytes (CPython 3.11, 64-bit)
-BASE_BYTES = 2000
-ID_BYTES = 12
-EVENT_BYTES = 230
-RECORD_BYTES = 420
+BASE_BYTES = 3000      # the Request, its params, timings, trace and id strings
+RECORD_BYTES = 310     # one trace record (a small dict)
