@@ -1,57 +1,102 @@
 """`pagedecode generate` streams one completion; `pagedecode demo` runs several concurrent
 requests with a progress display and prints throughput, time to first token and
-inter-token latency."""
+inter-token latency. Ctrl-C ends either with what was produced, a summary and exit 130."""
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
-from .errors import PageDecodeError
+from .errors import ModelLoadError, PageDecodeError
 from .params import SamplingParams
 from .runtime.events import DeltaEvent, TerminalEvent
 
 DEMO_PROMPTS = ["The lighthouse keeper", "In the village below,", "A small river", "The old library",
                 "When the storm came,", "The market opened", "Good tools are", "Numbers have"]
+EXIT_INTERRUPTED = 130
 
 
-def _engine(args):
-    from .runtime.engine import Engine
+class CliError(Exception):
+    """A bad option or environment: one line on stderr, exit 2."""
+
+
+def _check_device(device: str) -> None:
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CliError(f"unknown device {device!r} (use cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CliError("--device cuda but no CUDA device is available (this torch build or machine has none)")
+    if dev.type not in ("cpu", "cuda"):
+        raise CliError(f"unsupported device {device!r} (use cpu or cuda)")
+
+
+def _engine(args: argparse.Namespace) -> Any:
     from .model.default_model import default_model_path
+    from .runtime.engine import Engine
+    _check_device(args.device)
     path = args.model or default_model_path()
     options = {"max_batch_size": max(8, getattr(args, "requests", 1))}
     return Engine.from_pretrained(path, device=args.device, dtype=args.dtype, **options)
 
 
-def _sampling(args, seed=None) -> SamplingParams:
+def _sampling(args: argparse.Namespace, seed: int | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed if seed is None else seed, stop=tuple(args.stop))
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          ignore_eos=args.ignore_eos, logprobs=0 if args.logprobs else None,
+                          seed=args.seed if seed is None else seed, stop=tuple(args.stop))
 
 
-def cmd_generate(args) -> int:
-    engine = _engine(args)
-    rid = engine.add_request(args.prompt, _sampling(args))
-    end = None
-    while end is None:
-        for ev in engine.step():
-            if ev.request_id != rid:
-                continue
-            if isinstance(ev, DeltaEvent):
-                sys.stdout.write(ev.text)
-                sys.stdout.flush()
-            elif isinstance(ev, TerminalEvent):
-                end = ev
-    sys.stdout.write("\n")
+def _summary(end: TerminalEvent | None, label: str | None = None) -> str:
+    """One line: how the request ended and its usage."""
+    if end is None:
+        return f"[{label or 'ended'}]"
     u = end.usage
     reason = end.finish_reason.value if end.finish_reason else "none"
-    print(f"[{end.state.value}: {reason}; prompt {u.prompt_tokens} tokens, "
-          f"selected {u.selected_tokens}, returned {u.returned_tokens} tokens / {u.returned_bytes} bytes]"
-          + (f" error: {end.error}" if end.error else ""), file=sys.stderr)
+    return (f"[{label or end.state.value + ': ' + reason}; prompt {u.prompt_tokens} tokens, selected {u.selected_tokens}, "
+            f"returned {u.returned_tokens} tokens / {u.returned_bytes} bytes]" + (f" error: {end.error}" if end.error else ""))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    rid = engine.add_request(prompt, _sampling(args))
+    end: TerminalEvent | None = None
+    logprobs: list[float] = []
+    try:
+        while end is None:
+            for ev in engine.step():
+                if ev.request_id != rid:
+                    continue
+                if isinstance(ev, DeltaEvent):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    logprobs.extend(lp for lp in (ev.logprobs or ()) if lp is not None)
+                elif isinstance(ev, TerminalEvent):
+                    end = ev
+    except KeyboardInterrupt:
+        engine.cancel(rid)
+        for ev in engine.shutdown():
+            if isinstance(ev, DeltaEvent) and ev.request_id == rid:
+                sys.stdout.write(ev.text)
+            elif isinstance(ev, TerminalEvent) and ev.request_id == rid:
+                end = ev
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(_summary(end, label="interrupted"), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    sys.stdout.write("\n")
+    print(_summary(end), file=sys.stderr)
+    if args.logprobs and logprobs:
+        print(f"[logprobs: mean {statistics.mean(logprobs):.4f}, min {min(logprobs):.4f}]", file=sys.stderr)
     return 0 if end.error is None else 1
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     engine = _engine(args)
     prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.requests)]
     start = time.perf_counter()
@@ -66,28 +111,39 @@ def cmd_demo(args) -> int:
         arrival[rid], stamps[rid], texts[rid] = time.perf_counter(), [], ""
     tty = sys.stdout.isatty()
     last_draw = 0.0
-    while engine.has_unfinished():
-        for ev in engine.step():
+
+    def take(events: list[Any]) -> None:
+        for ev in events:
             if isinstance(ev, DeltaEvent):
                 stamps[ev.request_id].append((time.perf_counter(), len(ev.token_ids)))
                 texts[ev.request_id] += ev.text
             elif isinstance(ev, TerminalEvent):
                 ends[ev.request_id] = ev
-        now = time.perf_counter()
-        if now - last_draw > (0.1 if tty else 1.0) or not engine.has_unfinished():
-            last_draw = now
-            _draw(ids, texts, ends, stamps, args.max_tokens, tty)
-    wall = time.perf_counter() - start
-    _report(ids, arrival, stamps, ends, wall)
+    try:
+        while engine.has_unfinished():
+            take(engine.step())
+            now = time.perf_counter()
+            if now - last_draw > (0.1 if tty else 1.0) or not engine.has_unfinished():
+                last_draw = now
+                _draw(ids, texts, ends, stamps, args.max_tokens, tty)
+    except KeyboardInterrupt:
+        take(engine.shutdown())
+        _draw(ids, texts, ends, stamps, args.max_tokens, tty)
+        _report(ids, arrival, stamps, ends, time.perf_counter() - start)
+        print("[interrupted: live requests cancelled]", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    _report(ids, arrival, stamps, ends, time.perf_counter() - start)
     return 0
 
 
-def _draw(ids, texts, ends, stamps, max_tokens, tty):
+def _draw(ids: list[str], texts: dict[str, str], ends: dict[str, TerminalEvent],
+          stamps: dict[str, list[tuple[float, int]]], max_tokens: int, tty: bool) -> None:
     lines = []
     for rid in ids:
         n = sum(k for _, k in stamps[rid])
         bar = "#" * int(20 * n / max_tokens)
-        state = ends[rid].finish_reason.value if rid in ends else "running"
+        end = ends.get(rid)
+        state = end.finish_reason.value if end is not None and end.finish_reason else "running"
         tail = texts[rid].replace("\n", " ")[-40:]
         lines.append(f"{rid:>8} [{bar:<20}] {n:4d} tok {state:<18} {tail}")
     if tty:
@@ -97,46 +153,79 @@ def _draw(ids, texts, ends, stamps, max_tokens, tty):
     sys.stdout.flush()
 
 
-def _report(ids, arrival, stamps, ends, wall):
+def _report(ids: list[str], arrival: dict[str, float], stamps: dict[str, list[tuple[float, int]]],
+            ends: dict[str, TerminalEvent], wall: float) -> None:
     total = sum(e.usage.returned_tokens for e in ends.values())
     ttft = [stamps[r][0][0] - arrival[r] for r in ids if stamps[r]]
     itl = [b[0] - a[0] for r in ids for a, b in zip(stamps[r], stamps[r][1:])]
-    ms = lambda xs, f: f"{1000 * f(xs):8.2f}" if xs else "     n/a"   # noqa: E731
+
+    def ms(xs: list[float], f: Any) -> str:
+        return f"{1000 * f(xs):8.2f}" if xs else "     n/a"
     print()
     print(f"{'requests':<28}{len(ids):>10}")
     print(f"{'tokens returned':<28}{total:>10}")
     print(f"{'wall time (s)':<28}{wall:>10.2f}")
-    print(f"{'throughput (tok/s)':<28}{total / wall:>10.1f}")
+    print(f"{'throughput (tok/s)':<28}{total / wall if wall > 0 else 0.0:>10.1f}")
     print(f"{'time to first token (ms)':<28} mean {ms(ttft, statistics.mean)}  p50 {ms(ttft, statistics.median)}"
           f"  max {ms(ttft, max)}")
     print(f"{'inter-token latency (ms)':<28} mean {ms(itl, statistics.mean)}  p50 {ms(itl, statistics.median)}"
           f"  max {ms(itl, max)}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__)
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"pagedecode {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("generate", "demo"):
-        p = sub.add_parser(name)
-        p.add_argument("--model", help="Hugging Face model directory (default: the built-in tiny Llama)")
-        p.add_argument("--device", default="cpu")
-        p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
-        p.add_argument("--max-tokens", type=int, default=64 if name == "generate" else 48)
-        p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.8)
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--seed", type=int, default=None)
-        p.add_argument("--stop", action="append", default=[])
+    for name, what in (("generate", "stream one completion to stdout"),
+                       ("demo", "several concurrent requests with a progress display and a latency table")):
+        p = sub.add_parser(name, help=what, description=what, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in tiny Llama)")
+        p.add_argument("--device", default="cpu", help="cpu or cuda")
+        p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"],
+                       help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")
+        p.add_argument("--max-tokens", type=_positive, default=64 if name == "generate" else 48,
+                       help="most tokens to generate per request")
+        p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.8,
+                       help="0 selects greedily")
+        p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 disables)")
+        p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep, in (0, 1]")
+        p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+        p.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and output ids (1 disables)")
+        p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], over output ids")
+        p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], over output ids")
+        p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+        p.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn per request)")
+        p.add_argument("--logprobs", action="store_true", help="report the chosen tokens' logprobs (generate)")
+        p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         if name == "generate":
-            p.add_argument("--prompt", required=True)
+            p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")
         else:
-            p.add_argument("--requests", type=int, default=8)
-    args = ap.parse_args(argv)
+            p.add_argument("--requests", type=_positive, default=8, help="number of concurrent requests")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return cmd_generate(args) if args.cmd == "generate" else cmd_demo(args)
-    except PageDecodeError as e:
+    except (CliError, PageDecodeError, ModelLoadError) as e:
         print(f"pagedecode: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                 # before the first step (loading)
+        print("\n[interrupted]", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

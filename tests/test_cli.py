@@ -37,3 +37,67 @@ def test_bad_model_dir_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pagedecode.cli", "generate", "--model", str(tmp_path / "x"),
                         "--prompt", "hi"], capture_output=True, text=True)
     assert r.returncode == 2 and "model directory not found" in r.stderr
+
+
+def run_cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "pagedecode.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=120)
+
+
+def test_ctrl_c_during_generate_keeps_the_partial_text(stories_path, capsys, monkeypatch):
+    from pagedecode.runtime.engine import Engine
+    real = Engine.step
+    calls = {"n": 0}
+
+    def step(self):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return real(self)
+    monkeypatch.setattr(Engine, "step", step)
+    code = cli.main(["generate", "--model", str(stories_path), "--prompt", "Once upon a time", "--max-tokens", "50"])
+    out = capsys.readouterr()
+    assert code == 130
+    assert out.out.endswith("\n") and out.out.strip() and ", there was a little girl".startswith(out.out.strip()[:10])
+    assert "[interrupted; prompt 5 tokens" in out.err and "Traceback" not in out.err
+
+
+def test_real_sigint_during_demo_exits_130_with_a_summary(stories_path):
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "demo", "--model", str(stories_path),
+                          "--requests", "64", "--max-tokens", "2000", "--ignore-eos"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.readline()                 # it is generating
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "throughput (tok/s)" in out and "[interrupted" in err and "Traceback" not in err
+
+
+def test_device_errors_are_one_line():
+    import torch
+    if not torch.cuda.is_available():
+        r = run_cli("generate", "--device", "cuda", "--prompt", "hi")
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no CUDA device" in r.stderr
+    r = run_cli("generate", "--device", "tpu9", "--prompt", "hi")
+    assert r.returncode == 2 and "device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_version_help_and_option_checks(stories_path):
+    import pagedecode as pd
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"pagedecode {pd.__version__}"
+    h = run_cli("generate", "--help").stdout
+    for opt in ("--min-p", "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--ignore-eos",
+                "--seed", "--logprobs", "--top-k"):
+        assert opt in h
+    assert "(default: 0.0)" in h and "(default: cpu)" in h
+    r = run_cli("demo", "--requests", "0")
+    assert r.returncode == 2 and "must be >= 1" in r.stderr
+
+
+def test_prompt_from_stdin(stories_path):
+    r = run_cli("generate", "--model", str(stories_path), "--prompt", "-", "--max-tokens", "16", stdin="Once upon a time")
+    assert r.returncode == 0 and r.stdout.strip() == ", there was a little girl named Lily. She loved to play"
