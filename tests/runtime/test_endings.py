@@ -136,7 +136,7 @@ def test_usage_and_timings():
         (2, 3, 4, 2, 4)
     assert out.finish_reason == R.EOS and out.text == "ABCD" and EOS not in out.token_ids
     t = out.timings
-    assert t.queue_s >= 0 and t.prefill_s > 0 and t.decode_s > 0 and t.hold_s > 0
+    assert 0 < t.queue_s < 5 and t.prefill_s > 0 and t.decode_s > 0 and t.hold_s > 0
 
 
 def test_logprobs_reported_with_their_tokens():

@@ -24,6 +24,7 @@ request = st.fixed_dictionaries({
     "prompt": st.lists(st.sampled_from(IDS[2:]), min_size=1, max_size=20),
     "max_tokens": st.integers(1, 25),
     "stop": st.lists(st.sampled_from(["ab", "ba", "é", "b a", "€", "aab"]), max_size=2),
+    "stop_ids": st.lists(st.sampled_from([12, [10, 11], [13, 14, 10]]), max_size=2),
     "cancel_at": st.none() | st.integers(0, 30),
     "deadline": st.sampled_from([None, None, None, 1e-6]),
     "stream": st.booleans(),
@@ -48,6 +49,7 @@ def test_random_workloads_keep_every_invariant(reqs, pages, page_size, budget, b
         for i, r in enumerate(reqs):
             if r["arrive"] == step:
                 params = pd.SamplingParams(max_tokens=r["max_tokens"], stop=r["stop"], deadline_s=r["deadline"],
+                                           stop_token_ids=r["stop_ids"],
                                            temperature=r["temperature"], seed=i, utf8_errors="replace")
                 try:
                     rid = eng.add_request(r["prompt"], params, stream=r["stream"])
@@ -60,6 +62,9 @@ def test_random_workloads_keep_every_invariant(reqs, pages, page_size, budget, b
         events = eng.step()
         step += 1
         eng.pool.check_integrity()
+        free = [p for p, c in enumerate(eng.pool.ref_counts) if c == 0]
+        eng.kv.k[:, free] = float("nan")                   # whatever a free page holds never matters
+        eng.kv.v[:, free] = float("nan")
         for e in events:
             seen[e.request_id].append(e)
         for rid, r in rids.items():
