@@ -200,7 +200,8 @@ class Tokenizer:
         return not (skip_special_tokens and token_id in self.special_ids)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)  # type: ignore[no-any-return]
+        token: str | None = self._tok.id_to_token(token_id)
+        return token
 
     def byte_fallback_value(self, token_id: int) -> int | None:
         """The byte a <0xNN> token stands for, under a ByteFallback decoder; else None."""

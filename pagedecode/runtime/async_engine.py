@@ -127,7 +127,7 @@ class AsyncEngine:
         self.start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
 
     def start(self) -> None:
@@ -168,7 +168,7 @@ class AsyncEngine:
         streams, self._to_wake = self._to_wake, []
         self._loop.call_soon_threadsafe(_notify_all, streams)
 
-    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
                ) -> RequestStream:
         """Queue a request; its events arrive through the returned async iterator. Raises
         InvalidRequestError at once for a request that can never be served."""

@@ -32,7 +32,7 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
             logits_rows.append(cu[-1] - 1)
             logits_seqs.append(i)
 
-    def t(x, dtype):
+    def t(x: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
     return ForwardBatch(

@@ -28,7 +28,8 @@ def uses_penalties(p: SamplingParams) -> bool:
 
 
 class TokenSelector:
-    def __init__(self, eos_ids: frozenset[int], num_slots: int, vocab_size: int, device, backend: str) -> None:
+    def __init__(self, eos_ids: frozenset[int], num_slots: int, vocab_size: int, device: torch.device,
+                 backend: str) -> None:
         self.eos_ids = eos_ids
         self.num_slots = num_slots
         self.vocab_size = vocab_size

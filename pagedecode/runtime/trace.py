@@ -35,7 +35,7 @@ class Trace:
             self.records.append({"t_us": now_us(), "kind": kind, **fields})
 
 
-def _jsonable(v):
+def _jsonable(v: Any) -> Any:
     if hasattr(v, "value"):
         return v.value
     if isinstance(v, tuple):
