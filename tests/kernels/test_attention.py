@@ -129,3 +129,33 @@ def test_odd_head_dims_and_int64_metadata(hq, hkv, d, page, lens):
     out = paged_extend_attention(qe, kc, vc, table, cu, seq_lens, backend="triton")
     ref = paged_extend_attention_ref(qe.double(), kc.double(), vc.double(), table, cu, seq_lens, d ** -0.5)
     assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def poison_outside(cache, table, lens, page):
+    """NaN in every slot no sequence owns: unused pages and the tails of last pages."""
+    owned = torch.zeros(cache.shape[0] * page, dtype=torch.bool)
+    for row, n in zip(table.tolist(), lens):
+        for p in range(n):
+            owned[row[p // page] * page + p % page] = True
+    flat = cache.view(-1, *cache.shape[2:])
+    flat[~owned.to(cache.device)] = float("nan")
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton), "torch"])
+def test_nan_outside_the_sequences_never_reaches_attention(backend):
+    """Every backend: free pages and unwritten page tails may hold anything (NaN included)."""
+    g = torch.Generator().manual_seed(11)
+    lens, page, hq, hkv, d = [5, 13, 1], 4, 4, 2, 64
+    kc = torch.randn(12, page, hkv, d, generator=g).to(DEVICE)
+    vc = torch.randn(12, page, hkv, d, generator=g).to(DEVICE)
+    q = torch.randn(len(lens), hq, d, generator=g).to(DEVICE)
+    table = random_page_tables(lens, page, 12, g).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    clean = paged_decode_attention(q, kc, vc, table, seq_lens, backend=backend)
+    cu = torch.tensor([0, 2, 5, 6], dtype=torch.int32, device=DEVICE)       # 2, 3 and 1 new tokens
+    qx = torch.randn(6, hq, d, generator=g).to(DEVICE)
+    clean_x = paged_extend_attention(qx, kc, vc, table, cu, seq_lens, d ** -0.5, backend=backend)
+    poison_outside(kc, table, lens, page)
+    poison_outside(vc, table, lens, page)
+    assert torch.equal(paged_decode_attention(q, kc, vc, table, seq_lens, backend=backend), clean)
+    assert torch.equal(paged_extend_attention(qx, kc, vc, table, cu, seq_lens, d ** -0.5, backend=backend), clean_x)

@@ -332,3 +332,12 @@ def test_scripted_and_llama_models_satisfy_the_protocol(stories_path):
     model, _ = pd.load_model(stories_path)
     assert isinstance(model, pd.Model) and isinstance(ScriptedModel([1], vocab_size=4), pd.Model)
     assert isinstance(torch.zeros(1), torch.Tensor)
+
+
+def test_stories_prompt_ending_in_an_emoji_run(stories_engine_factory):
+    """Reproduction: the prompt's byte-fallback run used to be handed to the output again."""
+    eng = stories_engine_factory()
+    out = eng.generate("The cat 🐱🐶", pd.SamplingParams(max_tokens=10))[0]
+    full = eng.tokenizer.decode(out.prompt_token_ids + out.selected_token_ids)
+    assert full.startswith("The cat 🐱🐶") and out.text == full[len("The cat 🐱🐶"):]
+    assert not out.text.startswith("🐱")
