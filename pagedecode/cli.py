@@ -213,12 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")
         else:
             p.add_argument("--requests", type=_positive, default=8, help="number of concurrent requests")
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pagedecode[server])",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .server.serve import add_arguments
+    add_arguments(s)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.cmd == "serve":
+            from .server.serve import main as serve_main
+            _check_device(args.device)
+            return serve_main(parsed=args)
         return cmd_generate(args) if args.cmd == "generate" else cmd_demo(args)
     except (CliError, PageDecodeError, ModelLoadError) as e:
         print(f"pagedecode: {e}", file=sys.stderr)

@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from typing import AsyncIterator
 
 import torch
 
@@ -120,6 +121,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._to_wake: list[RequestStream] = []    # woken once per step, in one loop callback
+        self._stepped: asyncio.Event | None = None  # set after steps while someone follows a request
+        self.followers = 0
         self.stream_interval_s = stream_interval_s
         self._last_wake = 0.0
 
@@ -159,6 +162,8 @@ class AsyncEngine:
     def _wake_streams(self, force: bool = False) -> None:
         """One hop to the event loop for all the streams that got events, at most every
         stream_interval_s (each hop costs the step thread two GIL hand-offs)."""
+        if self.followers and self._loop is not None and self._stepped is not None:
+            self._loop.call_soon_threadsafe(self._stepped.set)
         if not self._to_wake or self._loop is None:
             return
         now = time.perf_counter()
@@ -195,6 +200,33 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(live._notify)
         buffer.on_push = wake
         return stream
+
+    async def follow(self, request_id: str, after_seq: int = -1) -> AsyncIterator[Event]:
+        """Every event of a request with seq > after_seq, then its live events until the terminal
+        one: for a client that reconnects (dedupe by (request id, seq)). Raises KeyError for an
+        unknown or forgotten request."""
+        if self._stepped is None:
+            self._stepped = asyncio.Event()
+        self.followers += 1
+        try:
+            while True:
+                self._stepped.clear()
+                events = self.engine.replay(request_id, after_seq)
+                for ev in events:
+                    yield ev
+                    after_seq = ev.seq
+                    if isinstance(ev, TerminalEvent):
+                        return
+                try:
+                    await asyncio.wait_for(self._stepped.wait(), timeout=self.idle_wait_s * 4)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.followers -= 1
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and not self._stopping.is_set()
 
     async def shutdown(self) -> None:
         """Stop the step loop, then end every live request exactly once (cancelled)."""

@@ -1,0 +1,73 @@
+"""Chat templates: tokenizer_config.json's `chat_template` (or chat_template.jinja), rendered in
+jinja2's ImmutableSandboxedEnvironment with the variables transformers provides. A template
+never comes from a request."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .protocol import ApiError
+
+
+def load_template(model_dir: str | Path | None, override: str | Path | None = None) -> tuple[str | None, dict[str, Any]]:
+    """(template source or None, special token strings) for a model directory."""
+    specials: dict[str, Any] = {}
+    source: str | None = None
+    if model_dir is not None:
+        d = Path(model_dir)
+        cfg_file = d / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            v = cfg.get(name)
+            specials[name] = v.get("content") if isinstance(v, dict) else v
+        t = cfg.get("chat_template")
+        if isinstance(t, list):                       # named templates: take "default"
+            t = next((x.get("template") for x in t if x.get("name") == "default"), None)
+        if isinstance(t, str):
+            source = t
+        elif (d / "chat_template.jinja").is_file():
+            source = (d / "chat_template.jinja").read_text()
+    if override is not None:
+        source = Path(override).read_text()
+    return source, specials
+
+
+class ChatTemplate:
+    def __init__(self, source: str, specials: dict[str, Any]) -> None:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        def strftime_now(fmt: str) -> str:
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        self._template = env.from_string(source)
+        self._specials = {k: (v or "") for k, v in specials.items()}
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None) -> str:
+        from jinja2.exceptions import TemplateError
+        msgs = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):              # [{"type": "text", "text": ...}, ...]
+                parts = []
+                for p in content:
+                    if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                        raise ApiError(400, "only text content parts are supported", param="messages")
+                    parts.append(p["text"])
+                content = "".join(parts)
+            msgs.append({**m, "content": content})
+        try:
+            return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         **self._specials, **(extra or {}))
+        except TemplateError as e:
+            raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None

@@ -1,0 +1,259 @@
+"""OpenAI-compatible request parsing and response shapes.
+
+Parsing turns a JSON body into (prompt, SamplingParams, options) or raises ApiError naming the
+field; the engine's own validation (InvalidRequestError) is mapped to the same 400 shape.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import InvalidRequestError
+from ..params import MAX_LOGPROBS, SamplingParams
+from ..runtime.events import RequestOutput, Usage
+from ..runtime.lifecycle import FinishReason
+
+# pagedecode's reasons as OpenAI clients know them; every other reason keeps its own name
+OPENAI_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop", FinishReason.GRAMMAR_COMPLETE: "stop",
+                 FinishReason.MAX_OUTPUT_TOKENS: "length", FinishReason.CONTEXT_LIMIT: "length"}
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+KNOWN_FIELDS = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop",
+    "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "top_logprobs", "logit_bias", "user", "n",
+    "timeout", "first_token_timeout", "on_disconnect", "echo", "suffix", "best_of", "skip_special_tokens",
+    "include_stop_str_in_output", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "add_generation_prompt", "chat_template_kwargs", "cache_salt", "structured_outputs", "metadata", "store",
+    "service_tier", "seed", *SAMPLING_FIELDS})
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              409: "conflict_error", 413: "invalid_request_error",
+                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+@dataclass
+class Limits:
+    """Server-wide caps (safe defaults): what one request may ask for."""
+    max_tokens: int = 4096
+    max_stops: int = 8
+    max_stop_chars: int = 256
+    max_logit_bias: int = 300
+    max_top_logprobs: int = MAX_LOGPROBS
+    max_request_seconds: float | None = None
+
+
+@dataclass
+class Parsed:
+    prompt: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    n: int
+    first_token_timeout: float | None
+    on_disconnect: str | None
+    top_logprobs: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(name, f"must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _int(body: Mapping[str, Any], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(name, f"must be an integer, got {v!r}")
+    return v
+
+
+def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits) -> Parsed:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages", "must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad(f"messages[{i}]", "must be an object with a string role")
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+        prompt = None
+    else:
+        messages = None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                    # a batch of one
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            pass
+        elif not isinstance(prompt, str) or not prompt:
+            raise bad("prompt", "must be a non-empty string or a list of token ids (one prompt per request)")
+    max_tokens = _int(body, "max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
+        else _int(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = min(limits.max_tokens, 16 if not chat else limits.max_tokens)
+    if not 1 <= max_tokens <= limits.max_tokens:
+        raise bad("max_tokens", f"must be in [1, {limits.max_tokens}], got {max_tokens}")
+    n = _int(body, "n")
+    n = 1 if n is None else n
+    if not 1 <= n <= 16:
+        raise bad("n", f"must be in [1, 16], got {n}")
+    stop = body.get("stop")
+    stops: tuple[str, ...] = ()
+    if stop is not None:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
+        if not isinstance(stop, (str, list)) or not all(isinstance(s, str) for s in stops):
+            raise bad("stop", "must be a string or a list of strings")
+        if len(stops) > limits.max_stops or any(len(s) > limits.max_stop_chars for s in stops):
+            raise bad("stop", f"at most {limits.max_stops} stops of at most {limits.max_stop_chars} characters")
+    bias = body.get("logit_bias")
+    logit_bias = None
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > limits.max_logit_bias:
+            raise bad("logit_bias", f"must be an object of at most {limits.max_logit_bias} token ids")
+        logit_bias = {}
+        for k, v in bias.items():
+            try:
+                tok = int(k)
+            except (TypeError, ValueError):
+                raise bad("logit_bias", f"key {k!r} is not a token id") from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise bad("logit_bias", f"bias for {k} must be in [-100, 100], got {v!r}")
+            logit_bias[tok] = float(v)
+    top_logprobs = 0
+    logprobs: int | None = None
+    if chat:
+        lp = body.get("logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise bad("logprobs", "must be a boolean for chat completions")
+        if lp:
+            top_logprobs = _int(body, "top_logprobs") or 0
+            if not 0 <= top_logprobs <= limits.max_top_logprobs:
+                raise bad("top_logprobs", f"must be in [0, {limits.max_top_logprobs}]")
+            logprobs = top_logprobs
+        elif body.get("top_logprobs"):
+            raise bad("top_logprobs", "needs logprobs: true")
+    else:
+        lp = _int(body, "logprobs")
+        if lp is not None:
+            if not 0 <= lp <= min(5, limits.max_top_logprobs):
+                raise bad("logprobs", "must be in [0, 5] for completions")
+            logprobs, top_logprobs = lp, lp
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("stream_options", "must be an object")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", "must be a boolean")
+    timeout = _number(body, "timeout")
+    first = _number(body, "first_token_timeout")
+    for name, v in (("timeout", timeout), ("first_token_timeout", first)):
+        if v is not None and v <= 0:
+            raise bad(name, "must be > 0 seconds")
+    cap = limits.max_request_seconds
+    if cap is not None:
+        timeout = cap if timeout is None else min(timeout, cap)
+        first = None if first is None else min(first, cap)
+    on_disconnect = body.get("on_disconnect")
+    if on_disconnect not in (None, "cancel", "continue"):
+        raise bad("on_disconnect", 'must be "cancel" or "continue"')
+    sampling: dict[str, Any] = {}
+    for name in SAMPLING_FIELDS:
+        v = _int(body, name) if name in ("top_k", "seed") else _number(body, name)
+        if v is None:
+            v = defaults.get(name)
+        if v is not None:
+            sampling[name] = v
+    sampling.setdefault("temperature", 1.0)
+    if sampling.get("top_k") == -1:
+        sampling["top_k"] = 0                     # vLLM's "disabled"
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, stop=stops, stop_token_ids=body.get("stop_token_ids") or (),
+            ignore_eos=body.get("ignore_eos", False), min_tokens=body.get("min_tokens", 0) or 0,
+            logit_bias=logit_bias, logprobs=logprobs, deadline_s=timeout,
+            skip_special_tokens=body.get("skip_special_tokens", True),
+            include_stop_str_in_output=body.get("include_stop_str_in_output", False), **sampling)
+    except InvalidRequestError as e:
+        raise invalid(e) from None
+    except TypeError as e:
+        raise ApiError(400, str(e)) from None
+    return Parsed(prompt, messages, params, stream, bool((opts or {}).get("include_usage")), n, first,
+                  on_disconnect, top_logprobs)
+
+
+def invalid(e: InvalidRequestError) -> ApiError:
+    """The engine's own validation as a 400 naming the field (`SamplingParams.<field>: ...`)."""
+    msg = str(e)
+    param = None
+    if "SamplingParams." in msg:
+        param = msg.split("SamplingParams.", 1)[1].split(":", 1)[0]
+    elif "prompt" in msg:
+        param = "prompt"
+    return ApiError(400, msg, param=param, code="invalid_value")
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return OPENAI_FINISH.get(reason, reason.value)
+
+
+def usage_body(u: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.returned_tokens,
+            "total_tokens": u.prompt_tokens + u.returned_tokens, "selected_tokens": u.selected_tokens,
+            "processed_tokens": u.processed_tokens,
+            "prompt_tokens_details": {"cached_tokens": getattr(u, "cached_tokens", 0)}}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def stop_reason(out_stop: object) -> Any:
+    if isinstance(out_stop, tuple):
+        return list(out_stop)
+    return out_stop
+
+
+def completion_choice(index: int, out: RequestOutput, text: str, logprobs: Any) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish_reason),
+            "stop_reason": stop_reason(out.stop_reason),
+            "pagedecode_finish_reason": out.finish_reason.value if out.finish_reason else None}
+
+
+def chat_choice(index: int, out: RequestOutput, text: str, logprobs: Any) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason(out.finish_reason), "stop_reason": stop_reason(out.stop_reason),
+            "pagedecode_finish_reason": out.finish_reason.value if out.finish_reason else None}

@@ -1,0 +1,62 @@
+"""A real server on an ephemeral loopback port: uvicorn in a thread over stories260k."""
+import threading
+import time
+
+import pytest
+
+import pagedecode as pd
+
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token }}{{ m['content'] }}{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %} Answer:{% endif %}")
+
+
+class Running:
+    def __init__(self, url, app, ae, server, thread):
+        self.url, self.app, self.ae, self.server, self.thread = url, app, ae, server, thread
+
+    @property
+    def state(self):
+        return self.app.state.pagedecode
+
+    @property
+    def engine(self):
+        return self.ae.engine
+
+
+def start_server(stories_path, *, api_key=None, template=TEMPLATE, **build_options):
+    import uvicorn
+
+    from pagedecode.server import build_app
+    from pagedecode.server.chat import ChatTemplate, load_template
+    from pagedecode.server.serve import generation_defaults, lifespan
+    engine = pd.Engine.from_pretrained(stories_path, model_name="stories260k", max_batch_size=32)
+    _, specials = load_template(stories_path)
+    ae = pd.AsyncEngine(engine)
+    app = build_app(ae, model_name="stories260k", api_key=api_key,
+                    chat_template=ChatTemplate(template, specials) if template else None,
+                    generation_defaults=generation_defaults(stories_path), **build_options)
+    app.router.lifespan_context = lifespan(ae, app, grace_s=2.0)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(400):
+        if server.started:
+            break
+        time.sleep(0.025)
+    assert server.started, "server did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return Running(f"http://127.0.0.1:{port}", app, ae, server, thread)
+
+
+def stop_server(s):
+    s.server.should_exit = True
+    s.thread.join(timeout=30)
+    assert not s.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    s = start_server(stories_path, api_key="sekret")
+    yield s
+    stop_server(s)
