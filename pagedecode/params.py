@@ -93,6 +93,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None          # None: none reported; 0..20: the chosen token's
     deadline_s: float | None = None      # seconds from add_request
+    first_token_timeout_s: float | None = None   # no token selected within it: FAILED deadline_exceeded
     utf8_errors: str = "strict"          # "strict": an unfinished character fails; "replace"
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_id_seqs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
@@ -128,6 +129,8 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.deadline_s is not None:
             _real("deadline_s", self.deadline_s, 0.0, 1e9, lo_open=True)
+        if self.first_token_timeout_s is not None:
+            _real("first_token_timeout_s", self.first_token_timeout_s, 0.0, 1e9, lo_open=True)
         if self.utf8_errors not in UTF8_POLICIES:
             raise _bad("utf8_errors", f"must be one of {UTF8_POLICIES}", self.utf8_errors)
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):

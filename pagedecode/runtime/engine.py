@@ -13,6 +13,7 @@ import random
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -34,12 +35,17 @@ from .page_pool import PagePool
 from .registry import RequestRegistry
 from .request import RESOURCES, Request
 from .scheduler import Scheduler, SchedulerOutput
-from .selector import Selection, TokenSelector
+from .selector import Selection, TokenSelector, TopLogprobs
 from .slots import SlotTable
 from .stream import EventBuffer
 from .trace import now_us
 
 log = logging.getLogger("pagedecode")
+
+
+@dataclass
+class EngineStats:
+    preemptions: int = 0
 S, R = RequestState, FinishReason
 ENDED = (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED)
 
@@ -84,6 +90,9 @@ class Engine:
                                       config.sampling_backend)
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
         self.idle = True            # the last step found nothing to run (all waiting or paused)
+        self.stats = EngineStats()
+        # perf_counter microseconds + wall_offset_us = wall-clock microseconds (traces line up with logs)
+        self.wall_offset_us = time.time() * 1e6 - now_us()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = None,
@@ -95,14 +104,29 @@ class Engine:
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False) -> str:
+                    request_id: str | None = None, stream: bool = False, acked: bool = False) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError (nothing queued) when the
         request can never be served. stream=True keeps its events in a bounded buffer for
-        `read_events` (backpressure applies); otherwise `step()`'s return is the delivery."""
+        `read_events`; acked=True lets a consumer read the history (`replay`) and `ack` what it
+        has sent instead. Either way backpressure applies (stream_max_events unread events
+        pause the request); otherwise `step()`'s return is the delivery."""
         with self._lock:
             req = self._make_request(prompt, params, request_id, stream)
+            if acked:
+                req.acked_seq, req.max_unacked = -1, self.config.stream_max_events
             self._enqueue(req)
         return req.request_id
+
+    def ack(self, request_id: str, seq: int) -> None:
+        """The consumer of an acked request has sent every event up to seq (backpressure lifts)."""
+        with self._lock:
+            req = self.requests.live.get(request_id)
+            if req is None or req.acked_seq is None or seq <= req.acked_seq:
+                return
+            was_paused = req.paused_since is not None
+            req.acked_seq = seq
+        if was_paused:
+            self._wake()
 
     def _make_request(self, prompt: object, params: SamplingParams | None, request_id: str | None,
                       stream: bool) -> Request:
@@ -151,6 +175,7 @@ class Engine:
             if plan.empty:
                 return events
             self._begin(plan)
+            self.stats.preemptions += len(plan.preempted)
         try:
             selection, failure = self._run(plan), None
         except Exception as exc:       # a device or sampler fault fails this step's requests, not the engine
@@ -207,11 +232,13 @@ class Engine:
                 if s.samples:
                     if i in sel.bad:
                         raise FloatingPointError("the model returned non-finite logits (NaN or inf) for it")
-                    self._on_token(req, sel.tokens[i], None if sel.logprobs is None else sel.logprobs[i], events)
+                    self._on_token(req, sel.tokens[i], None if sel.logprobs is None else sel.logprobs[i],
+                                   None if sel.top is None else sel.top[i], events)
             except Exception as exc:
                 self._fail(req, exc, events)
 
-    def _on_token(self, req: Request, token: int, logprob: float | None, events: list[Event]) -> None:
+    def _on_token(self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None,
+                  events: list[Event]) -> None:
         req.output_ids.append(token)
         t = len(req.output_ids)
         if req.state == S.PREFILLING:
@@ -223,7 +250,7 @@ class Engine:
         stop = None
         if not is_eos(req, token, self.eos_ids):
             assert req.pipeline is not None, "a live request has its output pipeline"
-            em = req.pipeline.push(token, logprob, t)
+            em = req.pipeline.push(token, logprob, t, top)
             self._deliver(req, em, events)
             stop = em.stop
             if stop is not None:
@@ -303,6 +330,11 @@ class Engine:
             if req.state == S.CANCEL_REQUESTED:
                 req.trace.add("cancel.effective")
                 self._terminate(req, S.CANCELLED, req.cancel_reason, None, events)
+            elif (req.first_token_deadline is not None and not req.output_ids
+                  and now >= req.first_token_deadline):
+                req.trace.add("deadline", state=req.state.value, first_token=True)
+                self._terminate(req, S.FAILED, R.DEADLINE_EXCEEDED,
+                                f"no first token within {req.params.first_token_timeout_s}s", events)
             elif req.deadline is not None and now >= req.deadline:
                 req.trace.add("deadline", state=req.state.value)
                 if req.state == S.DECODING:
@@ -351,8 +383,9 @@ class Engine:
         its history for replay), so backpressure no longer holds it."""
         with self._lock:
             req = self._get(request_id)
-            if req.buffer is not None:
+            if req.buffer is not None or req.acked_seq is not None:
                 req.buffer = None
+                req.acked_seq = None
                 req.paused_since = None
         self._wake()
 
@@ -360,7 +393,10 @@ class Engine:
         """Every event of the request with seq > after_seq, in order (for a reconnecting client).
         A request forgotten to bound memory raises ForgottenRequestError (a KeyError) saying so."""
         with self._lock:
-            return [e for e in self._get(request_id).history if e.seq > after_seq]
+            history = self._get(request_id).history
+            if isinstance(history, list):          # live: seq n is history[n]
+                return history[max(after_seq + 1, 0):]
+            return [e for e in history if e.seq > after_seq]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests.live)

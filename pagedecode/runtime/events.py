@@ -40,6 +40,7 @@ class DeltaEvent:
     text: str                          # complete UTF-8: never half a character
     token_ids: tuple[int, ...]
     logprobs: tuple[float | None, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None   # per token: (id, logprob) x N
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class RequestOutput:
     error: str | None = None
     selected_token_ids: list[int] = field(default_factory=list)   # every decision, EOS included
     logprobs: list[float | None] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     stop_rule_version: int = STOP_RULE_VERSION
     timings: Timings = field(default_factory=Timings)
 

@@ -24,6 +24,7 @@ class CompactHistory:
         self._ids = array("q")
         self._seqs = array("I")
         self._logprobs: list[float | None] | None = None
+        self._top: list[tuple[tuple[int, float], ...]] | None = None
         length = 0
         for ev in events:
             if isinstance(ev, StartEvent):
@@ -41,6 +42,10 @@ class CompactHistory:
                     if self._logprobs is None:
                         self._logprobs = []
                     self._logprobs.extend(ev.logprobs)
+                if ev.top_logprobs is not None:
+                    if self._top is None:
+                        self._top = []
+                    self._top.extend(ev.top_logprobs)
         self._text = "".join(texts)
 
     def __len__(self) -> int:
@@ -52,7 +57,8 @@ class CompactHistory:
         for k, seq in enumerate(self._seqs):
             t1, i1 = self._text_ends[k], self._id_ends[k]
             lps = None if self._logprobs is None else tuple(self._logprobs[i0:i1])
-            out.append(DeltaEvent(self.request_id, seq, self._text[t0:t1], tuple(self._ids[i0:i1]), lps))
+            top = None if self._top is None else tuple(self._top[i0:i1])
+            out.append(DeltaEvent(self.request_id, seq, self._text[t0:t1], tuple(self._ids[i0:i1]), lps, top))
             t0, i0 = t1, i1
         return out
 
@@ -76,4 +82,5 @@ class CompactHistory:
         arrays = sum(a.itemsize * len(a) + 64 for a in (self._text_ends, self._id_ends, self._ids, self._seqs))
         text = len(self._text.encode()) + 80
         lps = 0 if self._logprobs is None else 32 * len(self._logprobs)
+        lps += 0 if self._top is None else sum(120 * len(t) + 56 for t in self._top)
         return arrays + text + lps + 600

@@ -53,5 +53,7 @@ def make_request(prompt: object, params: SamplingParams | None, request_id: str,
     seed = params.seed if params.seed is not None else rng.getrandbits(64)
     req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, arrival=now,
                   pipeline=OutputPipeline(tokenizer, ids, params), trace=Trace(request_id, trace_level),
-                  deadline=None if params.deadline_s is None else now + params.deadline_s)
+                  deadline=None if params.deadline_s is None else now + params.deadline_s,
+                  first_token_deadline=None if params.first_token_timeout_s is None
+                  else now + params.first_token_timeout_s)
     return req

@@ -24,21 +24,24 @@ from ..params import SamplingParams
 from .detokenizer import Utf8TailError, make_detokenizer
 from .stop import StopIdMatcher, find_stop_string, stop_prefix_len
 
+TopLogprobs = tuple[tuple[int, float], ...]
+
 
 @dataclass
 class Emission:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float | None, ...] = ()
+    top_logprobs: tuple[TopLogprobs, ...] = ()     # per released token (empty tuples when none asked)
     stop: str | tuple[int, ...] | None = None      # the stop that hit, if one did
     error: str | None = None                       # an unfinished UTF-8 tail under "strict"
 
 
 class _Pending:
-    __slots__ = ("token", "logprob", "fed_at", "start")
+    __slots__ = ("token", "logprob", "top", "fed_at", "start")
 
-    def __init__(self, token: int, logprob: float | None, fed_at: int) -> None:
-        self.token, self.logprob = token, logprob
+    def __init__(self, token: int, logprob: float | None, top: TopLogprobs, fed_at: int) -> None:
+        self.token, self.logprob, self.top = token, logprob, top
         self.fed_at = fed_at                   # text produced before it was decoded
         self.start: int | None = None          # offset of its first character, once it has one
 
@@ -56,13 +59,15 @@ class OutputPipeline:
         self._pending: list[_Pending] = []
         self._held_since: float | None = None
         self.hold_s = 0.0
+        self._top: TopLogprobs = ()
 
     @property
     def held_chars(self) -> int:
         return len(self._text)
 
-    def push(self, token: int, logprob: float | None, n_selected: int) -> Emission:
+    def push(self, token: int, logprob: float | None, n_selected: int, top: TopLogprobs | None = None) -> Emission:
         """Take the n_selected-th output token (1-based). Inside min_tokens, stops don't match."""
+        self._top = top or ()
         if n_selected <= self.min_tokens:
             self._decode(token, logprob)
             return self._release(len(self._text))
@@ -80,7 +85,7 @@ class OutputPipeline:
         return self._release(end)
 
     def _decode(self, token: int, logprob: float | None) -> None:
-        self._pending.append(_Pending(token, logprob, self._base + len(self._text)))
+        self._pending.append(_Pending(token, logprob, self._top, self._base + len(self._text)))
         self._note_text(self.detok.add(token))
 
     def _note_text(self, piece: str) -> None:
@@ -148,4 +153,5 @@ class OutputPipeline:
             shown = p.start is not None and p.start < self._base
             (out if shown or everything else keep).append(p)
         self._pending = [] if cut else keep
-        return Emission(text, tuple(p.token for p in out), tuple(p.logprob for p in out), stop)
+        return Emission(text, tuple(p.token for p in out), tuple(p.logprob for p in out),
+                        tuple(p.top for p in out), stop)

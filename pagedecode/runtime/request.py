@@ -38,6 +38,7 @@ class Request:
     pipeline: OutputPipeline | None       # None once terminal (its decoder state is dropped)
     trace: Trace
     deadline: float | None = None
+    first_token_deadline: float | None = None
     state: RequestState = RequestState.CREATED
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -50,6 +51,8 @@ class Request:
     error: str | None = None
     cancel_reason: FinishReason = FinishReason.CANCELLED
     buffer: EventBuffer | None = None     # set when a consumer reads events itself (streaming)
+    acked_seq: int | None = None          # or: a consumer reads the history and acks up to here
+    max_unacked: int = 0                  # ... and the request pauses with this many events unread
     paused_since: float | None = None     # backpressure: buffer full since
     history: list[Event] | CompactHistory = field(default_factory=list)   # compacted when it ends
     timings: Timings = field(default_factory=Timings)
@@ -96,7 +99,8 @@ class Request:
 
     def delta(self, em: Emission) -> DeltaEvent:
         lps = em.logprobs if self.params.logprobs is not None else None
-        ev = DeltaEvent(self.request_id, self.take_seq(), em.text, em.token_ids, lps)
+        top = em.top_logprobs if self.params.logprobs else None
+        ev = DeltaEvent(self.request_id, self.take_seq(), em.text, em.token_ids, lps, top)
         if self.trace.tokens and self.pipeline is not None:
             self.trace.token("delta", seq=ev.seq, bytes=len(em.text.encode()), tokens=len(em.token_ids),
                              held_chars=self.pipeline.held_chars, held_ids=self.pipeline.stop_ids.held)
@@ -105,10 +109,12 @@ class Request:
     def backpressured(self) -> bool:
         """True while the outgoing buffer is full (the request then waits, its state untouched);
         records when a pause starts and ends."""
-        if self.buffer is not None and self.buffer.full:
+        if (self.buffer is not None and self.buffer.full) or (
+                self.acked_seq is not None and self.next_seq - 1 - self.acked_seq >= self.max_unacked):
             if self.paused_since is None:
                 self.paused_since = time.perf_counter()
-                self.trace.add("backpressure.paused", buffered=len(self.buffer))
+                unread = len(self.buffer) if self.buffer is not None else self.next_seq - 1 - (self.acked_seq or 0)
+                self.trace.add("backpressure.paused", unread=unread)
             return True
         if self.paused_since is not None:
             self.paused_since = None
@@ -119,15 +125,17 @@ class Request:
         if self.buffer is not None:
             self.timings.send_s = self.buffer.wait_s
         deltas = self.deltas()
-        logprobs = None
+        logprobs = top = None
         if self.params.logprobs is not None:
             logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
+        if self.params.logprobs:
+            top = [t for d in deltas for t in (d.top_logprobs or ())]
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=list(self.prompt_ids),
             token_ids=[t for d in deltas for t in d.token_ids], text="".join(d.text for d in deltas),
             state=self.state, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             usage=self.usage(), error=self.error, selected_token_ids=list(self.output_ids),
-            logprobs=logprobs, timings=Timings(**vars(self.timings)))
+            logprobs=logprobs, top_logprobs=top, timings=Timings(**vars(self.timings)))
 
     def mark_released(self, resource: str) -> None:
         """Each resource is released exactly once; a second release is a bug and raises."""

@@ -9,11 +9,14 @@ from typing import Sequence
 
 import torch
 
-from ..kernels.penalties import PenaltyState, make_penalty_inputs
+from ..kernels.penalties import PenaltyInputs, PenaltyState, apply_penalties_ref, make_penalty_inputs
 from ..kernels.philox import seed_to_int64
 from ..kernels.sampling import make_sampling_inputs, sample
 from ..params import SamplingParams
 from .request import Request
+
+
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass
@@ -21,6 +24,7 @@ class Selection:
     tokens: list[int]                    # one per row
     logprobs: list[float] | None         # None when no row needed them (greedy, no logprobs)
     bad: frozenset[int]                  # rows whose logits were not usable (NaN / inf)
+    top: list[TopLogprobs] | None = None  # per row, its N most likely (id, logprob); None: nobody asked
 
 
 def uses_penalties(p: SamplingParams) -> bool:
@@ -72,11 +76,26 @@ class TokenSelector:
         bad = self._bad_rows(rows.amax(dim=-1))
         out = sample(rows, inputs, backend=self.backend, penalties=penalties)
         tokens = out.tokens.tolist()
+        top = self._top_logprobs(rows, penalties, reqs)
         if penalties is not None:
             chosen = [(self._slot(r), t) for i, (r, t, a) in enumerate(zip(reqs, tokens, active))
                       if a and i not in bad]
             self._penalty_state().record([s for s, _ in chosen], [t for _, t in chosen])
-        return Selection(tokens, out.logprobs.tolist(), bad)
+        return Selection(tokens, out.logprobs.tolist(), bad, top)
+
+    @staticmethod
+    def _top_logprobs(rows: torch.Tensor, penalties: PenaltyInputs | None, reqs: Sequence[Request]
+                      ) -> list[TopLogprobs] | None:
+        """The N most likely tokens of each row that asks for N > 0, from the same logits the
+        chosen token's logprob comes from (after penalties and bias, before temperature)."""
+        wanted = [r.params.logprobs or 0 for r in reqs]
+        n = max(wanted, default=0)
+        if n == 0:
+            return None
+        x = apply_penalties_ref(rows, penalties) if penalties is not None else rows
+        values, ids = torch.log_softmax(x, dim=-1).topk(min(n, x.shape[-1]), dim=-1)
+        vals, idx = values.tolist(), ids.tolist()
+        return [tuple(zip(idx[i][:k], vals[i][:k])) for i, k in enumerate(wanted)]
 
     @staticmethod
     def _slot(req: Request) -> int:

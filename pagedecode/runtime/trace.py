@@ -48,23 +48,28 @@ def to_jsonl(records: Iterable[Mapping]) -> str:
                    for r in records)
 
 
-def to_chrome(traces: Mapping[str, Iterable[Mapping]], steps: Iterable[Mapping] = ()) -> dict:
+def to_chrome(traces: Mapping[str, Iterable[Mapping]], steps: Iterable[Mapping] = (),
+              wall_offset_us: float = 0.0) -> dict:
     """Chrome trace JSON: each request an async track (its records as instant events inside),
-    each engine step a complete slice on the "engine" thread."""
+    each engine step a complete slice on the "engine" thread. wall_offset_us (Engine's) turns
+    the monotonic timestamps into wall-clock microseconds."""
     events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "pagedecode"}},
               {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "engine"}}]
     for step in steps:
         events.append({"name": f"step {step['step']}", "ph": "X", "pid": 1, "tid": 1,
-                       "ts": step["t_us"], "dur": step["dur_us"],
+                       "ts": step["t_us"] + wall_offset_us, "dur": step["dur_us"],
                        "args": {k: v for k, v in step.items() if k not in ("t_us", "dur_us")}})
     for rid, records in traces.items():
         records = list(records)
         if not records:
             continue
         common = {"cat": "request", "id": str(rid), "pid": 1}
-        events.append({**common, "name": f"request {rid}", "ph": "b", "ts": records[0]["t_us"]})
+        events.append({**common, "name": f"request {rid}", "ph": "b", "tid": 2,
+                       "ts": records[0]["t_us"] + wall_offset_us})
         for r in records:
             args = {k: _jsonable(v) for k, v in r.items() if k not in ("t_us", "kind")}
-            events.append({**common, "name": r["kind"], "ph": "n", "ts": r["t_us"], "args": args})
-        events.append({**common, "name": f"request {rid}", "ph": "e", "ts": records[-1]["t_us"]})
+            events.append({**common, "name": r["kind"], "ph": "n", "tid": 2, "ts": r["t_us"] + wall_offset_us,
+                           "args": args})
+        events.append({**common, "name": f"request {rid}", "ph": "e", "tid": 2,
+                       "ts": records[-1]["t_us"] + wall_offset_us})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

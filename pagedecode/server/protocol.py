@@ -202,7 +202,7 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
         params = SamplingParams(
             max_tokens=max_tokens, stop=stops, stop_token_ids=body.get("stop_token_ids") or (),
             ignore_eos=body.get("ignore_eos", False), min_tokens=body.get("min_tokens", 0) or 0,
-            logit_bias=logit_bias, logprobs=logprobs, deadline_s=timeout,
+            logit_bias=logit_bias, logprobs=logprobs, deadline_s=timeout, first_token_timeout_s=first,
             skip_special_tokens=body.get("skip_special_tokens", True),
             include_stop_str_in_output=body.get("include_stop_str_in_output", False), **sampling)
     except InvalidRequestError as e:

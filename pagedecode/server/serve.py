@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
     p.add_argument("--grace-seconds", type=float, default=10.0, help="on shutdown, how long live requests may finish")
     p.add_argument("--log-text", action="store_true", help="include output text in the per-request log line")
+    p.add_argument("--resume-grace", type=float, default=0.0,
+                   help="seconds a disconnected stream waits for a client to resume it before it is cancelled")
+    p.add_argument("--on-disconnect", default="cancel", choices=["cancel", "continue"],
+                   help="what a client going away does to its request (a request's on_disconnect field overrides)")
+    p.add_argument("--idempotency-ttl", type=float, default=600.0, help="seconds an Idempotency-Key is kept")
+    p.add_argument("--idempotency-max-keys", type=int, default=10_000, help="most Idempotency-Keys kept")
     for f in ENGINE_FLAGS:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
@@ -66,7 +72,9 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     app = build_app(ae, model_name=name, chat_template=template, api_key=args.api_key,
                     limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
                     max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                    generation_defaults=defaults, log_text=args.log_text)
+                    generation_defaults=defaults, log_text=args.log_text, resume_grace_s=args.resume_grace,
+                    on_disconnect=args.on_disconnect, idempotency_ttl_s=args.idempotency_ttl,
+                    idempotency_max_keys=args.idempotency_max_keys)
     app.router.lifespan_context = lifespan(ae, app, args.grace_seconds)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.grace_seconds)

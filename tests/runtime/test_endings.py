@@ -204,3 +204,16 @@ def test_a_cleanup_failure_is_logged_and_the_stream_stays_closed(caplog):
     releases = [r["resource"] for r in eng.trace(rid) if r["kind"] == "release"]
     assert sorted(releases) == sorted(["pages", "slot", "rng", "stream", "trace"])   # the rest still released
     assert eng.slots.free_slots == eng.slots.num_slots
+
+
+def test_top_logprobs_are_the_n_most_likely_with_the_chosen_one(stories_engine_factory):
+    eng = stories_engine_factory()
+    out = eng.generate("Once upon a time", pd.SamplingParams(max_tokens=6, logprobs=5))[0]
+    assert len(out.top_logprobs) == len(out.token_ids) == 6
+    for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert len(top) == 5 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        assert top[0][0] == tok and abs(top[0][1] - lp) < 1e-5          # greedy: the best one
+    none = eng.generate("Once upon a time", pd.SamplingParams(max_tokens=3, logprobs=0))[0]
+    assert none.top_logprobs is None and len(none.logprobs) == 3
+    deltas = [e for e in eng.replay(out.request_id) if isinstance(e, pd.DeltaEvent)]   # from the compact form
+    assert [t for d in deltas for t in d.top_logprobs] == out.top_logprobs
