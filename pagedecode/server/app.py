@@ -437,8 +437,19 @@ def _sum_usage(outs: list[RequestOutput]) -> dict[str, Any]:
     return total
 
 
+def _token_bytes(state: ServerState, token: int) -> bytes:
+    """A token's bytes as it reads inside a text (its leading space kept), where the tokenizer
+    knows them exactly; else its lone decode."""
+    tok = state.engine.tokenizer
+    pieces = tok.byte_pieces
+    if pieces is not None and tok.is_shown(token, False):
+        value = pieces.byte_fallback_value(token)
+        return bytes([value]) if value is not None else pieces.token_bytes(token, False)
+    return tok.decode([token], False).encode()
+
+
 def _token_str(state: ServerState, token: int) -> str:
-    return state.engine.tokenizer.decode([token], False)
+    return _token_bytes(state, token).decode("utf-8", errors="replace")
 
 
 def _logprobs_body(state: ServerState, out: RequestOutput, chat: bool, top_n: int) -> Any:
@@ -447,10 +458,10 @@ def _logprobs_body(state: ServerState, out: RequestOutput, chat: bool, top_n: in
     strings = [_token_str(state, t) for t in out.token_ids]
     if chat:
         return {"content": [
-            {"token": s, "logprob": lp, "bytes": list(s.encode()),
+            {"token": s, "logprob": lp, "bytes": list(_token_bytes(state, t)),
              "top_logprobs": [{"token": _token_str(state, i), "logprob": v,
-                               "bytes": list(_token_str(state, i).encode())} for i, v in top[:top_n]]}
-            for s, lp, top in zip(strings, lps, tops)]}
+                               "bytes": list(_token_bytes(state, i))} for i, v in top[:top_n]]}
+            for t, s, lp, top in zip(out.token_ids, strings, lps, tops)]}
     offsets, at = [], 0
     for s in strings:
         offsets.append(at)

@@ -99,6 +99,8 @@ def _int(body: Mapping[str, Any], name: str) -> int | None:
 def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits) -> Parsed:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if "chat_template" in body:
+        raise bad("chat_template", "templates come from the model (or --chat-template), never from a request")
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
