@@ -101,3 +101,26 @@ def test_drain_cancels_what_outlives_the_grace(stories_path):
         assert httpx.get(s.url + "/health").status_code == 503                  # draining
     finally:
         stop_server(s)
+
+
+def test_failure_after_the_first_chunk_is_an_error_chunk(stories_path):
+    s = start_server(stories_path, template=None)
+    try:
+        real = s.engine.model.forward
+        calls = {"n": 0}
+
+        def flaky(batch, kv):
+            calls["n"] += 1
+            if calls["n"] == 6:
+                raise RuntimeError("device fell over")
+            return real(batch, kv)
+        s.engine.model.forward = flaky
+        with httpx.stream("POST", s.url + "/v1/completions",
+                          json={"prompt": "Once", "max_tokens": 30, "stream": True}) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][6:])
+        assert "device fell over" in err["error"]["message"] and err["error"]["code"] == "model_error"
+        assert any(json.loads(ln[6:]).get("choices") for ln in lines[:-2])       # content came first
+    finally:
+        stop_server(s)
