@@ -24,6 +24,7 @@ test: install
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 bench: install
+	$(PIP) -e ".[bench]"
 	$(BIN)/python benchmarks/engine_vs_hf.py $(ARGS)
 
 clean:

@@ -95,6 +95,7 @@ class SamplingParams:
     deadline_s: float | None = None      # seconds from add_request
     first_token_timeout_s: float | None = None   # no token selected within it: FAILED deadline_exceeded
     utf8_errors: str = "strict"          # "strict": an unfinished character fails; "replace"
+    cache_salt: str | None = None        # prefix cache: requests with different salts share nothing
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_id_seqs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
@@ -131,6 +132,8 @@ class SamplingParams:
             _real("deadline_s", self.deadline_s, 0.0, 1e9, lo_open=True)
         if self.first_token_timeout_s is not None:
             _real("first_token_timeout_s", self.first_token_timeout_s, 0.0, 1e9, lo_open=True)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise _bad("cache_salt", "must be a string", self.cache_salt)
         if self.utf8_errors not in UTF8_POLICIES:
             raise _bad("utf8_errors", f"must be one of {UTF8_POLICIES}", self.utf8_errors)
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):

@@ -31,6 +31,7 @@ class EngineConfig:
     trace: str = "lifecycle"                 # "off" | "lifecycle" | "tokens": what each request's
                                              # trace keeps (see runtime/trace.py)
     model_name: str | None = None            # shown in start events
+    enable_prefix_caching: bool = True       # share full prompt / output pages between requests
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -32,6 +32,7 @@ from .intake import make_request
 from .lifecycle import FinishReason, RequestState
 from .output import Emission
 from .page_pool import PagePool
+from .prefix_cache import namespace, register as register_pages
 from .registry import RequestRegistry
 from .request import RESOURCES, Request
 from .scheduler import Scheduler, SchedulerOutput
@@ -74,7 +75,8 @@ class Engine:
                           model.dtype, self.device)
         self.pool = PagePool(num_pages)
         self.slots = SlotTable(config.max_batch_size)
-        self.scheduler = Scheduler(self.pool, self.slots, config.page_size, config.max_tokens_per_step)
+        self.scheduler = Scheduler(self.pool, self.slots, config.page_size, config.max_tokens_per_step,
+                                   prefix_caching=config.enable_prefix_caching)
         # a sequence never holds more than the pool: that bounds the context too
         self.max_context = min(model_ctx, num_pages * config.page_size)
         self.vocab_size = mc.vocab_size
@@ -90,6 +92,7 @@ class Engine:
                                       config.sampling_backend)
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
         self.idle = True            # the last step found nothing to run (all waiting or paused)
+        self._integrity_errors: list[str] = []
         self.stats = EngineStats()
         # perf_counter microseconds + wall_offset_us = wall-clock microseconds (traces line up with logs)
         self.wall_offset_us = time.time() * 1e6 - now_us()
@@ -134,10 +137,16 @@ class Engine:
             request_id = self.requests.new_id()
         req = make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                            max_context=self.max_context, rng=self._rng, trace_level=self.config.trace)
+        req.cache_namespace = self._namespace(req.params.cache_salt)
         if stream:
             req.buffer = EventBuffer(self.config.stream_max_events, self.config.stream_max_bytes)
             req.buffer.on_pop = self._wake
         return req
+
+    def _namespace(self, salt: str | None) -> bytes:
+        mc = self.model.config
+        identity = f"{self.model_name}|{mc.model_type}|{mc.vocab_size}|{mc.num_layers}|{self.model.dtype}|{id(self.model)}"
+        return namespace(identity, salt)
 
     def _enqueue(self, req: Request) -> None:
         self.requests.add(req)
@@ -200,6 +209,26 @@ class Engine:
                 req.timings.queue_s = now - req.arrival
         for s in plan.decode:
             s.request.trace.token("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
+        self._check_written(plan)
+
+    def _check_written(self, plan: SchedulerOutput) -> None:
+        """Every page a step writes is held by exactly one request and is not a cached page
+        (shared pages are full and never written). A violation is kept for check_integrity."""
+        ps = self.config.page_size
+        for s in plan.seqs:
+            req = s.request
+            for i in range(req.num_computed // ps, (req.num_computed + s.num_new - 1) // ps + 1):
+                page = req.pages[i]
+                if self.pool.ref_counts[page] != 1 or page in self.pool.page_hash:
+                    self._integrity_errors.append(f"step {self._step_no}: {req.request_id} writes page {page} "
+                                                  f"(refs {self.pool.ref_counts[page]}, cached "
+                                                  f"{page in self.pool.page_hash})")
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, plus: no step wrote a shared or cached page."""
+        self.pool.check_integrity()
+        if self._integrity_errors:
+            raise AssertionError("; ".join(self._integrity_errors[:4]))
 
     def _run(self, plan: SchedulerOutput) -> Selection:
         """Everything between scheduling and commit; reads requests, changes none of them."""
@@ -222,6 +251,8 @@ class Engine:
             try:
                 req.num_computed += s.num_new
                 req.processed_tokens += s.num_new
+                if self.config.enable_prefix_caching:
+                    register_pages(self.pool, req, self.config.page_size)
                 is_decode = req.state == S.DECODING
                 if is_decode:
                     req.timings.decode_s += dt

@@ -15,6 +15,7 @@ class Usage:
     processed_tokens: int = 0    # tokens whose K/V were written (recompute after preemption too)
     returned_tokens: int = 0     # token ids the client received in deltas
     returned_bytes: int = 0      # UTF-8 bytes of the text the client received
+    cached_tokens: int = 0       # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass

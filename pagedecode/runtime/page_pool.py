@@ -1,8 +1,19 @@
-"""The page allocator: reference counts, a free list, and an integrity check."""
+"""The page allocator: reference counts, a free list, the prefix cache's hashed pages, and an
+integrity check.
+
+Every page is in exactly one of three sets:
+    free        ref 0, no hash: handed out first
+    evictable   ref 0, hashed: a cached prefix page nobody uses, least recently used first;
+                allocation takes it (dropping its hash) only when no free page is left
+    in use      ref >= 1 (hashed or not); a hashed in-use page is shared, full, never written
+A hash maps to one page and back (`by_hash` / `page_hash` are inverse); the page's token ids
+are kept with it, so a lookup confirms the tokens and a hash collision can never hand one
+prompt another prompt's K/V.
+"""
 from __future__ import annotations
 
-from collections import Counter, deque
-from typing import Iterable
+from collections import Counter, OrderedDict, deque
+from typing import Iterable, Sequence
 
 from ..errors import DoubleReleaseError
 
@@ -14,29 +25,48 @@ class PagePool:
         self.num_pages = num_pages
         self.ref_counts = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()     # oldest first
+        self.by_hash: dict[bytes, int] = {}
+        self.page_hash: dict[int, bytes] = {}
+        self._tokens: dict[int, tuple[int, ...]] = {}
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take now (free, or cached but unused)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def cached_pages(self) -> int:
+        return len(self.page_hash)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n fresh pages with ref count 1, or None (and nothing taken) when too few are free."""
-        if n > len(self._free):
+        """n pages with ref count 1, or None (and nothing taken) when too few are available.
+        Never-hashed pages go first, then the least recently used cached ones."""
+        if n > self.free_pages:
             return None
-        pages = [self._free.popleft() for _ in range(n)]
-        for p in pages:
-            self.ref_counts[p] = 1
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                self._unhash(page)
+            self.ref_counts[page] = 1
+            pages.append(page)
         return pages
 
     def retain(self, page: int) -> None:
-        """Share an in-use page (one more owner)."""
+        """One more owner of a page in use, or of a cached one (which leaves the evictable set)."""
         if self.ref_counts[page] <= 0:
-            raise DoubleReleaseError(f"page {page} is free; it cannot be shared")
+            if page not in self._evictable:
+                raise DoubleReleaseError(f"page {page} is free; it cannot be shared")
+            del self._evictable[page]
         self.ref_counts[page] += 1
 
     def release(self, pages: Iterable[int]) -> None:
-        """Drop one reference to each page; a page whose count reaches 0 is free again.
-        Releasing a page that is already free raises: that is a double release."""
+        """Drop one reference to each page, in the order given (give a request's pages tail first:
+        its chain's tail then becomes evictable before its head). A page whose count reaches 0 is
+        free again, or evictable when it is hashed. Releasing more than is held raises."""
         pages = list(pages)
         for p, times in Counter(pages).items():
             if not 0 <= p < self.num_pages:
@@ -47,17 +77,66 @@ class PagePool:
         for p in pages:
             self.ref_counts[p] -= 1
             if self.ref_counts[p] == 0:
-                self._free.append(p)
+                if p in self.page_hash:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+
+    # -- the prefix cache's pages ------------------------------------------------------------
+    def register(self, page: int, key: bytes, tokens: Sequence[int]) -> bool:
+        """Record that an in-use, fully written page holds `tokens` under `key`. False (nothing
+        changes) when the key already names a page or the page already has a hash."""
+        if self.ref_counts[page] <= 0:
+            raise AssertionError(f"page {page} is not in use; only written pages are registered")
+        if key in self.by_hash or page in self.page_hash:
+            return False
+        self.by_hash[key] = page
+        self.page_hash[page] = key
+        self._tokens[page] = tuple(tokens)
+        return True
+
+    def lookup(self, key: bytes, tokens: Sequence[int]) -> int | None:
+        """The cached page for key whose tokens are exactly `tokens`, or None."""
+        page = self.by_hash.get(key)
+        if page is None or self._tokens.get(page) != tuple(tokens):
+            return None
+        if page in self._evictable:
+            self._evictable.move_to_end(page)       # recently used
+        return page
+
+    def _unhash(self, page: int) -> None:
+        key = self.page_hash.pop(page)
+        del self.by_hash[key]
+        del self._tokens[page]
+
+    def clear_cache(self) -> None:
+        """Forget every cached page nobody uses (they become free)."""
+        while self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            self._unhash(page)
+            self._free.append(page)
 
     def check_integrity(self) -> None:
-        """free + in use == total, no page twice in the free list, counts agree with the list."""
-        free = set(self._free)
+        """free, evictable and in use are disjoint and add up to the pool; hashes and pages are
+        inverse maps; every hashed page is in use or evictable; counts agree with the sets."""
+        free, evictable = set(self._free), set(self._evictable)
         if len(free) != len(self._free):
             raise AssertionError("a page appears twice in the free list")
-        in_use = {p for p, c in enumerate(self.ref_counts) if c > 0}
         if any(c < 0 for c in self.ref_counts):
             raise AssertionError("negative page reference count")
-        if free & in_use:
-            raise AssertionError(f"pages both free and in use: {sorted(free & in_use)[:8]}")
-        if len(free) + len(in_use) != self.num_pages:
-            raise AssertionError(f"free {len(free)} + in use {len(in_use)} != total {self.num_pages}")
+        in_use = {p for p, c in enumerate(self.ref_counts) if c > 0}
+        for a, b, what in ((free, in_use, "free and in use"), (evictable, in_use, "evictable and in use"),
+                           (free, evictable, "free and evictable")):
+            if a & b:
+                raise AssertionError(f"pages both {what}: {sorted(a & b)[:8]}")
+        if len(free) + len(evictable) + len(in_use) != self.num_pages:
+            raise AssertionError(f"free {len(free)} + evictable {len(evictable)} + in use {len(in_use)} "
+                                 f"!= total {self.num_pages}")
+        if any(self.by_hash.get(k) != p for p, k in self.page_hash.items()) or len(self.by_hash) != len(self.page_hash):
+            raise AssertionError("hash -> page and page -> hash are not inverse")
+        if set(self._tokens) != set(self.page_hash):
+            raise AssertionError("a hashed page without its tokens (or tokens without a hash)")
+        if not evictable <= set(self.page_hash):
+            raise AssertionError("an evictable page without a hash")
+        if free & set(self.page_hash):
+            raise AssertionError("a free page still hashed")

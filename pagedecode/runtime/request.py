@@ -44,6 +44,10 @@ class Request:
     num_computed: int = 0
     processed_tokens: int = 0             # K/V written for it, recompute included
     pages: list[int] = field(default_factory=list)
+    cache_namespace: bytes = b""          # prefix cache: model identity + cache_salt
+    page_keys: list[bytes] = field(default_factory=list)   # chained keys of its full pages so far
+    pages_registered: int = 0             # leading pages of `pages` that are in the prefix cache
+    cached_tokens: int = 0                # prompt tokens served from the prefix cache
     slot: int | None = None
     next_seq: int = 0
     finish_reason: FinishReason | None = None
@@ -93,7 +97,7 @@ class Request:
             return replace(self.history.terminal.usage)
         deltas = self.deltas()
         return Usage(prompt_tokens=len(self.prompt_ids), selected_tokens=len(self.output_ids),
-                     processed_tokens=self.processed_tokens,
+                     processed_tokens=self.processed_tokens, cached_tokens=self.cached_tokens,
                      returned_tokens=sum(len(d.token_ids) for d in deltas),
                      returned_bytes=sum(len(d.text.encode()) for d in deltas))
 

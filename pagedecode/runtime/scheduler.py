@@ -47,8 +47,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, slots: SlotTable, page_size: int, max_tokens_per_step: int) -> None:
+    def __init__(self, pool: PagePool, slots: SlotTable, page_size: int, max_tokens_per_step: int,
+                 prefix_caching: bool = False) -> None:
         self.pool = pool
+        self.prefix_caching = prefix_caching
+        self.cache_queries = 0          # prompt tokens looked up in the prefix cache
+        self.cache_hits = 0             # ... and found there
         self.slots = slots
         self.page_size = page_size
         self.max_tokens_per_step = max_tokens_per_step
@@ -73,9 +77,10 @@ class Scheduler:
     def _give_back(self, req: Request) -> tuple[bool, bool]:
         pages, req.pages = req.pages, []
         slot, req.slot = req.slot, None
+        req.pages_registered = 0
         try:
             if pages:
-                self.pool.release(pages)
+                self.pool.release(reversed(pages))      # tail first: chain tails are evicted before heads
         finally:                              # a failing page release never keeps the slot
             if slot is not None:
                 self.slots.release(slot)
@@ -110,12 +115,15 @@ class Scheduler:
             if not runnable(req):
                 skipped.append(req)               # a paused consumer holds back only itself
                 continue
+            hit = self._match(req)
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.pages_for(req.num_computed + n) - len(req.pages)
             pages = self._allocate(need, runnable, scheduled, out, allow_active=False)
             if pages is None:
+                self._unmatch(req, hit)
                 self.waiting.appendleft(req)      # head of line waits for pages
                 break
+            self._count_hit(req, hit)
             req.pages.extend(pages)
             req.slot = self.slots.acquire()
             self.running.append(req)
@@ -126,6 +134,37 @@ class Scheduler:
             budget -= n
             out.prefill.append(ScheduledSeq(req, n, req.num_computed + n == req.num_tokens))
         self.waiting.extendleft(reversed(skipped))
+
+    def _match(self, req: Request) -> int:
+        """Take the longest cached prefix of a request that holds no pages; tokens matched."""
+        if not self.prefix_caching or req.pages:
+            return 0
+        from .prefix_cache import match
+        pages = match(self.pool, req, self.page_size)
+        for p in pages:
+            self.pool.retain(p)
+        req.pages = pages
+        req.pages_registered = len(pages)
+        req.num_computed = len(pages) * self.page_size
+        return req.num_computed
+
+    def _unmatch(self, req: Request, hit: int) -> None:
+        """Admission failed after a match: give the pages back, as if never matched."""
+        if hit:
+            pages, req.pages = req.pages, []
+            self.pool.release(reversed(pages))
+            req.pages_registered = 0
+            req.num_computed = 0
+
+    def _count_hit(self, req: Request, hit: int) -> None:
+        if not self.prefix_caching:
+            return
+        first = req.first_scheduled is None
+        if first:                              # prompt tokens, counted at the first admission
+            self.cache_queries += len(req.prompt_ids)
+            self.cache_hits += min(hit, len(req.prompt_ids))
+            req.cached_tokens = min(hit, len(req.prompt_ids))
+        req.trace.add("prefix_cache", hit_tokens=hit, readmission=not first)
 
     def _grow(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput,
               runnable: Callable[[Request], bool]) -> bool:

@@ -88,6 +88,7 @@ class ServerState:
         self.tracks: OrderedDict[str, Track] = OrderedDict()
         self.keys: OrderedDict[str, IdempotencyEntry] = OrderedDict()
         self._preemptions_seen = 0
+        self._cache_seen = (0, 0)
 
     # -- admission -------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -259,6 +260,10 @@ class ServerState:
         stats = self.engine.stats
         self.metrics.preemptions.inc(stats.preemptions - self._preemptions_seen)
         self._preemptions_seen = stats.preemptions
+        sch = self.engine.scheduler
+        self.metrics.prefix_queries.inc(sch.cache_queries - self._cache_seen[0])
+        self.metrics.prefix_hits.inc(sch.cache_hits - self._cache_seen[1])
+        self._cache_seen = (sch.cache_queries, sch.cache_hits)
 
 
 def _error(e: ApiError) -> JSONResponse:

@@ -26,7 +26,7 @@ def run(eng, max_steps=100_000):
         if not eng.has_unfinished():
             break
         events += eng.step()
-        eng.pool.check_integrity()
+        eng.check_integrity()
     events += eng.step()            # anything still in the outbox
     assert not eng.has_unfinished()
     return events

@@ -157,3 +157,14 @@ def test_non_streaming_client_that_leaves_cancels_its_request(server):
     out = server.engine.result(rid)
     assert out.state.value == "cancelled" and out.finish_reason.value == "transport_error"
     assert server.engine.pool.free_pages == server.engine.pool.num_pages
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(client, server):
+    system = "Once upon a time, there was a little girl named Lily. She loved to play outside. " * 2
+    client.completions.create(model="stories260k", prompt=system + "One day", max_tokens=2)
+    r = client.completions.create(model="stories260k", prompt=system + "The end", max_tokens=2)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % server.engine.config.page_size == 0
+    text = httpx.get(server.url + "/metrics").text
+    hits = [ln for ln in text.splitlines() if ln.startswith("pagedecode:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= cached
