@@ -101,3 +101,18 @@ def test_version_help_and_option_checks(stories_path):
 def test_prompt_from_stdin(stories_path):
     r = run_cli("generate", "--model", str(stories_path), "--prompt", "-", "--max-tokens", "16", stdin="Once upon a time")
     assert r.returncode == 0 and r.stdout.strip() == ", there was a little girl named Lily. She loved to play"
+
+
+def test_serve_takes_every_engine_option_as_a_flag():
+    from dataclasses import fields
+
+    import pagedecode as pd
+    ap = cli.build_parser()
+    args = ap.parse_args(["serve", "--enable-prefix-caching", "false", "--page-size", "8", "--trace", "off",
+                          "--max-batch-size", "5", "--max-finished-bytes", "1000"])
+    assert (args.engine_enable_prefix_caching, args.engine_page_size, args.engine_trace) == (False, 8, "off")
+    assert args.engine_max_batch_size == 5 and args.engine_max_finished_bytes == 1000
+    for f in fields(pd.EngineConfig):
+        if f.name != "model_name":
+            assert hasattr(args, "engine_" + f.name)
+    assert args.host == "127.0.0.1" and args.port == 8000

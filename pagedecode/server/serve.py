@@ -40,11 +40,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for f in ENGINE_FLAGS:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        kind: Any = type(default) if default is not None and not isinstance(default, bool) else None
+        kind: Any = type(default) if default is not None else None
+        if isinstance(default, bool):
+            kind = _bool
         if f.name in ("max_cache_tokens", "memory_budget_bytes", "max_context", "seed", "max_finished_bytes"):
             kind = int
         p.add_argument(flag, type=kind, default=default, dest="engine_" + f.name, metavar=f.name.upper(),
                        help=f"EngineConfig.{f.name}")
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None) -> int:
