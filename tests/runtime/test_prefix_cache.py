@@ -174,3 +174,19 @@ class CacheMachine(RuleBasedStateMachine):
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_poisoned_evicted_pages_never_affect_another_request(stories_engine_factory):
+    params = pd.SamplingParams(max_tokens=8)
+    prompts = ["Once upon a time, there was a little", "Lily and Tom went to the park to play"]
+    eng = stories_engine_factory(page_size=4, max_cache_tokens=64)
+    want = ids_of(eng.generate(prompts, params))
+    cached = list(eng.pool.page_hash)
+    assert cached
+    eng.kv.k[:, cached] = math.nan                # what an evicted page held before reuse
+    eng.kv.v[:, cached] = math.nan
+    other = eng.generate(["The dog ran and ran and ran away from"] * 3, params)   # evicts under pressure
+    assert all(o.state == S.FINISHED for o in other)
+    eng.pool.clear_cache()                        # evict what is left
+    assert ids_of(eng.generate(prompts, params)) == want
+    eng.check_integrity()
