@@ -14,6 +14,7 @@ from .model.llama import LlamaModel
 from .model.loader import load_model
 from .model.tokenizer import Tokenizer, TokenizerLike, as_tokenizer
 from .params import SamplingParams
+from .structured import StructuredOutput
 from .protocols import Model
 from .runtime.async_engine import AsyncEngine
 from .runtime.config import EngineConfig
@@ -27,7 +28,7 @@ from .runtime.trace import to_chrome, to_jsonl
 
 __all__ = [
     "ALLOWED", "AsyncEngine", "DeltaEvent", "DoubleReleaseError", "Engine", "EngineConfig", "FinishReason",
-    "ForgottenRequestError", "TokenizerLike", "as_tokenizer",
+    "ForgottenRequestError", "StructuredOutput", "TokenizerLike", "as_tokenizer",
     "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "Model",
     "ModelConfig", "ModelLoadError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
     "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "Usage", "load_model",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .errors import InvalidRequestError
+from .structured import StructuredOutput
 
 MAX_STOPS = 16          # stop strings plus stop id sequences
 MAX_STOP_CHARS = 256    # longest stop string, in characters
@@ -96,6 +97,7 @@ class SamplingParams:
     first_token_timeout_s: float | None = None   # no token selected within it: FAILED deadline_exceeded
     utf8_errors: str = "strict"          # "strict": an unfinished character fails; "replace"
     cache_salt: str | None = None        # prefix cache: requests with different salts share nothing
+    structured_output: StructuredOutput | None = None    # JSON schema / regex / EBNF / choice constraint
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_id_seqs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
@@ -132,6 +134,8 @@ class SamplingParams:
             _real("deadline_s", self.deadline_s, 0.0, 1e9, lo_open=True)
         if self.first_token_timeout_s is not None:
             _real("first_token_timeout_s", self.first_token_timeout_s, 0.0, 1e9, lo_open=True)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise _bad("structured_output", "must be a pd.StructuredOutput", self.structured_output)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise _bad("cache_salt", "must be a string", self.cache_salt)
         if self.utf8_errors not in UTF8_POLICIES:

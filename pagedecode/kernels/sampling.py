@@ -99,10 +99,19 @@ def thresholds_ref(z: torch.Tensor, top_k, top_p, log_min_p) -> torch.Tensor:
     return torch.where(top_p < 1.0, torch.maximum(thr, tau_p), thr)
 
 
-def sample_ref(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None) -> SampleOutput:
+def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
+    """(B, ceil(V / 32)) int32 -> (B, V) bool: bit t % 32 of word t // 32 allows token t."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :V]
+
+
+def sample_ref(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None,
+               bitmask: torch.Tensor | None = None) -> SampleOutput:
     x = logits.float()
     if penalties is not None:
         x = apply_penalties_ref(x, penalties)
+    if bitmask is not None:              # structured output: after bias and penalties, before temperature
+        x = x.masked_fill(~unpack_bitmask(bitmask, x.shape[-1]), float("-inf"))
     tokens = x.argmax(dim=-1)
     logprobs = torch.log_softmax(x, dim=-1).gather(1, tokens[:, None])[:, 0]
     rows = (inp.temperature > 0).nonzero().flatten()
@@ -219,20 +228,21 @@ if HAS_TRITON:
     def _sample_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
                        index_ptr, tokens_ptr, logprobs_ptr, V,
                        proc_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, active_ptr, counts_ptr, seen_ptr, bias_ptr,
-                       cand_z_ptr, cand_i_ptr,
+                       cand_z_ptr, cand_i_ptr, mask_ptr, mask_words,
                        BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr, HAS_PENALTIES: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
+                       BLOCK_C: tl.constexpr, HAS_MASK: tl.constexpr):
         row = tl.program_id(0)
         raw = logits_ptr + row.to(tl.int64) * stride_row
-        if HAS_PENALTIES:   # pass 1 writes the processed row here; every later pass reads it
+        if HAS_PENALTIES or HAS_MASK:   # pass 1 writes the processed row here; every later pass reads it
             base = proc_ptr + row.to(tl.int64) * V
+        else:
+            base = raw
+        if HAS_PENALTIES:
             active = tl.load(active_ptr + row) != 0
             state = tl.load(slot_ptr + row).to(tl.int64) * V
             rep = tl.load(rep_ptr + row)
             pres = tl.load(pres_ptr + row)
             freq = tl.load(freq_ptr + row)
-        else:
-            base = raw
         temp = tl.load(temp_ptr + row)
         top_k = tl.load(topk_ptr + row)
         top_p = tl.load(topp_ptr + row)
@@ -254,6 +264,10 @@ if HAS_TRITON:
             if HAS_PENALTIES:
                 if active:
                     x = _penalize(x, offs, ok, state, rep, pres, freq, counts_ptr, seen_ptr, bias_ptr)
+            if HAS_MASK:     # the grammar's bitmask: bit offs % 32 of word offs // 32
+                word = tl.load(mask_ptr + row.to(tl.int64) * mask_words + offs // 32, mask=ok, other=0)
+                x = tl.where(((word >> (offs % 32)) & 1) != 0, x, float("-inf"))
+            if HAS_PENALTIES or HAS_MASK:
                 tl.store(base + offs, x, mask=ok)
             better = x > m_vec
             arg_vec = tl.where(better, offs, arg_vec)
@@ -264,7 +278,7 @@ if HAS_TRITON:
             z = x / div + 0.0
             zmax_vec = tl.maximum(zmax_vec, z)
             zmin_vec = tl.minimum(zmin_vec, tl.where(ok, z, float("inf")))
-        if HAS_PENALTIES:
+        if HAS_PENALTIES or HAS_MASK:
             tl.debug_barrier()                     # the processed row is read back by every pass
         m_raw = tl.max(m_vec, 0)
         m_raw_safe = tl.where(m_raw == float("-inf"), 0.0, m_raw)
@@ -318,8 +332,8 @@ if HAS_TRITON:
         tl.store(logprobs_ptr + row, x_tok - (m_raw + tl.log(l_raw)))
 
 
-def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None
-                  ) -> SampleOutput:
+def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None,
+                  bitmask: torch.Tensor | None = None) -> SampleOutput:
     B, V = logits.shape
     assert logits.stride(-1) == 1
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -327,27 +341,37 @@ def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyI
     if B == 0:
         return SampleOutput(tokens, logprobs)
     block_v = min(triton.next_power_of_2(V), 256 if interpreting() else 4096)
+    proc = torch.empty(B, V, dtype=torch.float32, device=logits.device) if (
+        penalties is not None or bitmask is not None) else logits
     if penalties is not None:
         p, st = penalties, penalties.state
         assert st.counts.shape[1] == V, "penalty state and logits disagree on the vocabulary"
-        extra = (torch.empty(B, V, dtype=torch.float32, device=logits.device), p.slot, p.repetition,
-                 p.presence, p.frequency, p.active, st.counts, st.seen, st.bias)
+        extra = (proc, p.slot, p.repetition, p.presence, p.frequency, p.active, st.counts, st.seen, st.bias)
     else:
-        extra = (logits,) * 9           # unused: HAS_PENALTIES=False compiles them away
+        extra = (proc,) + (logits,) * 8     # unused: HAS_PENALTIES=False compiles them away
+    if bitmask is not None:
+        assert bitmask.dtype == torch.int32 and bitmask.shape == (B, -(-V // 32)), "bitmask must be (B, ceil(V/32)) int32"
+        mask_args = (bitmask.contiguous(), bitmask.shape[1])
+    else:
+        mask_args = (tokens, 0)
     block_c = CANDIDATES_INTERPRETED if interpreting() else CANDIDATES
     cand_z = torch.empty(B, block_c, dtype=torch.float32, device=logits.device)
     cand_i = torch.empty(B, block_c, dtype=torch.int32, device=logits.device)
     _sample_kernel[(B,)](logits, logits.stride(0), inp.temperature, inp.top_k, inp.top_p,
                          inp.log_min_p, inp.seed, inp.output_index, tokens, logprobs, V, *extra, cand_z, cand_i,
+                         *mask_args,
                          BLOCK_V=block_v, SEARCH_STEPS=33, HAS_PENALTIES=penalties is not None, BLOCK_C=block_c,
+                         HAS_MASK=bitmask is not None,
                          num_warps=8,
                          enable_fp_fusion=False)   # no FMA contraction: round as torch does, bit for bit
     return SampleOutput(tokens, logprobs)
 
 
 def sample(logits: torch.Tensor, inp: SamplingInputs, backend: str = "auto",
-           penalties: PenaltyInputs | None = None) -> SampleOutput:
-    """Select one token per row (module docstring gives the exact semantics)."""
+           penalties: PenaltyInputs | None = None, bitmask: torch.Tensor | None = None) -> SampleOutput:
+    """Select one token per row (module docstring gives the exact semantics). bitmask
+    (B, ceil(V / 32)) int32: tokens whose bit is 0 are disallowed (structured output), applied
+    after penalties and bias, before temperature and the filters."""
     if use_triton(logits, backend):
-        return sample_triton(logits, inp, penalties)
-    return sample_ref(logits, inp, penalties)
+        return sample_triton(logits, inp, penalties, bitmask)
+    return sample_ref(logits, inp, penalties, bitmask)

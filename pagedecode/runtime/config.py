@@ -32,6 +32,8 @@ class EngineConfig:
                                              # trace keeps (see runtime/trace.py)
     model_name: str | None = None            # shown in start events
     enable_prefix_caching: bool = True       # share full prompt / output pages between requests
+    grammar_compile_timeout_s: float = 60.0  # a structured-output compile longer than this fails its request
+    grammar_cache_size: int = 64             # compiled grammars kept, by constraint
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -1,6 +1,8 @@
 """Whether a selected token ends its request, and why: one pure function, tested directly.
 
-Order (DESIGN.md): EOS before stops, stops before length, length before context. `token` is
+Order (DESIGN.md): EOS before stops, stops before length, length before context; a grammar that
+is complete (its matcher accepted EOS, or allows nothing but EOS next) ends with
+grammar_complete, unless a stop string or id hit on the same token. `token` is
 the t-th selected token, already appended to req.output_ids; `stop` is the stop the output
 pipeline matched on it (None for EOS: EOS never reaches the pipeline).
 """
@@ -16,13 +18,15 @@ def is_eos(req: Request, token: int, eos_ids: AbstractSet[int]) -> bool:
     return token in eos_ids and not req.params.ignore_eos
 
 
-def check_ending(req: Request, token: int, stop: object, eos_ids: AbstractSet[int], max_context: int
-                 ) -> FinishReason | None:
+def check_ending(req: Request, token: int, stop: object, eos_ids: AbstractSet[int], max_context: int,
+                 grammar_done: bool = False) -> FinishReason | None:
     """The finish reason token fixes, or None when the request goes on.
 
     context: the cache will hold num_computed + 1 tokens once this token is decoded; a request
     whose next decode would reach the context C ends now (so a prompt of C - 1 tokens gets
     exactly one token)."""
+    if grammar_done and (token in eos_ids or stop is None):
+        return FinishReason.GRAMMAR_COMPLETE   # it accepted a stop token, or allows nothing else next
     if is_eos(req, token, eos_ids):
         return FinishReason.EOS
     if stop is not None:

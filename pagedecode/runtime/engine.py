@@ -27,6 +27,7 @@ from ..protocols import Model
 from .batching import build_batch
 from .config import DEFAULT_CACHE_TOKENS, EngineConfig
 from .endings import check_ending, is_eos
+from .grammar import GrammarCompiler, GrammarState, TokenBitmask
 from .events import Event, RequestOutput, StartEvent, TerminalEvent
 from .intake import make_request
 from .lifecycle import FinishReason, RequestState
@@ -93,6 +94,8 @@ class Engine:
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
         self.idle = True            # the last step found nothing to run (all waiting or paused)
         self._integrity_errors: list[str] = []
+        self.grammar: GrammarCompiler | None = None
+        self.bitmask: TokenBitmask | None = None
         self.stats = EngineStats()
         # perf_counter microseconds + wall_offset_us = wall-clock microseconds (traces line up with logs)
         self.wall_offset_us = time.time() * 1e6 - now_us()
@@ -138,10 +141,22 @@ class Engine:
         req = make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                            max_context=self.max_context, rng=self._rng, trace_level=self.config.trace)
         req.cache_namespace = self._namespace(req.params.cache_salt)
+        so = req.params.structured_output
+        if so is not None:
+            compiler = self._grammar_compiler()
+            req.grammar = GrammarState(so, compiler.submit(so), self.config.grammar_compile_timeout_s)
         if stream:
             req.buffer = EventBuffer(self.config.stream_max_events, self.config.stream_max_bytes)
             req.buffer.on_pop = self._wake
         return req
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Made on the first constrained request (xgrammar is an optional extra)."""
+        if self.grammar is None:
+            self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids,
+                                           cache_size=self.config.grammar_cache_size)
+            self.bitmask = TokenBitmask(self.grammar.xgr, self.config.max_batch_size, self.vocab_size, self.device)
+        return self.grammar
 
     def _namespace(self, salt: str | None) -> bytes:
         mc = self.model.config
@@ -239,7 +254,20 @@ class Engine:
         choosers = [s.request for s in plan.seqs if s.samples]
         if logits.shape[0] != len(choosers):
             raise RuntimeError(f"the model returned {logits.shape[0]} rows of logits for {len(choosers)} sequences")
-        return self.selector.select(logits, choosers)
+        return self.selector.select(logits, choosers, self._constraints(choosers))
+
+    def _constraints(self, choosers: list[Request]) -> torch.Tensor | None:
+        """The bitmask rows of this step's choosers (all allowed for unconstrained ones), each
+        constrained slot's row filled at most once per token."""
+        if self.bitmask is None or not any(r.grammar is not None for r in choosers):
+            return None
+        for req in choosers:
+            if req.grammar is not None:
+                assert req.slot is not None and req.grammar.matcher is not None
+                if req.grammar.mask_for != (req.slot, len(req.output_ids)):
+                    self.bitmask.fill(req.grammar.matcher, req.slot)
+                    req.grammar.mask_for = (req.slot, len(req.output_ids))
+        return self.bitmask.rows([r.slot if r.grammar is not None else None for r in choosers])
 
     def _commit(self, plan: SchedulerOutput, sel: Selection, dt: float, events: list[Event]) -> None:
         row = 0
@@ -262,6 +290,8 @@ class Engine:
                     req.trace.token("prefill.chunk", tokens=s.num_new, cache_len=req.num_computed)
                 if s.samples:
                     if i in sel.bad:
+                        if req.grammar is not None:
+                            raise RuntimeError("the grammar allows no token here (or the logits are not finite)")
                         raise FloatingPointError("the model returned non-finite logits (NaN or inf) for it")
                     self._on_token(req, sel.tokens[i], None if sel.logprobs is None else sel.logprobs[i],
                                    None if sel.top is None else sel.top[i], events)
@@ -278,6 +308,7 @@ class Engine:
             p = req.params
             req.trace.token("token.selected", t=t, token=token, logprob=logprob, cache_len=req.num_computed,
                             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed)
+        grammar_done = self._accept(req, token)
         stop = None
         if not is_eos(req, token, self.eos_ids):
             assert req.pipeline is not None, "a live request has its output pipeline"
@@ -286,9 +317,36 @@ class Engine:
             stop = em.stop
             if stop is not None:
                 self._stop_hit(req, stop)
-        reason = check_ending(req, token, stop, self.eos_ids, self.max_context)
+        if not grammar_done and req.grammar is not None and stop is None:
+            grammar_done = self._must_end(req)
+        reason = check_ending(req, token, stop, self.eos_ids, self.max_context, grammar_done)
         if reason is not None:
             self._finish(req, reason, events)
+
+    def _accept(self, req: Request, token: int) -> bool:
+        """The matcher takes the committed token; True when it has accepted a stop token."""
+        g = req.grammar
+        if g is None:
+            return False
+        if not g.matcher.accept_token(token):
+            req.trace.add("grammar.rejected", token=token)
+            raise RuntimeError(f"the grammar rejected token {token} (a bug: the mask allowed it)")
+        req.trace.token("grammar.accepted", token=token)
+        if g.matcher.is_terminated():
+            req.trace.add("grammar.terminated", token=token)
+            return True
+        return False
+
+    def _must_end(self, req: Request) -> bool:
+        """Fill the next mask now (the next step reuses it): nothing but stop tokens allowed
+        means the grammar is complete, without another forward pass."""
+        assert self.bitmask is not None and req.slot is not None
+        self.bitmask.fill(req.grammar.matcher, req.slot)
+        req.grammar.mask_for = (req.slot, len(req.output_ids))
+        if self.bitmask.only_stop_tokens(req.slot, sorted(self.eos_ids)):
+            req.trace.add("grammar.terminated", must_end=True)
+            return True
+        return False
 
     def _stop_hit(self, req: Request, stop: str | tuple[int, ...]) -> None:
         req.stop_reason = stop[0] if isinstance(stop, tuple) and len(stop) == 1 else stop
@@ -345,6 +403,7 @@ class Engine:
         # "rng": the seed is the whole generator state; "stream": the engine stops writing to
         # the buffer, which stays with its consumer until read; "trace": closed below
         req.trace.closed = True
+        req.grammar = None
         req.compact()
 
     def _fail_step(self, plan: SchedulerOutput, exc: BaseException | None, events: list[Event]) -> None:
@@ -373,13 +432,18 @@ class Engine:
                 else:
                     self._terminate(req, S.FAILED, R.DEADLINE_EXCEEDED,
                                     "deadline passed before decoding started", events)
+            elif req.grammar is not None and (why := req.grammar.failure()) is not None:
+                self._terminate(req, S.FAILED, R.MODEL_ERROR, why, events)
             elif (req.paused_since is not None and self.config.backpressure == "fail"
                   and now - req.paused_since > self.config.backpressure_timeout_s):
                 self._terminate(req, S.FAILED, R.TRANSPORT_ERROR,
                                 f"consumer did not read for {self.config.backpressure_timeout_s}s", events)
 
     def _runnable(self, req: Request) -> bool:
-        """Not scheduled: a request being cancelled, or held back by its full outgoing buffer."""
+        """Not scheduled: a request being cancelled, held back by its full outgoing buffer, or
+        waiting for its grammar's compile."""
+        if req.grammar is not None and self.grammar is not None and not req.grammar.ready(self.grammar.matcher):
+            return False
         return req.state != S.CANCEL_REQUESTED and not req.backpressured()
 
     # -- events out ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
@@ -25,7 +26,7 @@ from .output import Emission, OutputPipeline
 from .stream import EventBuffer
 from .trace import Trace
 
-RESOURCES = ("pages", "slot", "rng", "stream", "trace")
+RESOURCES = ("pages", "slot", "rng", "stream", "trace", "grammar")
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)   # chained keys of its full pages so far
     pages_registered: int = 0             # leading pages of `pages` that are in the prefix cache
     cached_tokens: int = 0                # prompt tokens served from the prefix cache
+    grammar: Any = None                   # a GrammarState when the request is constrained
     slot: int | None = None
     next_seq: int = 0
     finish_reason: FinishReason | None = None

@@ -11,7 +11,7 @@ import torch
 
 from ..kernels.penalties import PenaltyInputs, PenaltyState, apply_penalties_ref, make_penalty_inputs
 from ..kernels.philox import seed_to_int64
-from ..kernels.sampling import make_sampling_inputs, sample
+from ..kernels.sampling import make_sampling_inputs, sample, unpack_bitmask
 from ..params import SamplingParams
 from .request import Request
 
@@ -51,13 +51,15 @@ class TokenSelector:
         if uses_penalties(req.params):
             self._penalty_state().reset(self._slot(req), req.prompt_ids, req.output_ids, req.params.logit_bias)
 
-    def select(self, logits: torch.Tensor, reqs: Sequence[Request]) -> Selection:
-        """logits (N, V), one row per request. A row with NaN or +inf, or nothing above -inf,
-        chooses no token: it is reported in `bad` and its request fails."""
+    def select(self, logits: torch.Tensor, reqs: Sequence[Request], bitmask: torch.Tensor | None = None
+               ) -> Selection:
+        """logits (N, V), one row per request; bitmask (N, ceil(V / 32)) int32: the tokens each row's
+        grammar allows (all bits set for unconstrained rows), applied after penalties. A row with
+        NaN or +inf, or nothing above -inf, chooses no token: it is reported in `bad`."""
         logits = self._mask_min_tokens(logits, reqs)
         active = [uses_penalties(r.params) for r in reqs]
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
-        if not any(active) and not want_logprobs and all(r.params.greedy for r in reqs):
+        if bitmask is None and not any(active) and not want_logprobs and all(r.params.greedy for r in reqs):
             best, argmax = logits.max(dim=-1)
             return Selection(argmax.tolist(), None, self._bad_rows(best))
         dev = logits.device
@@ -74,9 +76,13 @@ class TokenSelector:
                                             [q.frequency_penalty for q in p], active, dev)
         rows = logits.float().contiguous()
         bad = self._bad_rows(rows.amax(dim=-1))
-        out = sample(rows, inputs, backend=self.backend, penalties=penalties)
+        if bitmask is not None:
+            bitmask = bitmask.to(dev, non_blocking=True)
+            bad = bad | self._bad_rows(rows.masked_fill(~unpack_bitmask(bitmask, rows.shape[-1]), float("-inf"))
+                                       .amax(dim=-1))
+        out = sample(rows, inputs, backend=self.backend, penalties=penalties, bitmask=bitmask)
         tokens = out.tokens.tolist()
-        top = self._top_logprobs(rows, penalties, reqs)
+        top = self._top_logprobs(rows, penalties, reqs, bitmask)
         if penalties is not None:
             chosen = [(self._slot(r), t) for i, (r, t, a) in enumerate(zip(reqs, tokens, active))
                       if a and i not in bad]
@@ -84,8 +90,8 @@ class TokenSelector:
         return Selection(tokens, out.logprobs.tolist(), bad, top)
 
     @staticmethod
-    def _top_logprobs(rows: torch.Tensor, penalties: PenaltyInputs | None, reqs: Sequence[Request]
-                      ) -> list[TopLogprobs] | None:
+    def _top_logprobs(rows: torch.Tensor, penalties: PenaltyInputs | None, reqs: Sequence[Request],
+                      bitmask: torch.Tensor | None = None) -> list[TopLogprobs] | None:
         """The N most likely tokens of each row that asks for N > 0, from the same logits the
         chosen token's logprob comes from (after penalties and bias, before temperature)."""
         wanted = [r.params.logprobs or 0 for r in reqs]
@@ -93,6 +99,8 @@ class TokenSelector:
         if n == 0:
             return None
         x = apply_penalties_ref(rows, penalties) if penalties is not None else rows
+        if bitmask is not None:
+            x = x.masked_fill(~unpack_bitmask(bitmask, x.shape[-1]), float("-inf"))
         values, ids = torch.log_softmax(x, dim=-1).topk(min(n, x.shape[-1]), dim=-1)
         vals, idx = values.tolist(), ids.tolist()
         return [tuple(zip(idx[i][:k], vals[i][:k])) for i, k in enumerate(wanted)]

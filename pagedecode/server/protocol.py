@@ -200,8 +200,9 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     sampling.setdefault("temperature", 1.0)
     if sampling.get("top_k") == -1:
         sampling["top_k"] = 0                     # vLLM's "disabled"
+    structured = structured_output(body)
     try:
-        params = SamplingParams(
+        params = SamplingParams(structured_output=structured,
             max_tokens=max_tokens, stop=stops, stop_token_ids=body.get("stop_token_ids") or (),
             ignore_eos=body.get("ignore_eos", False), min_tokens=body.get("min_tokens", 0) or 0,
             logit_bias=logit_bias, logprobs=logprobs, deadline_s=timeout, first_token_timeout_s=first,
@@ -213,6 +214,41 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
         raise ApiError(400, str(e)) from None
     return Parsed(prompt, messages, params, stream, bool((opts or {}).get("include_usage")), n, first,
                   on_disconnect, top_logprobs)
+
+
+def structured_output(body: Mapping[str, Any]) -> Any:
+    """OpenAI's response_format ({"type": "json_schema" | "json_object" | "text"}) or vLLM's
+    structured_outputs ({"json" | "regex" | "choice" | "grammar": ...}) as a StructuredOutput."""
+    from ..structured import StructuredOutput
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf is not None and so is not None:
+        raise bad("response_format", "give response_format or structured_outputs, not both")
+    try:
+        if rf is not None:
+            if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+                raise bad("response_format", 'type must be "text", "json_object" or "json_schema"')
+            if rf["type"] == "text":
+                return None
+            if rf["type"] == "json_object":
+                return StructuredOutput(json_object=True)
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise bad("response_format", "json_schema.schema must be a JSON schema object")
+            return StructuredOutput(json_schema=spec["schema"])
+        if so is not None:
+            if not isinstance(so, dict):
+                raise bad("structured_outputs", "must be an object")
+            names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
+            given = {names[k]: v for k, v in so.items() if k in names and v is not None}
+            if so.get("json_object"):
+                given["json_object"] = True
+            return StructuredOutput(**given)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param="response_format" if rf is not None else "structured_outputs",
+                       code="invalid_value") from None
+    except TypeError as e:
+        raise bad("structured_outputs", str(e)) from None
+    return None
 
 
 def invalid(e: InvalidRequestError) -> ApiError:

@@ -26,10 +26,11 @@ def cases():
                 "lminp_ptr": "*fp32", "seed_ptr": "*i64", "index_ptr": "*i64", "tokens_ptr": "*i64",
                 "logprobs_ptr": "*fp32", "proc_ptr": "*fp32", "slot_ptr": "*i32", "rep_ptr": "*fp32",
                 "pres_ptr": "*fp32", "freq_ptr": "*fp32", "active_ptr": "*i32", "counts_ptr": "*i32",
-                "seen_ptr": "*u8", "bias_ptr": "*fp32", "cand_z_ptr": "*fp32", "cand_i_ptr": "*i32"}
-    for pen in (False, True):
-        yield f"sampling penalties={pen}", S._sample_kernel, sampling, dict(BLOCK_V=4096, SEARCH_STEPS=33, BLOCK_C=1024,
-                                                                           HAS_PENALTIES=pen)
+                "seen_ptr": "*u8", "bias_ptr": "*fp32", "cand_z_ptr": "*fp32", "cand_i_ptr": "*i32",
+                "mask_ptr": "*i32"}
+    for pen, mask in ((False, False), (True, False), (False, True), (True, True)):
+        yield f"sampling penalties={pen} bitmask={mask}", S._sample_kernel, sampling, dict(
+            BLOCK_V=4096, SEARCH_STEPS=33, BLOCK_C=1024, HAS_PENALTIES=pen, HAS_MASK=mask)
     for dt, tdt in DTYPES.items():
         kv = {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}", "pt_ptr": "*i32", "lens_ptr": "*i32",
               "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sm_scale_log2": "fp32", "cu_ptr": "*i32",

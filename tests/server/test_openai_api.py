@@ -168,3 +168,25 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(client, server):
     text = httpx.get(server.url + "/metrics").text
     hits = [ln for ln in text.splitlines() if ln.startswith("pagedecode:prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) >= cached
+
+
+def test_response_format_json_schema(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["name", "age"]}
+    r = client.chat.completions.create(
+        model="stories260k", messages=[{"role": "user", "content": "Once"}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    data = json.loads(r.choices[0].message.content)
+    assert set(data) == {"name", "age"} and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["pagedecode_finish_reason"] == "grammar_complete"
+    c = client.completions.create(model="stories260k", prompt="Lily", max_tokens=10,
+                                  extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert c.choices[0].text in ("red", "blue")
+
+
+def test_bad_response_format_is_400(server):
+    r = post(server, {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "array", "uniqueItems": True}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert "uniqueItems" in r.json()["error"]["message"]

@@ -1,0 +1,105 @@
+"""StructuredOutput: a constraint on what a request may generate (JSON schema, regex, EBNF,
+choice, any JSON object), enforced by xgrammar (the `pagedecode[structured]` extra).
+
+Checks that need nothing else (exactly one constraint, types, schema keywords xgrammar cannot
+enforce) are made on construction; the grammar itself is parsed at `add_request`, compiled off
+the step loop. Both raise InvalidRequestError naming the problem.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidRequestError
+
+# JSON-schema keywords the grammar enforces (or that only annotate); anything else is refused,
+# never silently dropped
+SCHEMA_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+    "enum", "const", "anyOf", "oneOf", "$ref", "$defs", "definitions", "minLength", "maxLength", "pattern",
+    "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "patternProperties",
+    "minProperties", "maxProperties", "title", "description", "default", "examples", "$schema", "$id",
+    "$comment", "deprecated", "readOnly", "writeOnly"})
+FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname",
+                     "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+MAP_KEYWORDS = ("properties", "$defs", "definitions", "patternProperties")
+LIST_KEYWORDS = ("anyOf", "oneOf", "prefixItems")
+
+
+def _bad(msg: str) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid SamplingParams.structured_output: {msg}")
+
+
+def check_schema(schema: Any, where: str = "#") -> None:
+    """Refuse keywords the grammar cannot enforce (it would accept output that breaks them)."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise _bad(f"schema at {where} must be an object or a boolean, got {type(schema).__name__}")
+    for key, value in schema.items():
+        if key not in SCHEMA_KEYWORDS:
+            raise _bad(f"JSON-schema keyword {key!r} at {where} is not supported (it cannot be enforced)")
+        if key == "format" and value not in FORMATS:
+            raise _bad(f"JSON-schema format {value!r} at {where} is not supported")
+        if key in MAP_KEYWORDS:
+            if not isinstance(value, dict):
+                raise _bad(f"{key} at {where} must be an object")
+            for name, sub in value.items():
+                check_schema(sub, f"{where}/{key}/{name}")
+        elif key in LIST_KEYWORDS:
+            if not isinstance(value, list) or not value:
+                raise _bad(f"{key} at {where} must be a non-empty list")
+            for i, sub in enumerate(value):
+                check_schema(sub, f"{where}/{key}/{i}")
+        elif key in ("items", "additionalProperties") and not isinstance(value, bool):
+            check_schema(value, f"{where}/{key}")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    json_schema: dict[str, Any] | str | None = None   # a JSON schema (object or its JSON text)
+    regex: str | None = None
+    ebnf: str | None = None                           # a GBNF/EBNF grammar with a `root` rule
+    choice: tuple[str, ...] | list[str] | None = None  # the output is exactly one of these
+    json_object: bool = False                         # any JSON object
+    key: str = field(init=False, repr=False, compare=False)   # canonical form, for the compile cache
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json_schema", "regex", "ebnf", "choice") if getattr(self, n) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise _bad(f"set exactly one of json_schema, regex, ebnf, choice, json_object (got {given or 'none'})")
+        kind = given[0]
+        if kind == "json_schema":
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise _bad(f"json_schema is not valid JSON: {e}") from None
+            check_schema(schema)
+            object.__setattr__(self, "json_schema", schema)
+            key = json.dumps(schema, sort_keys=True)
+        elif kind in ("regex", "ebnf"):
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                raise _bad(f"{kind} must be a non-empty string")
+            key = value
+        elif kind == "choice":
+            choices = self.choice
+            if (not isinstance(choices, (list, tuple)) or not choices
+                    or not all(isinstance(c, str) and c for c in choices)):
+                raise _bad("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(choices))
+            key = json.dumps(list(choices))
+        else:
+            if self.json_object is not True:
+                raise _bad("json_object must be a bool")
+            key = ""
+        object.__setattr__(self, "key", f"{kind}:{key}")
+
+    @property
+    def kind(self) -> str:
+        return self.key.split(":", 1)[0]

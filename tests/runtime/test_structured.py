@@ -1,0 +1,179 @@
+"""Structured output through xgrammar: every constrained output is valid, ends grammar_complete,
+survives preemption unchanged; unconstrained neighbours are untouched; bad constraints are
+refused at add_request; compiles never block the step loop."""
+import json
+import re
+import time
+
+import pytest
+import torch
+
+import pagedecode as pd
+
+xgr = pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+S, R = pd.RequestState, pd.FinishReason
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "happy": {"type": "boolean"}, "pet": {"enum": ["cat", "dog", "fish"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2}},
+    "required": ["name", "age", "happy", "pet", "tags"], "additionalProperties": False}
+CONSTRAINTS = [
+    ("json_schema", pd.StructuredOutput(json_schema=SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
+    ("regex", pd.StructuredOutput(regex=r"[a-z]{2,6} [0-9]{2}!"), lambda t: re.fullmatch(r"[a-z]{2,6} [0-9]{2}!", t)),
+    ("choice", pd.StructuredOutput(choice=["yes", "no", "not sure"]), lambda t: t in ("yes", "no", "not sure")),
+    ("ebnf", pd.StructuredOutput(ebnf='root ::= "(" item ("," item){0,2} ")"\nitem ::= [a-z]{1,4}'),
+     lambda t: re.fullmatch(r"\([a-z]{1,4}(,[a-z]{1,4}){0,2}\)", t)),
+    ("json_object", pd.StructuredOutput(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+]
+
+
+@pytest.fixture(scope="module", params=["stories260k", "default-bpe"])
+def engine_factory(request, stories_path, tmp_path_factory):
+    if request.param == "stories260k":
+        path = stories_path
+    else:                                        # the built-in model: a byte-level BPE trained locally
+        import os
+        os.environ["PAGEDECODE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+        from pagedecode.model.default_model import default_model_path
+        path = default_model_path()
+    return lambda **kw: pd.Engine.from_pretrained(path, **kw)
+
+
+def check(out, valid, name):
+    if name == "json_object" and out.finish_reason == R.MAX_OUTPUT_TOKENS:
+        assert out.text.startswith("{")          # an unbounded string may run to max_tokens: still JSON so far
+        return
+    assert out.state == S.FINISHED and out.finish_reason == R.GRAMMAR_COMPLETE, (name, out.text, out.finish_reason)
+    assert valid(out.text) is not False, (name, out.text)
+
+
+def test_every_constraint_kind_greedy_and_seeded(engine_factory):
+    eng = engine_factory()
+    for name, so, valid in CONSTRAINTS:
+        outs = eng.generate(["Once upon a time"] * 3,
+                            [pd.SamplingParams(max_tokens=120, structured_output=so)] +
+                            [pd.SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured_output=so)
+                             for s in (1, 2)])
+        for out in outs:
+            check(out, valid, name)
+
+
+def test_same_output_with_forced_preemption(engine_factory):
+    so = pd.StructuredOutput(json_schema=SCHEMA)
+    params = [pd.SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured_output=so) for s in range(4)]
+    want = [o.text for o in engine_factory().generate(["Once upon a time"] * 4, params)]
+    tight = engine_factory(page_size=4, max_cache_tokens=96, enable_prefix_caching=False)
+    outs = tight.generate(["Once upon a time"] * 4, params)
+    assert sum(any(r["kind"] == "preempted" for r in tight.trace(o.request_id)) for o in outs) > 0
+    assert [o.text for o in outs] == want
+
+
+def test_unconstrained_neighbours_are_untouched(engine_factory):
+    eng = engine_factory()
+    plain = [pd.SamplingParams(max_tokens=20), pd.SamplingParams(max_tokens=20, temperature=0.9, seed=5)]
+    alone = [o.selected_token_ids for o in eng.generate(["Lily", "Tom"], plain)]
+    mixed = eng.generate(["Lily", "x", "Tom", "y"],
+                         [plain[0], pd.SamplingParams(max_tokens=60, structured_output=CONSTRAINTS[0][1]), plain[1],
+                          pd.SamplingParams(max_tokens=60, structured_output=CONSTRAINTS[1][1])])
+    assert [mixed[0].selected_token_ids, mixed[2].selected_token_ids] == alone
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(json_schema={"type": "strin"}), "strin"),
+    (dict(json_schema='{"type": '), "not valid JSON"),
+    (dict(json_schema={"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (dict(json_schema={"not": {"type": "string"}}), "not"),
+    (dict(json_schema={"type": "string", "format": "credit-card"}), "format"),
+    (dict(regex="a(b"), "parenthesis"),
+    (dict(ebnf="root ::= ("), "EBNF"),
+    (dict(choice=[]), "choice"),
+    (dict(regex="a", choice=["a"]), "exactly one"),
+    (dict(), "exactly one"),
+])
+def test_bad_constraints_are_refused_and_the_engine_is_unaffected(stories_engine_factory, kwargs, match):
+    eng = stories_engine_factory()
+    with pytest.raises(pd.InvalidRequestError, match=match):
+        eng.add_request("Once", pd.SamplingParams(structured_output=pd.StructuredOutput(**kwargs)))
+    assert not eng.has_unfinished()
+    assert eng.generate("Once", pd.SamplingParams(max_tokens=3))[0].state == S.FINISHED
+
+
+def test_a_slow_compile_never_blocks_other_requests(stories_engine_factory):
+    eng = stories_engine_factory()
+    eng.generate("x", pd.SamplingParams(max_tokens=1, structured_output=pd.StructuredOutput(regex="[a-z]")))
+    eng.grammar.compile_delay_s = 1.5
+    slow = eng.add_request("Once", pd.SamplingParams(max_tokens=30, structured_output=pd.StructuredOutput(
+        regex=r"[a-z]{3} [a-z]{3}")))
+    fast = eng.add_request("Lily", pd.SamplingParams(max_tokens=12))
+    t = time.perf_counter()
+    while not eng.result(fast).state.terminal:
+        eng.step()
+    assert time.perf_counter() - t < 1.2 and eng.result(slow).state == S.QUEUED     # waited, did not block
+    while eng.has_unfinished():
+        eng.step()
+        time.sleep(0.01)
+    assert eng.result(slow).finish_reason == R.GRAMMAR_COMPLETE
+
+
+def test_compile_timeout_cancel_and_deadline_while_compiling(stories_engine_factory):
+    eng = stories_engine_factory(grammar_compile_timeout_s=0.2)
+    eng.generate("x", pd.SamplingParams(max_tokens=1, structured_output=pd.StructuredOutput(regex="[a-z]")))
+    eng.grammar.compile_delay_s = 1.0
+    late = eng.add_request("a", pd.SamplingParams(structured_output=pd.StructuredOutput(regex="[0-9]{4}")))
+    gone = eng.add_request("b", pd.SamplingParams(structured_output=pd.StructuredOutput(regex="[0-9]{5}")))
+    timed = eng.add_request("c", pd.SamplingParams(deadline_s=0.05,
+                                                   structured_output=pd.StructuredOutput(regex="[0-9]{6}")))
+    assert eng.cancel(gone)
+    end = time.time() + 10
+    while eng.has_unfinished() and time.time() < end:
+        eng.step()
+        time.sleep(0.01)
+    assert eng.result(late).state == S.FAILED and "longer than 0.2s" in eng.result(late).error
+    assert eng.result(gone).state == S.CANCELLED
+    assert eng.result(timed).finish_reason == R.DEADLINE_EXCEEDED
+    for rid in (late, gone, timed):                      # the grammar is released once, like the rest
+        assert [x["resource"] for x in eng.trace(rid) if x["kind"] == "release"].count("grammar") == 1
+
+
+def test_without_xgrammar_the_error_says_how_to_install(stories_engine_factory, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_xgrammar(name, *a, **kw):
+        if name == "xgrammar":
+            raise ImportError("no xgrammar")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    eng = stories_engine_factory()
+    with pytest.raises(pd.InvalidRequestError, match=r"pagedecode\[structured\]"):
+        eng.add_request("x", pd.SamplingParams(structured_output=pd.StructuredOutput(regex="a")))
+
+
+def test_bitmask_in_the_sampling_kernel_equals_the_reference():
+    from pagedecode.kernels._backend import HAS_TRITON, interpreting
+    from pagedecode.kernels.penalties import PenaltyState, make_penalty_inputs
+    from pagedecode.kernels.sampling import make_sampling_inputs, sample
+    if not (HAS_TRITON and interpreting()):
+        pytest.skip("needs the Triton interpreter")
+    g = torch.Generator().manual_seed(3)
+    B, V = 5, 333
+    logits = torch.randn(B, V, generator=g) * 3
+    mask = torch.randint(-2**31, 2**31 - 1, (B, -(-V // 32)), generator=g, dtype=torch.int64).to(torch.int32)
+    mask[2] = 0
+    mask[2, 3] = 1 << 7                          # one allowed token: 3 * 32 + 7
+    inp = make_sampling_inputs([0.0, 0.8, 1.0, 0.7, 1.3], [0, 20, 0, 0, 5], [1.0, 0.9, 1.0, 0.5, 1.0],
+                               [0.0, 0.0, 0.0, 0.1, 0.0], [1, 2, 3, 4, 5], [0, 1, 2, 3, 4])
+    state = PenaltyState(B, V, "cpu")
+    for slot in range(B):
+        state.reset(slot, [1, 2, 3], [4, 5], {7: 2.0, 8: -1.0})
+    pen = make_penalty_inputs(state, list(range(B)), [1.2] * B, [0.5] * B, [0.3] * B, [True, False, True, True, False], "cpu")
+    for penalties in (None, pen):
+        ref = sample(logits, inp, backend="torch", penalties=penalties, bitmask=mask)
+        tri = sample(logits, inp, backend="triton", penalties=penalties, bitmask=mask)
+        assert tri.tokens.tolist() == ref.tokens.tolist()
+        assert torch.allclose(tri.logprobs, ref.logprobs, atol=1e-5)
+        assert ref.tokens[2].item() == 3 * 32 + 7
+        allowed = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :V]
+        assert all(allowed[i, t] for i, t in enumerate(ref.tokens.tolist()))
