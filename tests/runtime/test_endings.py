@@ -202,7 +202,7 @@ def test_a_cleanup_failure_is_logged_and_the_stream_stays_closed(caplog):
     assert len(of(events, rid, pd.TerminalEvent)) == 1 and isinstance(of(events, rid)[-1], pd.TerminalEvent)
     assert "releasing the pages and slot of request" in caplog.text and "allocator on fire" in caplog.text
     releases = [r["resource"] for r in eng.trace(rid) if r["kind"] == "release"]
-    assert sorted(releases) == sorted(["pages", "slot", "rng", "stream", "trace"])   # the rest still released
+    assert sorted(releases) == sorted(["pages", "slot", "rng", "stream", "trace", "grammar"])   # the rest still released
     assert eng.slots.free_slots == eng.slots.num_slots
 
 

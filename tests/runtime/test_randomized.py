@@ -91,7 +91,7 @@ def test_random_workloads_keep_every_invariant(reqs, pages, page_size, budget, b
         assert text == out.text
         assert sum(len(e.token_ids) for e in evs if isinstance(e, pd.DeltaEvent)) == out.usage.returned_tokens
         releases = [x["resource"] for x in eng.trace(rid) if x["kind"] == "release"]
-        assert sorted(releases) == sorted(["pages", "slot", "rng", "stream", "trace"])
+        assert sorted(releases) == sorted(["pages", "slot", "rng", "stream", "trace", "grammar"])
         if r["stream"]:
             got = read[rid] + eng.read_events(rid)
             assert got == evs                                   # the buffer lost and reordered nothing

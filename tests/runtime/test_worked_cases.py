@@ -54,7 +54,7 @@ def test_cancel_inside_decode_step_3():
     assert "".join(e.text for e in of(events, rid, pd.DeltaEvent)) == "ABCDEF"
     assert isinstance(evs[-1], pd.TerminalEvent)           # nothing after the terminal event
     released = [r["resource"] for r in trace if r["kind"] == "release"]
-    assert sorted(released) == sorted(["pages", "slot", "rng", "stream", "trace"])
+    assert sorted(released) == sorted(["pages", "slot", "rng", "stream", "trace", "grammar"])
     assert eng.pool.free_pages == free_before and eng.slots.free_slots == eng.slots.num_slots
     states = [r["new"] for r in trace if r["kind"] == "state"]
     assert states[-2:] == ["cancel_requested", "cancelled"]
