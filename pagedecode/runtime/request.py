@@ -93,6 +93,7 @@ class Request:
         if isinstance(self.history, list):
             self.history = CompactHistory(self.history)
         self.pipeline = None
+        self.page_keys = []
 
     def usage(self) -> Usage:
         if isinstance(self.history, CompactHistory) and self.history.terminal is not None:
@@ -157,5 +158,5 @@ class Request:
         return BASE_BYTES + ids + history + RECORD_BYTES * len(self.trace.records)
 
 
-BASE_BYTES = 3000      # the Request, its params, timings, trace and id strings
+BASE_BYTES = 4700      # the Request, its params, timings, trace and id strings
 RECORD_BYTES = 310     # one trace record (a small dict)

@@ -79,11 +79,11 @@ def test_sampler_exception_fails_the_step_and_the_engine_serves_on():
     real = eng.selector.select
     calls = {"n": 0}
 
-    def flaky(logits, reqs):
+    def flaky(logits, reqs, bitmask=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("sampler on fire")
-        return real(logits, reqs)
+        return real(logits, reqs, bitmask)
     eng.selector.select = flaky
     outs = eng.generate([[5], [6]], pd.SamplingParams(max_tokens=4))      # used to never return
     assert [o.state for o in outs] == [S.FAILED] * 2

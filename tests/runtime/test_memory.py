@@ -25,7 +25,7 @@ def kept_per_request(level, n=40, tokens=256):
     return used / n, (eng.requests.finished_bytes - eng.requests.get("req-0").kept_bytes()) / n
 
 
-@pytest.mark.parametrize("level, most", [("off", 16_000), ("lifecycle", 20_000), ("tokens", 420_000)])
+@pytest.mark.parametrize("level, most", [("off", 16_000), ("lifecycle", 21_000), ("tokens", 420_000)])
 def test_bytes_kept_per_finished_request(level, most):
     measured, estimated = kept_per_request(level)
     assert measured < most                       # a 256-token request used to keep ~390 KB
