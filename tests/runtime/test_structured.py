@@ -177,3 +177,19 @@ def test_bitmask_in_the_sampling_kernel_equals_the_reference():
         assert ref.tokens[2].item() == 3 * 32 + 7
         allowed = ((mask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :V]
         assert all(allowed[i, t] for i, t in enumerate(ref.tokens.tolist()))
+
+
+def test_a_row_with_no_allowed_token_fails_and_never_samples_token_0(stories_engine_factory, monkeypatch):
+    eng = stories_engine_factory()
+    so = pd.StructuredOutput(regex="[a-z]{5}")
+    eng.generate("x", pd.SamplingParams(max_tokens=1, structured_output=so))
+    real_fill = eng.bitmask.fill
+
+    def empty(matcher, slot):
+        real_fill(matcher, slot)
+        eng.bitmask.host[slot] = 0                     # the grammar allows nothing
+    monkeypatch.setattr(eng.bitmask, "fill", empty)
+    out, plain = eng.generate(["Once", "Lily"], [pd.SamplingParams(max_tokens=5, structured_output=so),
+                                                 pd.SamplingParams(max_tokens=5)])
+    assert out.state == S.FAILED and out.finish_reason == R.MODEL_ERROR and "no token" in out.error
+    assert out.selected_token_ids == [] and plain.state == S.FINISHED
