@@ -99,6 +99,10 @@ def _int(body: Mapping[str, Any], name: str) -> int | None:
 def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits) -> Parsed:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    for name, ok in (("echo", lambda v: not v), ("best_of", lambda v: v in (None, 1)), ("suffix", lambda v: not v),
+                     ("tools", lambda v: not v)):
+        if name in body and not ok(body[name]):
+            raise bad(name, "is not supported by this server")
     if "chat_template" in body:
         raise bad("chat_template", "templates come from the model (or --chat-template), never from a request")
     if chat:
