@@ -457,9 +457,11 @@ def _token_str(state: ServerState, token: int) -> str:
     return _token_bytes(state, token).decode("utf-8", errors="replace")
 
 
-def _logprobs_body(state: ServerState, out: RequestOutput, chat: bool, top_n: int) -> Any:
-    lps = out.logprobs or []
-    tops = out.top_logprobs or [() for _ in lps]
+def _logprobs_body(state: ServerState, out: RequestOutput | DeltaEvent, chat: bool, top_n: int,
+                   offset: int = 0) -> Any:
+    """OpenAI's logprobs object for a whole output, or for one delta (streaming)."""
+    lps = list(out.logprobs or [])
+    tops = list(out.top_logprobs or [() for _ in lps])
     strings = [_token_str(state, t) for t in out.token_ids]
     if chat:
         return {"content": [
@@ -467,7 +469,7 @@ def _logprobs_body(state: ServerState, out: RequestOutput, chat: bool, top_n: in
              "top_logprobs": [{"token": _token_str(state, i), "logprob": v,
                                "bytes": list(_token_bytes(state, i))} for i, v in top[:top_n]]}
             for t, s, lp, top in zip(out.token_ids, strings, lps, tops)]}
-    offsets, at = [], 0
+    offsets, at = [], offset
     for s in strings:
         offsets.append(at)
         at += len(s)
@@ -486,6 +488,7 @@ async def _sse_stream(state: ServerState, track: Track, after: int) -> AsyncIter
     created = now()
     model = state.o.model_name
     terminal: TerminalEvent | None = None
+    sent_chars = 0
     track.attached += 1
     if track.grace_task is not None:          # resumed within the grace period
         track.grace_task.cancel()
@@ -498,7 +501,12 @@ async def _sse_stream(state: ServerState, track: Track, after: int) -> AsyncIter
         async for ev in state.ae.follow(rid, after):
             state.seen(track, ev)
             if isinstance(ev, DeltaEvent):
-                yield _sse(_chunk(rid, obj, created, model, chat, ev.text), ev.seq)
+                chunk = _chunk(rid, obj, created, model, chat, ev.text)
+                if ev.logprobs is not None:
+                    chunk["choices"][0]["logprobs"] = _logprobs_body(state, ev, chat, track.parsed.top_logprobs,
+                                                                     sent_chars)
+                sent_chars += len(ev.text)
+                yield _sse(chunk, ev.seq)
             elif isinstance(ev, TerminalEvent):
                 terminal = ev
             state.engine.ack(rid, ev.seq)          # sent: the request may run on (backpressure)

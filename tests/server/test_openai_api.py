@@ -196,3 +196,12 @@ def test_bad_response_format_is_400(server):
 def test_unsupported_options_are_refused_not_ignored(server, field, value):
     r = post(server, {"prompt": "x", field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_streamed_logprobs_come_with_their_chunks(client):
+    chunks = list(client.chat.completions.create(model="stories260k", messages=[{"role": "user", "content": "Once"}],
+                                                 max_tokens=6, stream=True, logprobs=True, top_logprobs=2))
+    content = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert len(content) == 6 and all(len(lp.top_logprobs) == 2 for lp in content)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "".join(lp.token for lp in content) == text
