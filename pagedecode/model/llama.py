@@ -96,7 +96,7 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         c = self.config
         T = batch.num_tokens
-        h = self.embed[batch.input_ids]                                   # (T, hidden)
+        h = self._embed(batch.input_ids)                                  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)
         ctx = self._decode_context(batch, kv)
         H, Hkv = c.num_heads, c.num_kv_heads
@@ -115,12 +115,22 @@ class LlamaModel:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend=self.attention_backend)
             attn = self._attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, heads, head_dim)
-            h = h + F.linear(attn.reshape(T, self._q_size), L.o_w, L.o_b)
+            h = h + self._reduce(F.linear(attn.reshape(T, self._q_size), L.o_w, L.o_b))
             x = rms_norm(h, L.ln2, c.rms_norm_eps)
             gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, L.down_w)
+            h = h + self._reduce(F.linear(F.silu(gate) * up, L.down_w))
         h = rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()                         # (N, vocab)
+        return self._logits(h)                                           # (N, vocab)
+
+    # -- the three places tensor parallelism changes (model/parallel.py); identity at N = 1 --------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed[ids]
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head).float()
 
     def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On the torch path, the cache slots of every decode sequence's context, computed once per

@@ -102,11 +102,44 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = None,
-                        **engine_options: Any) -> "Engine":
+                        tensor_parallel_size: int = 1, **engine_options: Any) -> "Engine":
+        """tensor_parallel_size N > 1 starts N - 1 worker processes (model/parallel.py); the
+        engine and every request stay in this one."""
         from ..model.loader import load_model
         config = EngineConfig(**{"model_name": str(path), **engine_options})
-        model, tokenizer = load_model(path, device=device, dtype=dtype, attention_backend=config.attention_backend)
-        return cls(model, tokenizer, config)
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+        if tensor_parallel_size == 1:
+            model, tokenizer = load_model(path, device=device, dtype=dtype,
+                                          attention_backend=config.attention_backend)
+            return cls(model, tokenizer, config)
+        from ..model.config import ModelConfig  # noqa: F401  (the loader's errors come first)
+        from ..model.loader import load_config
+        from ..model.parallel import TensorParallelModel
+        from ..model.tokenizer import Tokenizer
+        mc = load_config(Path(path))
+        tokenizer = Tokenizer.from_dir(path, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id)
+        tp = TensorParallelModel(path, tensor_parallel_size, device=device, dtype=dtype,
+                                 attention_backend=config.attention_backend)
+        if not tp.config.eos_token_ids:
+            tp.config.eos_token_ids = tokenizer.eos_token_ids
+        return cls(tp, tokenizer, config)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(getattr(self.model, "world", 1))
+
+    @property
+    def bytes_per_token_total(self) -> int:
+        """KV bytes per token over every rank (bytes_per_token is this rank's)."""
+        return self.bytes_per_token * self.tensor_parallel_size
+
+    def close(self) -> None:
+        """End every live request, then stop the model's worker processes, if it has any."""
+        self.shutdown()
+        close = getattr(self.model, "close", None)
+        if callable(close):
+            close()
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -116,6 +149,10 @@ class Engine:
         `read_events`; acked=True lets a consumer read the history (`replay`) and `ack` what it
         has sent instead. Either way backpressure applies (stream_max_events unread events
         pause the request); otherwise `step()`'s return is the delivery."""
+        failure = getattr(self.model, "failure", None)
+        if failure is not None:
+            from ..model.parallel import ModelUnavailableError
+            raise ModelUnavailableError(f"the engine serves no more requests: {failure}")
         with self._lock:
             req = self._make_request(prompt, params, request_id, stream)
             if acked:

@@ -1,0 +1,293 @@
+"""Tensor parallelism over torch.distributed: one engine, N ranks, the same tokens.
+
+Sharding (Megatron-style, at load time; each rank reads only its slices from safetensors):
+    q / k / v        column-parallel by heads (q by query heads, k and v by KV heads), re-stacked
+    gate / up        column-parallel by the intermediate dimension
+    o / down         row-parallel: one all_reduce each (o's bias added once, on rank 0)
+    embed / lm_head  vocab-parallel: a rank holds rows [r V / N, (r + 1) V / N); the embedding
+                     is an all_reduce of the rows each rank has, the logits an all_gather
+    norms            replicated
+Each rank's KV cache holds num_kv_heads / N heads. A shape that does not divide raises
+ModelLoadError naming it.
+
+One control plane: the engine (scheduler, page table, sampler, detokenizer, every request)
+lives on rank 0. Each step rank 0 broadcasts a fixed-size header tensor and the batch's index
+tensors; the workers run the same forward over their shards. Ranks are started by the engine
+(`Engine.from_pretrained(path, tensor_parallel_size=N)`: torch.multiprocessing spawn, a free
+loopback port; NCCL on CUDA with one GPU per rank, gloo on CPU). Under torchrun, rank 0 builds
+the engine with `TensorParallelModel(path, N, joined=True)` and the other ranks call
+`pagedecode.model.parallel.serve_rank(path)`; the user writes no distributed code either way.
+
+Failure: a worker that dies or raises makes rank 0's collective fail (or time out after
+`timeout_s`); that step's requests fail with model_error, the group is shut down, and the
+model refuses every later step with ModelUnavailableError.
+"""
+from __future__ import annotations
+
+import atexit
+import socket
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..errors import ModelLoadError, PageDecodeError
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .llama import LlamaModel
+
+OP_FORWARD, OP_STOP = 1, 2
+HEADER = 10      # op, T, S, max_pages, n_logits, num_decode, max_new, num_pages, page_size, reserved
+
+
+class ModelUnavailableError(PageDecodeError, RuntimeError):
+    """A tensor-parallel group lost a rank: the engine serves nothing more."""
+
+
+def check_divisible(c: ModelConfig, n: int) -> None:
+    for name, value in (("num_attention_heads", c.num_heads), ("num_key_value_heads", c.num_kv_heads),
+                        ("intermediate_size", c.intermediate_size), ("vocab_size", c.vocab_size)):
+        if value % n:
+            raise ModelLoadError(f"tensor_parallel_size {n} does not divide {name} = {value}")
+
+
+def rank_config(c: ModelConfig, n: int) -> ModelConfig:
+    """The shapes one rank computes (the engine sizes its KV cache from these)."""
+    return replace(c, num_heads=c.num_heads // n, num_kv_heads=c.num_kv_heads // n,
+                   intermediate_size=c.intermediate_size // n)
+
+
+def load_shard(path: Path, c: ModelConfig, rank: int, n: int) -> dict[str, torch.Tensor]:
+    """This rank's slices of every tensor, read slice by slice (no full copy in any process)."""
+    from safetensors import safe_open
+    from .loader import _read_json
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    D, H, Hkv, I, V = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size
+
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                leaf = key.rsplit(".", 2)
+                part = ".".join(leaf[-2:])
+                if part in ("q_proj.weight", "q_proj.bias"):
+                    step = H // n * D
+                    out[key] = sl[rank * step:(rank + 1) * step]
+                elif part in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
+                    step = Hkv // n * D
+                    out[key] = sl[rank * step:(rank + 1) * step]
+                elif part in ("gate_proj.weight", "up_proj.weight"):
+                    step = I // n
+                    out[key] = sl[rank * step:(rank + 1) * step]
+                elif part == "o_proj.weight":
+                    step = H // n * D
+                    out[key] = sl[:, rank * step:(rank + 1) * step]
+                elif part == "o_proj.bias":
+                    out[key] = sl[:] if rank == 0 else torch.zeros(sl.get_shape())
+                elif part == "down_proj.weight":
+                    step = I // n
+                    out[key] = sl[:, rank * step:(rank + 1) * step]
+                elif key in ("model.embed_tokens.weight", "lm_head.weight"):
+                    step = V // n
+                    out[key] = sl[rank * step:(rank + 1) * step]
+                else:
+                    out[key] = sl[:]
+    return out
+
+
+class ShardedLlama(LlamaModel):
+    """One rank's shard; the three hooks of LlamaModel become collectives."""
+
+    def __init__(self, config: ModelConfig, rank: int, world: int, weights: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype, attention_backend: str, group: Any = None) -> None:
+        self.full_config = config
+        self.rank, self.world, self.group = rank, world, group
+        self.vocab_lo = rank * config.vocab_size // world
+        self.vocab_hi = (rank + 1) * config.vocab_size // world
+        super().__init__(rank_config(config, world), weights, device=device, dtype=dtype,
+                         attention_backend=attention_backend)
+        self.config = rank_config(config, world)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        local = (ids >= self.vocab_lo) & (ids < self.vocab_hi)
+        h = self.embed[(ids - self.vocab_lo).clamp(0, self.vocab_hi - self.vocab_lo - 1)]
+        h = h * local[:, None].to(h.dtype)
+        dist.all_reduce(h, group=self.group)
+        return h
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        part = F.linear(h, self.lm_head).float().contiguous()                       # (N, V / world)
+        parts = [torch.empty_like(part) for _ in range(self.world)]
+        dist.all_gather(parts, part, group=self.group)
+        return torch.cat(parts, dim=-1)                                               # (N, V)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _send_batch(batch: ForwardBatch, kv: KVCache) -> None:
+    header = torch.tensor([OP_FORWARD, batch.num_tokens, batch.num_seqs, batch.page_table.shape[1],
+                           batch.logits_indices.shape[0], batch.num_decode, batch.max_new, kv.num_pages,
+                           kv.page_size, 0], dtype=torch.int64)
+    dist.broadcast(header, src=0)
+    for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices):
+        dist.broadcast(t.to(torch.int64).contiguous(), src=0)
+    for t in (batch.page_table, batch.seq_lens, batch.cu_q):
+        dist.broadcast(t.to(torch.int64).contiguous(), src=0)
+
+
+def _recv_batch(header: torch.Tensor, device: torch.device) -> ForwardBatch:
+    _, T, S, P, N, nd, max_new = (int(x) for x in header[:7])
+    ids, pos, slots, logits_idx = (torch.empty(k, dtype=torch.int64) for k in (T, T, T, N))
+    table, lens, cu = torch.empty(S, P, dtype=torch.int64), torch.empty(S, dtype=torch.int64), \
+        torch.empty(S + 1, dtype=torch.int64)
+    for t in (ids, pos, slots, logits_idx, table, lens, cu):
+        dist.broadcast(t, src=0)
+    return ForwardBatch(ids.to(device), pos.to(device), slots.to(device), table.to(torch.int32).to(device),
+                        lens.to(torch.int32).to(device), cu.to(torch.int32).to(device), logits_idx.to(device),
+                        num_decode=nd, max_new=max_new)
+
+
+def _init_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _load(path: Path, rank: int, world: int, device: torch.device, dtype: Any, backend: str) -> ShardedLlama:
+    from .loader import load_config, resolve_dtype
+    config = load_config(path)
+    check_divisible(config, world)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    weights = load_shard(path, config, rank, world)
+    if "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]       # tied: the same vocab slice
+    return ShardedLlama(config, rank, world, weights, device, torch_dtype, backend)
+
+
+def _worker(path: str, rank: int, world: int, port: int, device: str, dtype: Any, backend: str,
+            timeout_s: float) -> None:
+    dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
+    torch.set_num_threads(1)
+    _init_group(rank, world, port, dev, timeout_s)
+    serve_rank(Path(path), rank=rank, world=world, device=dev, dtype=dtype, attention_backend=backend)
+
+
+def serve_rank(path: str | Path, rank: int | None = None, world: int | None = None, device: torch.device | None = None,
+               dtype: Any = None, attention_backend: str = "auto") -> None:
+    """A worker rank's loop (also what torchrun's ranks > 0 call, after init_process_group)."""
+    rank = dist.get_rank() if rank is None else rank
+    world = dist.get_world_size() if world is None else world
+    dev = device or torch.device("cpu")
+    model = _load(Path(path), rank, world, dev, dtype, attention_backend)
+    kv: KVCache | None = None
+    c = model.config
+    try:
+        while True:
+            header = torch.empty(HEADER, dtype=torch.int64)
+            dist.broadcast(header, src=0)
+            if int(header[0]) == OP_STOP:
+                break
+            batch = _recv_batch(header, dev)
+            num_pages, page_size = int(header[7]), int(header[8])
+            if kv is None or kv.num_pages != num_pages or kv.page_size != page_size:
+                kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, model.dtype, dev)
+            model.forward(batch, kv)
+    finally:
+        dist.destroy_process_group()
+
+
+class TensorParallelModel:
+    """Rank 0's view of an N-rank model: a pd.Model whose forward drives every rank."""
+
+    def __init__(self, path: str | Path, tensor_parallel_size: int, device: str = "cpu", dtype: Any = None,
+                 attention_backend: str = "auto", timeout_s: float = 60.0, joined: bool = False) -> None:
+        import torch.multiprocessing as mp
+        from .loader import load_config
+        self.path = Path(path)
+        n = self.world = tensor_parallel_size
+        config = load_config(self.path)
+        check_divisible(config, n)          # before any process starts
+        self.device = torch.device(device if device == "cpu" else "cuda:0")
+        self.failure: str | None = None
+        self._procs: list[Any] = []
+        if not joined:
+            if dist.is_initialized():
+                raise RuntimeError("a tensor-parallel engine is already running in this process (torch.distributed "
+                                   "has one default group): close() it first")
+            port = _free_port()
+            ctx = mp.get_context("spawn")
+            for rank in range(1, n):
+                p = ctx.Process(target=_worker, args=(str(path), rank, n, port, device, dtype, attention_backend,
+                                                      timeout_s), daemon=True, name=f"pagedecode-tp{rank}")
+                p.start()
+                self._procs.append(p)
+            atexit.register(self.close)
+            _init_group(0, n, port, self.device, timeout_s)
+        self.shard = _load(self.path, 0, n, self.device, dtype, attention_backend)
+        self.config = self.shard.config            # per-rank shapes: the engine's KV cache is rank 0's
+        self.full_config = config
+        self.dtype = self.shard.dtype
+        self.attention_backend = attention_backend
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        if self.failure is not None:
+            raise ModelUnavailableError(self.failure)
+        dead = [p.name for p in self._procs if not p.is_alive()]
+        if dead:
+            self._fail(f"tensor-parallel rank process {', '.join(dead)} died")
+        try:
+            _send_batch(batch, kv)
+            return self.shard.forward(batch, kv)
+        except ModelUnavailableError:
+            raise
+        except Exception as e:
+            self._fail(f"tensor-parallel step failed: {type(e).__name__}: {e}")
+            raise AssertionError("unreachable")
+
+    def _fail(self, why: str) -> None:
+        self.failure = why
+        self._stop_processes()
+        raise ModelUnavailableError(why)
+
+    def _stop_processes(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        self._procs = []
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        """Stop every worker and leave the group (idempotent; also at interpreter exit)."""
+        if self.failure is None and dist.is_initialized():
+            try:
+                dist.broadcast(torch.tensor([OP_STOP] + [0] * (HEADER - 1), dtype=torch.int64), src=0)
+            except Exception:
+                pass
+            for p in self._procs:
+                p.join(timeout=10)
+        if self.failure is None:
+            self.failure = "the tensor-parallel group was closed"
+        self._stop_processes()

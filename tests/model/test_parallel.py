@@ -1,0 +1,114 @@
+"""Tensor parallelism on CPU: gloo, 2 ranks spawned by the engine inside pytest. Same logits
+(1e-5), same greedy and seeded tokens as N = 1 and transformers; the same events under chunked
+prefill, preemption and a cancel; a killed worker fails its step and the engine refuses more."""
+import os
+import signal
+
+import pytest
+import torch
+
+import pagedecode as pd
+from pagedecode.model.parallel import ModelUnavailableError
+from pagedecode.testing import prefill_batch
+
+from .test_hf_parity import PROMPTS, hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+FAMILIES = ["llama2", "mistral", "qwen2-bias", "qwen3-qknorm"]
+
+
+def logits_of(model, ids):
+    c = model.config
+    kv = pd.KVCache(c.num_layers, 8, 16, c.num_kv_heads, c.head_dim, model.dtype)
+    return model.forward(prefill_batch(ids, list(range(8)), 16), kv)
+
+
+@pytest.fixture()
+def stories_tp(stories_path):
+    eng = pd.Engine.from_pretrained(stories_path, tensor_parallel_size=2)
+    yield eng
+    eng.close()
+
+
+def test_stories_at_two_ranks(stories_tp, stories_path):
+    one = pd.Engine.from_pretrained(stories_path)
+    prompts = ["Once upon a time", "Lily and Tom went", "The dog"]
+    for params in (pd.SamplingParams(max_tokens=24), pd.SamplingParams(max_tokens=24, temperature=1.0, seed=9)):
+        assert [o.selected_token_ids for o in stories_tp.generate(prompts, params)] == \
+            [o.selected_token_ids for o in one.generate(prompts, params)]
+    out = stories_tp.generate("Once upon a time", pd.SamplingParams(max_tokens=16))[0]
+    assert out.text == ", there was a little girl named Lily. She loved to play"     # REFERENCE.md
+    assert stories_tp.bytes_per_token * 2 == stories_tp.bytes_per_token_total == one.bytes_per_token
+    ids = stories_tp.tokenizer.encode("Once upon a time, there was")
+    torch.testing.assert_close(logits_of(stories_tp.model, ids), logits_of(one.model, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_same_events_with_chunked_prefill_preemption_and_a_cancel(stories_path):
+    def run(eng):
+        rids = [eng.add_request(p, pd.SamplingParams(max_tokens=12, temperature=0.8, seed=i))
+                for i, p in enumerate(["Once upon a time, there was a little girl", "Lily", "Tom and Sue went to",
+                                       "The sun"])]
+        events, step = [], 0
+        while eng.has_unfinished():
+            events += eng.step()
+            step += 1
+            if step == 3:
+                eng.cancel(rids[2])
+        preempted = sum(any(r["kind"] == "preempted" for r in eng.trace(rid)) for rid in rids)
+        return [(type(e).__name__, e.seq, getattr(e, "text", None), getattr(e, "token_ids", None),
+                 getattr(e, "finish_reason", None)) for e in events if e.request_id in rids], preempted
+    opts = dict(page_size=4, max_cache_tokens=48, max_tokens_per_step=7, max_batch_size=4)
+    one = pd.Engine.from_pretrained(stories_path, **opts)
+    tp = pd.Engine.from_pretrained(stories_path, tensor_parallel_size=2, **opts)
+    try:
+        want, preempted = run(one)
+        got, _ = run(tp)
+        assert preempted > 0 and got == want
+    finally:
+        tp.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_random_families_match_one_rank_and_transformers(tmp_path, stories_path, family):
+    hf = make_checkpoint(tmp_path, family, stories_path)
+    one = pd.Engine.from_pretrained(tmp_path)
+    tp = pd.Engine.from_pretrained(tmp_path, tensor_parallel_size=2, max_tokens_per_step=11, page_size=8)
+    try:
+        torch.testing.assert_close(logits_of(tp.model, PROMPTS[1]), logits_of(one.model, PROMPTS[1]),
+                                   atol=1e-5, rtol=1e-5)
+        params = pd.SamplingParams(max_tokens=10, ignore_eos=True)
+        outs = tp.generate(PROMPTS, params)
+        for ids, out in zip(PROMPTS, outs):
+            assert out.selected_token_ids == hf_greedy(hf, ids, 10)
+        seeded = pd.SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=4)
+        assert [o.selected_token_ids for o in tp.generate(PROMPTS, seeded)] == \
+            [o.selected_token_ids for o in one.generate(PROMPTS, seeded)]
+    finally:
+        tp.close()
+
+
+def test_a_killed_worker_fails_the_step_and_the_engine_refuses_more(stories_path):
+    tp = pd.Engine.from_pretrained(stories_path, tensor_parallel_size=2)
+    procs = list(tp.model._procs)
+    try:
+        rid = tp.add_request("Once upon a time", pd.SamplingParams(max_tokens=50))
+        for _ in range(3):
+            tp.step()
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(timeout=10)
+        while tp.has_unfinished():
+            tp.step()
+        out = tp.result(rid)
+        assert out.state == pd.RequestState.FAILED and out.finish_reason == pd.FinishReason.MODEL_ERROR
+        assert "died" in out.error or "tensor-parallel" in out.error
+        with pytest.raises(ModelUnavailableError, match="no more requests"):
+            tp.add_request("again", pd.SamplingParams())
+        assert tp.pool.free_pages == tp.pool.num_pages
+    finally:
+        tp.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_a_shape_that_does_not_divide_is_named(stories_path):
+    with pytest.raises(pd.ModelLoadError, match="num_attention_heads = 8"):
+        pd.Engine.from_pretrained(stories_path, tensor_parallel_size=3)
