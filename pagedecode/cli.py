@@ -40,7 +40,8 @@ def _engine(args: argparse.Namespace) -> Any:
     _check_device(args.device)
     path = args.model or default_model_path()
     options = {"max_batch_size": max(8, getattr(args, "requests", 1))}
-    return Engine.from_pretrained(path, device=args.device, dtype=args.dtype, **options)
+    return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
+                                  tensor_parallel_size=args.tensor_parallel_size, **options)
 
 
 def _sampling(args: argparse.Namespace, seed: int | None = None) -> SamplingParams:
@@ -195,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default="cpu", help="cpu or cuda")
         p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"],
                        help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")
+        p.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                       help="ranks the model is sharded over (processes started by the engine)")
         p.add_argument("--max-tokens", type=_positive, default=64 if name == "generate" else 48,
                        help="most tokens to generate per request")
         p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.8,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import socket
+import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -117,22 +118,26 @@ class ShardedLlama(LlamaModel):
         super().__init__(rank_config(config, world), weights, device=device, dtype=dtype,
                          attention_backend=attention_backend)
         self.config = rank_config(config, world)
+        self.comm_s = 0.0            # seconds spent in collectives (benchmarks/tp.py reports it)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         local = (ids >= self.vocab_lo) & (ids < self.vocab_hi)
         h = self.embed[(ids - self.vocab_lo).clamp(0, self.vocab_hi - self.vocab_lo - 1)]
         h = h * local[:, None].to(h.dtype)
-        dist.all_reduce(h, group=self.group)
-        return h
+        return self._reduce(h)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
         dist.all_reduce(x, group=self.group)
+        self.comm_s += time.perf_counter() - t
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         part = F.linear(h, self.lm_head).float().contiguous()                       # (N, V / world)
         parts = [torch.empty_like(part) for _ in range(self.world)]
+        t = time.perf_counter()
         dist.all_gather(parts, part, group=self.group)
+        self.comm_s += time.perf_counter() - t
         return torch.cat(parts, dim=-1)                                               # (N, V)
 
 

@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is sharded over (processes started by the engine)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     model_dir = Path(args.model) if args.model else default_model_path()
     options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS}
     name = args.served_model_name or model_dir.name
-    engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name, **options)
+    engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
+                                       tensor_parallel_size=args.tensor_parallel_size, **options)
     source, specials = load_template(model_dir, args.chat_template)
     template = ChatTemplate(source, specials) if source else None
     defaults = generation_defaults(model_dir)
