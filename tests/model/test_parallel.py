@@ -74,8 +74,11 @@ def test_random_families_match_one_rank_and_transformers(tmp_path, stories_path,
     one = pd.Engine.from_pretrained(tmp_path)
     tp = pd.Engine.from_pretrained(tmp_path, tensor_parallel_size=2, max_tokens_per_step=11, page_size=8)
     try:
-        torch.testing.assert_close(logits_of(tp.model, PROMPTS[1]), logits_of(one.model, PROMPTS[1]),
-                                   atol=1e-5, rtol=1e-5)
+        tp_logits = logits_of(tp.model, PROMPTS[1])
+        torch.testing.assert_close(tp_logits, logits_of(one.model, PROMPTS[1]), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            ref = hf(torch.tensor([PROMPTS[1]])).logits[0].float()
+        torch.testing.assert_close(tp_logits, ref, atol=1e-5, rtol=1e-5)             # and transformers
         params = pd.SamplingParams(max_tokens=10, ignore_eos=True)
         outs = tp.generate(PROMPTS, params)
         for ids, out in zip(PROMPTS, outs):
@@ -112,3 +115,53 @@ def test_a_killed_worker_fails_the_step_and_the_engine_refuses_more(stories_path
 def test_a_shape_that_does_not_divide_is_named(stories_path):
     with pytest.raises(pd.ModelLoadError, match="num_attention_heads = 8"):
         pd.Engine.from_pretrained(stories_path, tensor_parallel_size=3)
+
+
+def _torchrun_rank(rank, path, port, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from pagedecode.parallel import from_torchrun
+    engine = from_torchrun(path)
+    if engine is not None:
+        results.put(engine.generate("Once upon a time", pd.SamplingParams(max_tokens=16))[0].text)
+        engine.close()
+
+
+def test_joined_from_torchrun_style_environment(stories_path):
+    import torch.multiprocessing as mp
+
+    from pagedecode.model.parallel import _free_port
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_torchrun_rank, args=(r, str(stories_path), port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    text = results.get(timeout=60)
+    for p in procs:
+        p.join(timeout=30)
+    assert text == ", there was a little girl named Lily. She loved to play"
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_interpreter_exit_leaves_no_worker_behind(stories_path, tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import pagedecode as pd, sys\n"
+        "if __name__ == '__main__':\n"
+        f"    e = pd.Engine.from_pretrained({str(stories_path)!r}, tensor_parallel_size=2)\n"
+        "    print(e.model._procs[0].pid, flush=True)\n"
+        "    e.generate('Once', pd.SamplingParams(max_tokens=2))\n")              # no close(): exit does it
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    pid = int(r.stdout.split()[0])
+    import time
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"worker {pid} outlived the interpreter")

@@ -1,0 +1,52 @@
+"""Tensor parallelism, as users start it (the machinery is in pagedecode/model/parallel.py).
+
+Started by the engine (the usual way: no distributed code at all):
+
+    engine = pd.Engine.from_pretrained(path, tensor_parallel_size=2)
+    ...
+    engine.close()
+
+Joined from torchrun (`torchrun --nproc-per-node 2 script.py`), every rank runs:
+
+    engine = pagedecode.parallel.from_torchrun(path)     # rank 0: the Engine; other ranks: None,
+    if engine is not None:                               # after serving the steps until rank 0
+        ...                                              # closes the engine
+        engine.close()
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .model.parallel import ModelUnavailableError, TensorParallelModel, serve_rank
+
+__all__ = ["ModelUnavailableError", "TensorParallelModel", "from_torchrun", "serve_rank"]
+
+
+def from_torchrun(path: str | Path, device: str = "cpu", dtype: Any = None, **engine_options: Any) -> Any:
+    """Join the group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
+    environment): rank 0 returns an Engine, the others serve its steps and return None."""
+    from .model.loader import load_config
+    from .model.tokenizer import Tokenizer
+    from .runtime.config import EngineConfig
+    from .runtime.engine import Engine
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    if rank != 0:
+        serve_rank(path, rank=rank, world=world, device=torch.device(device if device == "cpu" else f"cuda:{rank}"),
+                   dtype=dtype)
+        return None
+    mc = load_config(Path(path))
+    tokenizer = Tokenizer.from_dir(path, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id)
+    config = EngineConfig(**{"model_name": str(path), **engine_options})
+    tp = TensorParallelModel(path, world, device=device, dtype=dtype, attention_backend=config.attention_backend,
+                             joined=True)
+    if not tp.config.eos_token_ids:
+        tp.config.eos_token_ids = tokenizer.eos_token_ids
+    return Engine(tp, tokenizer, config)
