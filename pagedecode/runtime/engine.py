@@ -113,7 +113,6 @@ class Engine:
             model, tokenizer = load_model(path, device=device, dtype=dtype,
                                           attention_backend=config.attention_backend)
             return cls(model, tokenizer, config)
-        from ..model.config import ModelConfig  # noqa: F401  (the loader's errors come first)
         from ..model.loader import load_config
         from ..model.parallel import TensorParallelModel
         from ..model.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import InvalidRequestError
@@ -21,13 +21,6 @@ OPENAI_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop", F
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed")
-KNOWN_FIELDS = frozenset({
-    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop",
-    "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "top_logprobs", "logit_bias", "user", "n",
-    "timeout", "first_token_timeout", "on_disconnect", "echo", "suffix", "best_of", "skip_special_tokens",
-    "include_stop_str_in_output", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "add_generation_prompt", "chat_template_kwargs", "cache_salt", "structured_outputs", "metadata", "store",
-    "service_tier", "seed", *SAMPLING_FIELDS})
 
 
 class ApiError(Exception):
@@ -75,7 +68,6 @@ class Parsed:
     first_token_timeout: float | None
     on_disconnect: str | None
     top_logprobs: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _number(body: Mapping[str, Any], name: str) -> float | None:
