@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .model.parallel import ModelUnavailableError, TensorParallelModel, serve_rank
+from .model.parallel import ModelUnavailableError, TensorParallelModel, load_tensor_parallel, serve_rank
 
 __all__ = ["ModelUnavailableError", "TensorParallelModel", "from_torchrun", "serve_rank"]
 
@@ -29,8 +29,6 @@ __all__ = ["ModelUnavailableError", "TensorParallelModel", "from_torchrun", "ser
 def from_torchrun(path: str | Path, device: str = "cpu", dtype: Any = None, **engine_options: Any) -> Any:
     """Join the group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
     environment): rank 0 returns an Engine, the others serve its steps and return None."""
-    from .model.loader import load_config
-    from .model.tokenizer import Tokenizer
     from .runtime.config import EngineConfig
     from .runtime.engine import Engine
     if not dist.is_initialized():
@@ -42,11 +40,7 @@ def from_torchrun(path: str | Path, device: str = "cpu", dtype: Any = None, **en
         serve_rank(path, rank=rank, world=world, device=torch.device(device if device == "cpu" else f"cuda:{rank}"),
                    dtype=dtype)
         return None
-    mc = load_config(Path(path))
-    tokenizer = Tokenizer.from_dir(path, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id)
     config = EngineConfig(**{"model_name": str(path), **engine_options})
-    tp = TensorParallelModel(path, world, device=device, dtype=dtype, attention_backend=config.attention_backend,
-                             joined=True)
-    if not tp.config.eos_token_ids:
-        tp.config.eos_token_ids = tokenizer.eos_token_ids
+    tp, tokenizer = load_tensor_parallel(path, world, device=device, dtype=dtype,
+                                         attention_backend=config.attention_backend, joined=True)
     return Engine(tp, tokenizer, config)

@@ -219,6 +219,19 @@ def serve_rank(path: str | Path, rank: int | None = None, world: int | None = No
         dist.destroy_process_group()
 
 
+def load_tensor_parallel(path: str | Path, n: int, device: str = "cpu", dtype: Any = None,
+                         attention_backend: str = "auto", joined: bool = False) -> tuple[Any, Any]:
+    """(rank 0's TensorParallelModel, the tokenizer), as load_model gives them at N = 1."""
+    from .loader import load_config
+    from .tokenizer import Tokenizer
+    mc = load_config(Path(path))
+    tokenizer = Tokenizer.from_dir(path, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id)
+    tp = TensorParallelModel(path, n, device=device, dtype=dtype, attention_backend=attention_backend, joined=joined)
+    if not tp.config.eos_token_ids:
+        tp.config.eos_token_ids = tokenizer.eos_token_ids
+    return tp, tokenizer
+
+
 class TensorParallelModel:
     """Rank 0's view of an N-rank model: a pd.Model whose forward drives every rank."""
 

@@ -27,7 +27,7 @@ from ..protocols import Model
 from .batching import build_batch
 from .config import DEFAULT_CACHE_TOKENS, EngineConfig
 from .endings import check_ending, is_eos
-from .grammar import GrammarCompiler, GrammarState, TokenBitmask
+from .grammar import Constraints, GrammarCompiler, TokenBitmask
 from .events import Event, RequestOutput, StartEvent, TerminalEvent
 from .intake import make_request
 from .lifecycle import FinishReason, RequestState
@@ -93,9 +93,8 @@ class Engine:
                                       config.sampling_backend)
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
         self.idle = True            # the last step found nothing to run (all waiting or paused)
-        self._integrity_errors: list[str] = []
-        self.grammar: GrammarCompiler | None = None
-        self.bitmask: TokenBitmask | None = None
+        self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids, config.max_batch_size,
+                                       self.device, config.grammar_cache_size, config.grammar_compile_timeout_s)
         self.stats = EngineStats()
         # perf_counter microseconds + wall_offset_us = wall-clock microseconds (traces line up with logs)
         self.wall_offset_us = time.time() * 1e6 - now_us()
@@ -112,17 +111,20 @@ class Engine:
         if tensor_parallel_size == 1:
             model, tokenizer = load_model(path, device=device, dtype=dtype,
                                           attention_backend=config.attention_backend)
-            return cls(model, tokenizer, config)
-        from ..model.loader import load_config
-        from ..model.parallel import TensorParallelModel
-        from ..model.tokenizer import Tokenizer
-        mc = load_config(Path(path))
-        tokenizer = Tokenizer.from_dir(path, eos_token_ids=mc.eos_token_ids, bos_token_id=mc.bos_token_id)
-        tp = TensorParallelModel(path, tensor_parallel_size, device=device, dtype=dtype,
-                                 attention_backend=config.attention_backend)
-        if not tp.config.eos_token_ids:
-            tp.config.eos_token_ids = tokenizer.eos_token_ids
-        return cls(tp, tokenizer, config)
+        else:
+            from ..model.parallel import load_tensor_parallel
+            model, tokenizer = load_tensor_parallel(path, tensor_parallel_size, device=device, dtype=dtype,
+                                                    attention_backend=config.attention_backend)
+        return cls(model, tokenizer, config)
+
+    @property
+    def grammar(self) -> GrammarCompiler | None:
+        """The structured-output compiler, once a constrained request made it."""
+        return self.constraints.compiler
+
+    @property
+    def bitmask(self) -> TokenBitmask | None:
+        return self.constraints.bitmask
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -177,22 +179,12 @@ class Engine:
         req = make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                            max_context=self.max_context, rng=self._rng, trace_level=self.config.trace)
         req.cache_namespace = self._namespace(req.params.cache_salt)
-        so = req.params.structured_output
-        if so is not None:
-            compiler = self._grammar_compiler()
-            req.grammar = GrammarState(so, compiler.submit(so), self.config.grammar_compile_timeout_s)
+        if req.params.structured_output is not None:
+            req.grammar = self.constraints.attach(req.params.structured_output)
         if stream:
             req.buffer = EventBuffer(self.config.stream_max_events, self.config.stream_max_bytes)
             req.buffer.on_pop = self._wake
         return req
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """Made on the first constrained request (xgrammar is an optional extra)."""
-        if self.grammar is None:
-            self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids,
-                                           cache_size=self.config.grammar_cache_size)
-            self.bitmask = TokenBitmask(self.grammar.xgr, self.config.max_batch_size, self.vocab_size, self.device)
-        return self.grammar
 
     def _namespace(self, salt: str | None) -> bytes:
         mc = self.model.config
@@ -260,26 +252,10 @@ class Engine:
                 req.timings.queue_s = now - req.arrival
         for s in plan.decode:
             s.request.trace.token("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
-        self._check_written(plan)
-
-    def _check_written(self, plan: SchedulerOutput) -> None:
-        """Every page a step writes is held by exactly one request and is not a cached page
-        (shared pages are full and never written). A violation is kept for check_integrity."""
-        ps = self.config.page_size
-        for s in plan.seqs:
-            req = s.request
-            for i in range(req.num_computed // ps, (req.num_computed + s.num_new - 1) // ps + 1):
-                page = req.pages[i]
-                if self.pool.ref_counts[page] != 1 or page in self.pool.page_hash:
-                    self._integrity_errors.append(f"step {self._step_no}: {req.request_id} writes page {page} "
-                                                  f"(refs {self.pool.ref_counts[page]}, cached "
-                                                  f"{page in self.pool.page_hash})")
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: no step wrote a shared or cached page."""
-        self.pool.check_integrity()
-        if self._integrity_errors:
-            raise AssertionError("; ".join(self._integrity_errors[:4]))
+        self.scheduler.check_integrity()
 
     def _run(self, plan: SchedulerOutput) -> Selection:
         """Everything between scheduling and commit; reads requests, changes none of them."""
@@ -290,20 +266,9 @@ class Engine:
         choosers = [s.request for s in plan.seqs if s.samples]
         if logits.shape[0] != len(choosers):
             raise RuntimeError(f"the model returned {logits.shape[0]} rows of logits for {len(choosers)} sequences")
-        return self.selector.select(logits, choosers, self._constraints(choosers))
-
-    def _constraints(self, choosers: list[Request]) -> torch.Tensor | None:
-        """The bitmask rows of this step's choosers (all allowed for unconstrained ones), each
-        constrained slot's row filled at most once per token."""
-        if self.bitmask is None or not any(r.grammar is not None for r in choosers):
-            return None
-        for req in choosers:
-            if req.grammar is not None:
-                assert req.slot is not None and req.grammar.matcher is not None
-                if req.grammar.mask_for != (req.slot, len(req.output_ids)):
-                    self.bitmask.fill(req.grammar.matcher, req.slot)
-                    req.grammar.mask_for = (req.slot, len(req.output_ids))
-        return self.bitmask.rows([r.slot if r.grammar is not None else None for r in choosers])
+        bitmask = self.constraints.rows([r.grammar for r in choosers], [r.slot for r in choosers],
+                                        [len(r.output_ids) for r in choosers])
+        return self.selector.select(logits, choosers, bitmask)
 
     def _commit(self, plan: SchedulerOutput, sel: Selection, dt: float, events: list[Event]) -> None:
         row = 0
@@ -344,7 +309,7 @@ class Engine:
             p = req.params
             req.trace.token("token.selected", t=t, token=token, logprob=logprob, cache_len=req.num_computed,
                             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed)
-        grammar_done = self._accept(req, token)
+        grammar_done = self._grammar_accept(req, token)     # before any of its text is sent
         stop = None
         if not is_eos(req, token, self.eos_ids):
             assert req.pipeline is not None, "a live request has its output pipeline"
@@ -353,33 +318,33 @@ class Engine:
             stop = em.stop
             if stop is not None:
                 self._stop_hit(req, stop)
-        if not grammar_done and req.grammar is not None and stop is None:
-            grammar_done = self._must_end(req)
+        if not grammar_done and stop is None:
+            grammar_done = self._grammar_must_end(req, token)
         reason = check_ending(req, token, stop, self.eos_ids, self.max_context, grammar_done)
         if reason is not None:
             self._finish(req, reason, events)
 
-    def _accept(self, req: Request, token: int) -> bool:
-        """The matcher takes the committed token; True when it has accepted a stop token."""
-        g = req.grammar
-        if g is None:
+    def _grammar_accept(self, req: Request, token: int) -> bool:
+        """The matcher takes the token; True when it accepted a stop token (runtime/grammar.py)."""
+        if req.grammar is None:
             return False
-        if not g.matcher.accept_token(token):
+        try:
+            done = self.constraints.accept(req.grammar, token)
+        except RuntimeError:
             req.trace.add("grammar.rejected", token=token)
-            raise RuntimeError(f"the grammar rejected token {token} (a bug: the mask allowed it)")
-        req.trace.token("grammar.accepted", token=token)
-        if g.matcher.is_terminated():
+            raise
+        if done:
             req.trace.add("grammar.terminated", token=token)
             return True
+        req.trace.token("grammar.accepted", token=token)
         return False
 
-    def _must_end(self, req: Request) -> bool:
-        """Fill the next mask now (the next step reuses it): nothing but stop tokens allowed
-        means the grammar is complete, without another forward pass."""
-        assert self.bitmask is not None and req.slot is not None
-        self.bitmask.fill(req.grammar.matcher, req.slot)
-        req.grammar.mask_for = (req.slot, len(req.output_ids))
-        if self.bitmask.only_stop_tokens(req.slot, sorted(self.eos_ids)):
+    def _grammar_must_end(self, req: Request, token: int) -> bool:
+        """The grammar allows nothing but stop tokens next: complete without another forward."""
+        if req.grammar is None or is_eos(req, token, self.eos_ids):
+            return False
+        assert req.slot is not None
+        if self.constraints.must_end(req.grammar, req.slot, len(req.output_ids)):
             req.trace.add("grammar.terminated", must_end=True)
             return True
         return False
@@ -478,7 +443,7 @@ class Engine:
     def _runnable(self, req: Request) -> bool:
         """Not scheduled: a request being cancelled, held back by its full outgoing buffer, or
         waiting for its grammar's compile."""
-        if req.grammar is not None and self.grammar is not None and not req.grammar.ready(self.grammar.matcher):
+        if req.grammar is not None and not self.constraints.ready(req.grammar):
             return False
         return req.state != S.CANCEL_REQUESTED and not req.backpressured()
 

@@ -190,3 +190,58 @@ class TokenBitmask:
         if self.device.type == "cuda":
             out = out.pin_memory()
         return out.to(self.device, non_blocking=True)
+
+
+class Constraints:
+    """The engine's structured-output side, made on the first constrained request: the
+    compiler, the per-slot bitmask, and what a step does with a request's matcher."""
+
+    def __init__(self, tokenizer: TokenizerLike, vocab_size: int, eos_ids: frozenset[int], num_slots: int,
+                 device: torch.device, cache_size: int, timeout_s: float) -> None:
+        self._tokenizer, self._vocab_size, self._num_slots, self._device = tokenizer, vocab_size, num_slots, device
+        self.eos_ids = sorted(eos_ids)
+        self._stop_set = eos_ids
+        self.cache_size, self.timeout_s = cache_size, timeout_s
+        self.compiler: GrammarCompiler | None = None
+        self.bitmask: TokenBitmask | None = None
+
+    def attach(self, so: StructuredOutput) -> GrammarState:
+        """A new request's constraint: parsed now (InvalidRequestError), compiled off the loop."""
+        if self.compiler is None:
+            self.compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._stop_set,
+                                            cache_size=self.cache_size)
+            self.bitmask = TokenBitmask(self.compiler.xgr, self._num_slots, self._vocab_size, self._device)
+        return GrammarState(so, self.compiler.submit(so), self.timeout_s)
+
+    def ready(self, g: GrammarState) -> bool:
+        assert self.compiler is not None
+        return g.ready(self.compiler.matcher)
+
+    def rows(self, grammars: list[GrammarState | None], slots: list[int | None], lengths: list[int]
+             ) -> torch.Tensor | None:
+        """This step's bitmask rows (all allowed for unconstrained rows); a slot's row is filled
+        at most once per token (must_end may have filled it already)."""
+        if self.bitmask is None or all(g is None for g in grammars):
+            return None
+        for g, slot, n in zip(grammars, slots, lengths):
+            if g is not None:
+                assert slot is not None and g.matcher is not None
+                if g.mask_for != (slot, n):
+                    self.bitmask.fill(g.matcher, slot)
+                    g.mask_for = (slot, n)
+        return self.bitmask.rows([s if g is not None else None for g, s in zip(grammars, slots)])
+
+    def accept(self, g: GrammarState, token: int) -> bool:
+        """The matcher takes the committed token; True when it accepted a stop token. A refused
+        token is a bug (the mask allowed it) and raises."""
+        if not g.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar rejected token {token} (a bug: the mask allowed it)")
+        return bool(g.matcher.is_terminated())
+
+    def must_end(self, g: GrammarState, slot: int, n_tokens: int) -> bool:
+        """Fill the next mask now (the next step reuses it): nothing but stop tokens allowed
+        means the grammar is complete, without another forward pass."""
+        assert self.bitmask is not None
+        self.bitmask.fill(g.matcher, slot)
+        g.mask_for = (slot, n_tokens)
+        return self.bitmask.only_stop_tokens(slot, self.eos_ids)

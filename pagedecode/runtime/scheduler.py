@@ -53,6 +53,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.cache_queries = 0          # prompt tokens looked up in the prefix cache
         self.cache_hits = 0             # ... and found there
+        self._bad_writes: list[str] = []   # pages a step was planned to write that it must not
         self.slots = slots
         self.page_size = page_size
         self.max_tokens_per_step = max_tokens_per_step
@@ -105,7 +106,25 @@ class Scheduler:
             budget -= n
             queue.append(ScheduledSeq(req, n, req.num_computed + n == req.num_tokens))
         self._admit(out, budget, scheduled, runnable)
+        self._check_writes(out)
         return out
+
+    def _check_writes(self, out: SchedulerOutput) -> None:
+        """Every page a step writes is held by exactly one request and is not a cached page
+        (shared pages are full and never written). A violation is kept for check_integrity."""
+        ps = self.page_size
+        for s in out.seqs:
+            req = s.request
+            for i in range(req.num_computed // ps, (req.num_computed + s.num_new - 1) // ps + 1):
+                page = req.pages[i]
+                if self.pool.ref_counts[page] != 1 or page in self.pool.page_hash:
+                    self._bad_writes.append(f"{req.request_id} writes page {page} (refs "
+                                            f"{self.pool.ref_counts[page]}, cached {page in self.pool.page_hash})")
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        if self._bad_writes:
+            raise AssertionError("; ".join(self._bad_writes[:4]))
 
     def _admit(self, out: SchedulerOutput, budget: int, scheduled: set[int],
                runnable: Callable[[Request], bool]) -> None:

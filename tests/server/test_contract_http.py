@@ -7,7 +7,6 @@ import sys
 import time
 
 import httpx
-import pytest
 
 from .conftest import start_server, stop_server
 

@@ -1,0 +1,69 @@
+"""Response shapes the handlers share: SSE frames, chunks, logprobs objects, summed usage."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..runtime.events import DeltaEvent, RequestOutput
+from .protocol import usage_body
+from .state import ServerState
+
+
+def sse(data: Any, seq: int | None = None) -> str:
+    head = f"id: {seq}\n" if seq is not None else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sum_usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    total = usage_body(outs[0].usage)
+    for o in outs[1:]:
+        u = usage_body(o.usage)
+        for k in ("completion_tokens", "selected_tokens", "processed_tokens"):
+            total[k] += u[k]
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]   # the prompt counts once
+    return total
+
+
+def _token_bytes(state: ServerState, token: int) -> bytes:
+    """A token's bytes as it reads inside a text (its leading space kept), where the tokenizer
+    knows them exactly; else its lone decode."""
+    tok = state.engine.tokenizer
+    pieces = tok.byte_pieces
+    if pieces is not None and tok.is_shown(token, False):
+        value = pieces.byte_fallback_value(token)
+        return bytes([value]) if value is not None else pieces.token_bytes(token, False)
+    return tok.decode([token], False).encode()
+
+
+def _token_str(state: ServerState, token: int) -> str:
+    return _token_bytes(state, token).decode("utf-8", errors="replace")
+
+
+def logprobs_body(state: ServerState, out: RequestOutput | DeltaEvent, chat: bool, top_n: int,
+                   offset: int = 0) -> Any:
+    """OpenAI's logprobs object for a whole output, or for one delta (streaming)."""
+    lps = list(out.logprobs or [])
+    tops = list(out.top_logprobs or [() for _ in lps])
+    strings = [_token_str(state, t) for t in out.token_ids]
+    if chat:
+        return {"content": [
+            {"token": s, "logprob": lp, "bytes": list(_token_bytes(state, t)),
+             "top_logprobs": [{"token": _token_str(state, i), "logprob": v,
+                               "bytes": list(_token_bytes(state, i))} for i, v in top[:top_n]]}
+            for t, s, lp, top in zip(out.token_ids, strings, lps, tops)]}
+    offsets, at = [], offset
+    for s in strings:
+        offsets.append(at)
+        at += len(s)
+    return {"tokens": strings, "token_logprobs": lps,
+            "top_logprobs": [{_token_str(state, i): v for i, v in top[:top_n]} for top in tops] if top_n else None,
+            "text_offset": offsets}
+
+
+def chunk_body(rid: str, obj: str, created: int, model: str, chat: bool, text: str) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
+    if chat:
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}

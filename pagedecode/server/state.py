@@ -1,0 +1,258 @@
+"""The server's per-request bookkeeping: Tracks (arrival, first token, retries, resumes,
+attached clients), the Idempotency-Key store, disconnect policy and metering.
+
+Every request the server starts has a Track. It is metered (metrics + one log line) exactly
+once, when its terminal event is first seen, whoever sees it: the client's handler, a resumed
+stream, or the watcher that follows a detached request to its end.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from starlette.requests import Request
+
+from ..errors import InvalidRequestError
+from ..runtime.async_engine import AsyncEngine
+from ..runtime.events import DeltaEvent, Event, TerminalEvent
+from ..runtime.lifecycle import FinishReason
+from .chat import ChatTemplate
+from .metrics import Metrics
+from .protocol import ApiError, Limits, Parsed, invalid
+
+log = logging.getLogger("pagedecode.server")
+
+
+@dataclass
+class Track:
+    request_id: str
+    arrival: float
+    chat: bool
+    parsed: Parsed
+    first_token: float | None = None
+    last_delta: float | None = None
+    attached: int = 0                 # clients reading it now
+    retries: int = 0
+    resumes: int = 0
+    disconnects: int = 0
+    metered: bool = False
+    grace_task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class IdempotencyEntry:
+    body_hash: str
+    request_ids: list[str]
+    created: float
+
+
+@dataclass
+class ServerOptions:
+    model_name: str
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_queued_requests: int = 256
+    max_body_bytes: int = 1 << 20
+    generation_defaults: Mapping[str, Any] = field(default_factory=dict)
+    log_text: bool = False
+    resume_grace_s: float = 0.0
+    on_disconnect: str = "cancel"
+    idempotency_ttl_s: float = 600.0
+    idempotency_max_keys: int = 10_000
+    max_tracked: int = 100_000
+
+
+class ServerState:
+    def __init__(self, ae: AsyncEngine, chat_template: ChatTemplate | None, options: ServerOptions) -> None:
+        self.ae = ae
+        self.engine = ae.engine
+        self.chat_template = chat_template
+        self.o = options
+        self.metrics = Metrics()
+        self.draining = False
+        self.tracks: OrderedDict[str, Track] = OrderedDict()
+        self.keys: OrderedDict[str, IdempotencyEntry] = OrderedDict()
+        self._preemptions_seen = 0
+        self._cache_seen = (0, 0)
+
+    # -- admission -------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.o.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.o.api_key}".encode()):
+            raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+
+    async def body(self, request: Request) -> tuple[Any, bytes]:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.o.max_body_bytes:
+            raise ApiError(413, f"request body over {self.o.max_body_bytes} bytes")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > self.o.max_body_bytes:
+                raise ApiError(413, f"request body over {self.o.max_body_bytes} bytes")
+        try:
+            return json.loads(bytes(data)), bytes(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON: {e}") from None
+
+    def admit(self) -> None:
+        if self.draining or not self.ae.running:
+            raise ApiError(503, "the server is starting or shutting down", headers={"Retry-After": "1"})
+        waiting = len(self.engine.scheduler.waiting)
+        if waiting >= self.o.max_queued_requests:
+            raise ApiError(429, f"{waiting} requests are already waiting", code="queue_full",
+                           headers={"Retry-After": "1"})
+
+    def prompt_of(self, parsed: Parsed) -> str | list[int]:
+        if parsed.messages is None:
+            assert parsed.prompt is not None
+            return parsed.prompt
+        if self.chat_template is None:
+            raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
+                           param="messages")
+        text = self.chat_template.render(parsed.messages)
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def start(self, prompt: str | list[int], parsed: Parsed, chat: bool) -> list[Track]:
+        """n independent requests (seeded seed, seed + 1, ...), each with its Track."""
+        tracks: list[Track] = []
+        try:
+            for i in range(parsed.n):
+                params = parsed.params
+                if parsed.n > 1 and params.seed is not None:
+                    params = replace(params, seed=params.seed + i)
+                rid = self.engine.add_request(prompt, params, acked=True)
+                tracks.append(self._track(Track(rid, time.perf_counter(), chat, parsed)))
+        except InvalidRequestError as e:
+            for t in tracks:
+                self.engine.cancel(t.request_id)
+            raise invalid(e) from None
+        return tracks
+
+    def _track(self, t: Track) -> Track:
+        self.tracks[t.request_id] = t
+        while len(self.tracks) > self.o.max_tracked:
+            self.tracks.popitem(last=False)
+        return t
+
+    # -- idempotency -------------------------------------------------------------------------
+    def idempotent(self, key: str | None, raw: bytes) -> IdempotencyEntry | None:
+        """The entry a retry attaches to; 409 for the same key with another body."""
+        if key is None:
+            return None
+        now_s = time.monotonic()
+        while self.keys and (len(self.keys) > self.o.idempotency_max_keys
+                             or now_s - next(iter(self.keys.values())).created > self.o.idempotency_ttl_s):
+            self.keys.popitem(last=False)
+        entry = self.keys.get(key)
+        if entry is None:
+            return None
+        if entry.body_hash != hashlib.sha256(raw).hexdigest():
+            raise ApiError(409, "this Idempotency-Key was used with a different request body",
+                           code="idempotency_key_reused")
+        return entry
+
+    def remember(self, key: str | None, raw: bytes, tracks: list[Track]) -> None:
+        if key is not None:
+            self.keys[key] = IdempotencyEntry(hashlib.sha256(raw).hexdigest(), [t.request_id for t in tracks],
+                                              time.monotonic())
+
+    # -- events, disconnects, metering --------------------------------------------------------
+    def seen(self, track: Track, ev: Event) -> None:
+        if isinstance(ev, DeltaEvent):
+            t = time.perf_counter()
+            if track.first_token is None:
+                track.first_token = t
+            elif track.last_delta is not None:
+                self.metrics.itl.observe(t - track.last_delta)
+            track.last_delta = t
+        elif isinstance(ev, TerminalEvent):
+            self.meter(track)
+
+    def detached(self, track: Track, policy: str | None) -> None:
+        """The last client reading the request went away before its end."""
+        track.disconnects += 1
+        if track.attached > 0:
+            return
+        policy = policy or track.parsed.on_disconnect or self.o.on_disconnect
+        if policy == "continue":
+            self._watch(track)
+            return
+        grace = self.o.resume_grace_s
+        if grace <= 0:
+            self.engine.cancel(track.request_id, reason=FinishReason.TRANSPORT_ERROR)
+            self._watch(track)
+            return
+
+        async def cancel_later() -> None:
+            await asyncio.sleep(grace)
+            if track.attached == 0:
+                self.engine.cancel(track.request_id, reason=FinishReason.TRANSPORT_ERROR)
+        track.grace_task = asyncio.ensure_future(cancel_later())
+        self._watch(track)
+
+    def _watch(self, track: Track) -> None:
+        """Follow a request nobody reads to its end, so it is metered once."""
+        async def watch() -> None:
+            try:
+                async for ev in self.ae.follow(track.request_id, -1):
+                    if isinstance(ev, TerminalEvent):
+                        self.meter(track)
+            except KeyError:
+                pass
+        asyncio.ensure_future(watch())
+
+    def meter(self, track: Track) -> None:
+        if track.metered:
+            return
+        try:
+            out = self.engine.result(track.request_id)
+        except KeyError:
+            return
+        if not out.state.terminal:
+            return
+        track.metered = True
+        m = self.metrics
+        u = out.usage
+        m.prompt_tokens.inc(u.prompt_tokens)
+        m.generation_tokens.inc(u.returned_tokens)
+        m.success.labels(finished_reason=out.finish_reason.value if out.finish_reason else "none").inc()
+        m.e2e.observe(time.perf_counter() - track.arrival)
+        m.queue.observe(out.timings.queue_s)
+        m.prefill.observe(out.timings.prefill_s)
+        m.decode.observe(out.timings.decode_s)
+        if track.first_token is not None:
+            m.ttft.observe(track.first_token - track.arrival)
+        if track.disconnects:
+            m.disconnects.inc()
+        record: dict[str, Any] = {
+            "request_id": out.request_id, "model": self.o.model_name, "state": out.state.value,
+            "finish_reason": out.finish_reason.value if out.finish_reason else None, "error": out.error,
+            "prompt_tokens": u.prompt_tokens, "selected_tokens": u.selected_tokens,
+            "processed_tokens": u.processed_tokens, "returned_tokens": u.returned_tokens,
+            "queue_s": round(out.timings.queue_s, 6), "prefill_s": round(out.timings.prefill_s, 6),
+            "decode_s": round(out.timings.decode_s, 6),
+            "ttft_s": None if track.first_token is None else round(track.first_token - track.arrival, 6),
+            "retries": track.retries, "resumes": track.resumes, "disconnects": track.disconnects}
+        if self.o.log_text:
+            record["text"] = out.text
+        log.info("request %s", json.dumps(record))
+
+    def refresh_metrics(self) -> None:
+        self.metrics.refresh(self.engine)
+        stats = self.engine.stats
+        self.metrics.preemptions.inc(stats.preemptions - self._preemptions_seen)
+        self._preemptions_seen = stats.preemptions
+        sch = self.engine.scheduler
+        self.metrics.prefix_queries.inc(sch.cache_queries - self._cache_seen[0])
+        self.metrics.prefix_hits.inc(sch.cache_hits - self._cache_seen[1])
+        self._cache_seen = (sch.cache_queries, sch.cache_hits)
