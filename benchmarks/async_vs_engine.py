@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from datetime import date
-from pathlib import Path
 
 import torch
 
 import pagedecode as pd
+from common import result_path, write_json
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def default_model() -> str:
@@ -88,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"AsyncEngine / Engine: {result['ratio']:.2f} (medians {result['async_median']:.0f} / "
           f"{result['engine_median']:.0f} tok/s)")
-    out = Path(args.out) if args.out else RESULTS / f"async_vs_engine-{date.today().isoformat()}-{int(time.time())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = result_path("async_vs_engine", args.out)
+    write_json(out, result)
     print(f"wrote {out}")
     return 0
 

@@ -10,7 +10,6 @@ else the built-in default model; the prefix is capped to fit the model's context
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -18,11 +17,10 @@ import statistics
 import sys
 import time
 from datetime import date
-from pathlib import Path
 
 import pagedecode as pd
+from common import plot, result_path, write_json
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run(model: str, prompts: list[list[int]], max_tokens: int, cache: bool) -> dict:
@@ -83,14 +81,11 @@ def main(argv: list[str] | None = None) -> int:
               "ttft_mean_ratio": off["ttft_mean_ms"] / on["ttft_mean_ms"]}
     print(f"throughput on/off {result['throughput_ratio']:.2f}x, TTFT off/on {result['ttft_mean_ratio']:.2f}x, "
           f"same outputs: {same}")
-    out = Path(args.out) if args.out else RESULTS / f"prefix_cache-{date.today().isoformat()}-{int(time.time())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    out = result_path("prefix_cache", args.out)
+    write_json(out, result)
+
+    def draw(axes):
+        a, b = axes
         for r, name in ((off, "cache off"), (on, "cache on")):
             xs = r["ttft_ms"]
             a.plot(xs, [i / len(xs) for i in range(len(xs))], label=name)
@@ -99,11 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         a.legend()
         b.bar(["cache off", "cache on"], [off["tokens_per_s"], on["tokens_per_s"]])
         b.set_ylabel("tokens/s (prompt + output)")
-        fig.suptitle(f"prefix cache: {args.requests} requests sharing {prefix_len} tokens")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        print("matplotlib is not installed: no plot (make bench installs it)", file=sys.stderr)
+        a.figure.suptitle(f"prefix cache: {args.requests} requests sharing {prefix_len} tokens")
+    plot(out, draw, ncols=2)
     print(f"wrote {out}")
     return 0
 

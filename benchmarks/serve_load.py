@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import subprocess
@@ -20,7 +19,8 @@ import time
 from datetime import date
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import plot, result_path, write_json
+
 PROMPTS = ["Once upon a time", "Lily and Tom", "The little dog", "One day, a girl", "Sam had a red ball"]
 
 
@@ -110,11 +110,7 @@ def start_server(model: str, batch: int, log_path: Path) -> tuple[subprocess.Pop
     raise RuntimeError(f"the server did not start; see {log_path}")
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+def draw_latencies(axes, result: dict) -> None:
     for ax, key, title in ((axes[0], "ttft_ms", "time to first token (ms)"),
                            (axes[1], "itl_ms", "inter-token latency (ms)")):
         for name in ("http", "in_process"):
@@ -125,9 +121,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.set_ylabel("fraction of samples")
         ax.legend()
-    fig.suptitle(f"pagedecode serve vs AsyncEngine: {result['clients']} clients, {result['requests']} requests")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    axes[0].figure.suptitle(f"pagedecode serve vs AsyncEngine: {result['clients']} clients, "
+                            f"{result['requests']} requests")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,10 +159,9 @@ def main(argv: list[str] | None = None) -> int:
               f"TTFT p50/p90/p99 {r['ttft_p50_ms']:.1f}/{r['ttft_p90_ms']:.1f}/{r['ttft_p99_ms']:.1f} ms, "
               f"ITL p50/p90/p99 {r['itl_p50_ms']:.1f}/{r['itl_p90_ms']:.1f}/{r['itl_p99_ms']:.1f} ms")
     print(f"HTTP / in-process tokens/s: {result['ratio_tokens_per_s']:.2f}")
-    out = Path(args.out) if args.out else RESULTS / f"serve_load-{date.today().isoformat()}-{int(time.time())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out.with_suffix(".png"))
+    out = result_path("serve_load", args.out)
+    write_json(out, result)
+    plot(out, lambda axes: draw_latencies(axes, result), size=(11, 4), ncols=2)
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

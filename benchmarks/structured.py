@@ -10,7 +10,6 @@ tokenizer, ids past 512 padded), so the mask cost is seen at a realistic vocabul
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -20,9 +19,9 @@ from datetime import date
 from pathlib import Path
 
 import pagedecode as pd
+from common import plot, result_path, write_json
 
 ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results"
 REGEX = "[a-z ,.]{%d}"
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400, "maxLength": 400}},
           "required": ["story"]}
@@ -98,14 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(name, path, args) for name, path in models]
     result = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "rows": rows}
-    out = Path(args.out) if args.out else RESULTS / f"structured-{date.today().isoformat()}-{int(time.time())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
+    out = result_path("structured", args.out)
+    write_json(out, result)
+
+    def draw(ax):
         names = [f"{r['model']}\n(vocab {r['vocab']})" for r in rows]
         x = range(len(rows))
         ax.bar([i - 0.2 for i in x], [r["unconstrained_us_per_token"] for r in rows], 0.4, label="unconstrained")
@@ -113,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xticks(list(x), names)
         ax.set_ylabel("µs per token (batch of %d)" % args.requests)
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        print("matplotlib is not installed: no plot (make bench installs it)", file=sys.stderr)
+    plot(out, draw, size=(7, 4))
     print(f"wrote {out}")
     return 0
 

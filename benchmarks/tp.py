@@ -11,13 +11,14 @@ the same cores and each step adds 2 all_reduces per layer.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 from datetime import date
 from pathlib import Path
+
+from common import plot, result_path, write_json
 
 ROOT = Path(__file__).resolve().parent
 
@@ -84,22 +85,15 @@ def main(argv: list[str] | None = None) -> int:
               "max_tokens": args.max_tokens, "n1": one, "n2": two, "same_tokens": same,
               "ratio_n2_over_n1": two["tokens_per_s"] / one["tokens_per_s"]}
     print(f"N=2 / N=1 tokens/s: {result['ratio_n2_over_n1']:.2f}, same tokens: {same}")
-    out = Path(args.out) if args.out else ROOT / "results" / f"tp-{date.today().isoformat()}-{int(time.time())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
+    out = result_path("tp", args.out)
+    write_json(out, result)
+
+    def draw(ax):
         ax.bar(["N=1", "N=2"], [one["step_ms"], two["step_ms"]], label="step")
         ax.bar(["N=1", "N=2"], [one["collective_ms_per_step"], two["collective_ms_per_step"]], label="collectives")
         ax.set_ylabel("ms per step")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        pass
+    plot(out, draw, size=(6, 4))
     print(f"wrote {out}")
     return 0
 
