@@ -75,14 +75,16 @@ class TokenSelector:
                                             [q.repetition_penalty for q in p], [q.presence_penalty for q in p],
                                             [q.frequency_penalty for q in p], active, dev)
         rows = logits.float().contiguous()
-        bad = self._bad_rows(rows.amax(dim=-1))
-        if bitmask is not None:
+        allowed = None
+        if bitmask is not None:            # unpacked once: the empty-row check and top logprobs
             bitmask = bitmask.to(dev, non_blocking=True)
-            bad = bad | self._bad_rows(rows.masked_fill(~unpack_bitmask(bitmask, rows.shape[-1]), float("-inf"))
-                                       .amax(dim=-1))
+            allowed = unpack_bitmask(bitmask, vocab)
+            bad = self._bad_rows(rows.masked_fill(~allowed, float("-inf")).amax(dim=-1))
+        else:
+            bad = self._bad_rows(rows.amax(dim=-1))
         out = sample(rows, inputs, backend=self.backend, penalties=penalties, bitmask=bitmask)
         tokens = out.tokens.tolist()
-        top = self._top_logprobs(rows, penalties, reqs, bitmask)
+        top = self._top_logprobs(rows, penalties, reqs, allowed)
         if penalties is not None:
             chosen = [(self._slot(r), t) for i, (r, t, a) in enumerate(zip(reqs, tokens, active))
                       if a and i not in bad]
@@ -91,7 +93,7 @@ class TokenSelector:
 
     @staticmethod
     def _top_logprobs(rows: torch.Tensor, penalties: PenaltyInputs | None, reqs: Sequence[Request],
-                      bitmask: torch.Tensor | None = None) -> list[TopLogprobs] | None:
+                      allowed: torch.Tensor | None = None) -> list[TopLogprobs] | None:
         """The N most likely tokens of each row that asks for N > 0, from the same logits the
         chosen token's logprob comes from (after penalties and bias, before temperature)."""
         wanted = [r.params.logprobs or 0 for r in reqs]
@@ -99,8 +101,8 @@ class TokenSelector:
         if n == 0:
             return None
         x = apply_penalties_ref(rows, penalties) if penalties is not None else rows
-        if bitmask is not None:
-            x = x.masked_fill(~unpack_bitmask(bitmask, x.shape[-1]), float("-inf"))
+        if allowed is not None:
+            x = x.masked_fill(~allowed, float("-inf"))
         values, ids = torch.log_softmax(x, dim=-1).topk(min(n, x.shape[-1]), dim=-1)
         vals, idx = values.tolist(), ids.tolist()
         return [tuple(zip(idx[i][:k], vals[i][:k])) for i, k in enumerate(wanted)]

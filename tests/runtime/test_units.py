@@ -150,3 +150,15 @@ def test_build_batch_layout_with_odd_sizes():
     assert b.slot_mapping.tolist() == want
     assert b.logits_indices.tolist() == [0, 7] and b.logits_seqs == [0, 1]
     assert b.page_table.tolist() == [dec.pages, pre.pages]
+
+
+def test_a_write_into_a_shared_or_cached_page_is_caught():
+    sch = scheduler(pages=6, page=4, slots=2, budget=64)
+    r = req("r", 6)
+    sch.add(r)
+    commit(sch.schedule(lambda q: True))
+    sch.check_integrity()
+    sch.pool.register(r.pages[1], b"key", [5, 5, 5, 5])          # its page being written is now "cached"
+    sch.schedule(lambda q: True)
+    with pytest.raises(AssertionError, match="writes page"):
+        sch.check_integrity()
