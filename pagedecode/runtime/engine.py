@@ -26,6 +26,7 @@ from ..params import SamplingParams
 from ..protocols import Model
 from .batching import build_batch
 from .config import DEFAULT_CACHE_TOKENS, EngineConfig
+from .consumer import ConsumerSide
 from .endings import check_ending, is_eos
 from .grammar import Constraints, GrammarCompiler, TokenBitmask
 from .events import Event, RequestOutput, StartEvent, TerminalEvent
@@ -52,7 +53,7 @@ S, R = RequestState, FinishReason
 ENDED = (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED)
 
 
-class Engine:
+class Engine(ConsumerSide):
     def __init__(self, model: Model, tokenizer: Any, config: EngineConfig | None = None) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model must be a pd.Model (config, device, dtype, forward), got {type(model).__name__}")
@@ -160,17 +161,6 @@ class Engine:
                 req.acked_seq, req.max_unacked = -1, self.config.stream_max_events
             self._enqueue(req)
         return req.request_id
-
-    def ack(self, request_id: str, seq: int) -> None:
-        """The consumer of an acked request has sent every event up to seq (backpressure lifts)."""
-        with self._lock:
-            req = self.requests.live.get(request_id)
-            if req is None or req.acked_seq is None or seq <= req.acked_seq:
-                return
-            was_paused = req.paused_since is not None
-            req.acked_seq = seq
-        if was_paused:
-            self._wake()
 
     def _make_request(self, prompt: object, params: SamplingParams | None, request_id: str | None,
                       stream: bool) -> Request:
@@ -459,52 +449,6 @@ class Engine:
         if req.buffer is not None and "stream" not in req.released:
             req.buffer.push(ev)
 
-    def _wake(self) -> None:
-        if self.wakeup is not None:
-            self.wakeup()
-
-    # -- reading ------------------------------------------------------------------------------
-    def _get(self, request_id: str) -> Request:
-        return self.requests.get(request_id)
-
-    def read_events(self, request_id: str, max_events: int | None = None) -> list[Event]:
-        """Take events from a streaming request's buffer (making room: backpressure lifts)."""
-        req = self._get(request_id)
-        if req.buffer is None:
-            raise ValueError(f"request {request_id!r} was not added with stream=True")
-        return req.buffer.pop(max_events)
-
-    def detach_stream(self, request_id: str) -> None:
-        """The consumer left but the request goes on: stop buffering its events (they stay in
-        its history for replay), so backpressure no longer holds it."""
-        with self._lock:
-            req = self._get(request_id)
-            if req.buffer is not None or req.acked_seq is not None:
-                req.buffer = None
-                req.acked_seq = None
-                req.paused_since = None
-        self._wake()
-
-    def replay(self, request_id: str, after_seq: int = -1) -> list[Event]:
-        """Every event of the request with seq > after_seq, in order (for a reconnecting client).
-        A request forgotten to bound memory raises ForgottenRequestError (a KeyError) saying so."""
-        with self._lock:
-            history = self._get(request_id).history
-            if isinstance(history, list):          # live: seq n is history[n]
-                return history[max(after_seq + 1, 0):]
-            return [e for e in history if e.seq > after_seq]
-
-    def has_unfinished(self) -> bool:
-        return bool(self.requests.live)
-
-    def result(self, request_id: str) -> RequestOutput:
-        with self._lock:
-            return self._get(request_id).to_output()
-
-    def trace(self, request_id: str) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self._get(request_id).trace.records)
-
     def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run the prompts to completion; outputs in the order given. All requests are checked
@@ -538,8 +482,3 @@ class Engine:
                 self.cancel(rid)
             self._safe_point(events)
         return events
-
-    def forget(self, request_id: str) -> None:
-        """Drop a terminal request's stored result and history."""
-        with self._lock:
-            self.requests.forget(request_id)
