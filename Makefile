@@ -7,10 +7,11 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 
-$(BIN)/.installed: pyproject.toml setup.py
+# --no-build-isolation: setup.py compiles csrc/cpu_forward.cpp against the venv's torch
+$(BIN)/.installed: pyproject.toml setup.py csrc/cpu_forward.cpp
 	$(PY) -m venv $(VENV)
-	$(PIP) "$(TORCH_SPEC)"
-	$(PIP) -e ".[test]"
+	$(PIP) "$(TORCH_SPEC)" "setuptools>=68" wheel
+	$(PIP) --no-build-isolation -e ".[test]"
 	touch $@
 
 .PHONY: install demo test bench clean

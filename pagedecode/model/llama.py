@@ -23,6 +23,15 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
 
+try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
+    from .. import _cpu as _cpu_ext
+except ImportError:  # pragma: no cover - depends on the install
+    _cpu_ext = None
+
+
+def cpu_extension_available() -> bool:
+    return _cpu_ext is not None
+
 
 @dataclass
 class _Layer:
@@ -91,10 +100,32 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
+        # the one-call CPU forward (csrc/cpu_forward.cpp): float32 / bfloat16 Llama shapes, no q/k
+        # norm, not a tensor-parallel shard (which overrides _embed / _reduce / _logits)
+        self._fused_cpu = (_cpu_ext is not None and self.device.type == "cpu" and not c.qk_norm
+                           and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel)
+        if self._fused_cpu:
+            none = torch.empty(0, dtype=dtype)
+            self._flat_layers = [t for L in self.layers for t in (
+                L.ln1, L.qkv_w, none if L.qkv_b is None else L.qkv_b, L.o_w, none if L.o_b is None else L.o_b,
+                L.ln2, L.gate_up_w, L.down_w)]
+            self._cos32, self._sin32 = cos.float().contiguous(), sin.float().contiguous()
+
+    def uses_cpu_extension(self) -> bool:
+        """True when forward runs the compiled CPU pass (attention_backend "auto" on CPU); "torch"
+        forces the torch path, which tests hold the compiled one to."""
+        return self._fused_cpu and self.attention_backend == "auto"
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         c = self.config
+        if self.uses_cpu_extension() and kv.k.dtype == self.dtype:
+            assert _cpu_ext is not None
+            b = batch
+            return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
+                                    b.logits_indices, self.embed, self.final_norm, self.lm_head, self._cos32,
+                                    self._sin32, self._flat_layers, kv.k, kv.v, c.num_heads, c.num_kv_heads,
+                                    c.head_dim, c.rms_norm_eps, self.scale)
         T = batch.num_tokens
         h = self._embed(batch.input_ids)                                  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)

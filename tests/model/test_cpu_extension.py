@@ -1,0 +1,128 @@
+"""The compiled CPU forward (csrc/cpu_forward.cpp) against the torch path, its oracle: random
+weights with biases and grouped-query heads, mixed batches of decode rows and prefill chunks over
+shuffled pages, pages the batch does not own poisoned with NaN; logits and the KV it writes."""
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from pagedecode.model.batch import ForwardBatch
+from pagedecode.model.config import ModelConfig
+from pagedecode.model.kv_cache import KVCache
+from pagedecode.model.llama import LlamaModel, cpu_extension_available
+
+needs_ext = pytest.mark.skipif(not cpu_extension_available(), reason="pagedecode._cpu not built")
+
+
+def test_extension_is_built_where_a_compiler_is():
+    """A machine with a C++ compiler builds the extension (setup.py): a silent fallback to the slow
+    path would pass every other test."""
+    if os.environ.get("PAGEDECODE_NO_CPU_EXT") == "1" or shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no compiler, or the extension switched off")
+    assert cpu_extension_available()
+
+
+def random_model(dtype, heads=6, kv_heads=2, head_dim=16, bias=True, seed=0):
+    cfg = ModelConfig(vocab_size=97, hidden_size=heads * head_dim, intermediate_size=72, num_layers=2,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=128,
+                      rms_norm_eps=1e-5)
+    g = torch.Generator().manual_seed(seed)
+    w = {}
+
+    def put(name, *shape, norm=False):
+        w[name] = (1.0 + 0.2 * torch.randn(*shape, generator=g)) if norm else 0.2 * torch.randn(*shape, generator=g)
+
+    hid, q, kv = cfg.hidden_size, heads * head_dim, kv_heads * head_dim
+    put("model.embed_tokens.weight", cfg.vocab_size, hid)
+    put("lm_head.weight", cfg.vocab_size, hid)
+    put("model.norm.weight", hid, norm=True)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        put(p + "input_layernorm.weight", hid, norm=True)
+        put(p + "post_attention_layernorm.weight", hid, norm=True)
+        for n, out in (("q", q), ("k", kv), ("v", kv)):
+            put(p + f"self_attn.{n}_proj.weight", out, hid)
+            if bias:
+                put(p + f"self_attn.{n}_proj.bias", out)
+        put(p + "self_attn.o_proj.weight", hid, q)
+        put(p + "mlp.gate_proj.weight", 72, hid)
+        put(p + "mlp.up_proj.weight", 72, hid)
+        put(p + "mlp.down_proj.weight", hid, 72)
+    return LlamaModel(cfg, w, dtype=dtype)
+
+
+def mixed_batch(rng, page_size, seq_pages, specs):
+    """specs: (cached, new) per sequence, decode ones (new == 1) first; seq_pages: each one's pages."""
+    ids, pos, slots, cu, lens, table, rows = [], [], [], [0], [], [], []
+    width = max(len(p) for p in seq_pages)
+    for (c, n), pages in zip(specs, seq_pages):
+        for p in range(c, c + n):
+            ids.append(rng.randrange(97))
+            pos.append(p)
+            slots.append(pages[p // page_size] * page_size + p % page_size)
+        cu.append(cu[-1] + n)
+        lens.append(c + n)
+        rows.append(cu[-1] - 1)
+        table.append(pages + [-1] * (width - len(pages)))
+    return ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
+                        torch.tensor(table, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                        torch.tensor(cu, dtype=torch.int32), torch.tensor(rows),
+                        num_decode=sum(1 for _, n in specs if n == 1), max_new=max(n for _, n in specs))
+
+
+def run(model, batch, kv, backend):
+    model.attention_backend = backend
+    try:
+        return model.forward(batch, kv)
+    finally:
+        model.attention_backend = "auto"
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("shape", [dict(heads=6, kv_heads=2, head_dim=16), dict(heads=4, kv_heads=4, head_dim=8,
+                                                                                 bias=False)])
+def test_matches_torch_path_on_mixed_batches(dtype, tol, shape):
+    model = random_model(dtype, **shape)
+    assert model.uses_cpu_extension()
+    c = model.config
+    page_size, num_pages = 4, 64
+    rng = random.Random(1)
+    for trial in range(3):
+        kv_ref = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype)
+        kv_ref.k.fill_(float("nan"))
+        kv_ref.v.fill_(float("nan"))
+        free = list(range(num_pages))
+        rng.shuffle(free)
+        specs = [(rng.randrange(0, 30), 1) for _ in range(3)] + [(0, rng.randrange(2, 12)), (rng.randrange(1, 9),
+                                                                                           rng.randrange(2, 7))]
+        seq_pages = [[free.pop() for _ in range(-(-(cc + n) // page_size))] for cc, n in specs]
+        # each sequence's cached prefix, written by a prefill through the torch path first
+        cached = [(i, cc) for i, (cc, _) in enumerate(specs) if cc]
+        prefix = mixed_batch(rng, page_size, [seq_pages[i] for i, _ in cached], [(0, cc) for _, cc in cached])
+        run(model, prefix, kv_ref, "torch")
+        kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype)
+        kv.k.copy_(kv_ref.k)
+        kv.v.copy_(kv_ref.v)
+        # the same pages again, now with each sequence's new rows after its cached ones
+        batch = mixed_batch(rng, page_size, seq_pages, specs)
+        want = run(model, batch, kv_ref, "torch")
+        got = run(model, batch, kv, "auto")
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=tol * max(1.0, float(want.abs().max())), rtol=0)
+        written = batch.slot_mapping
+        for layer in range(c.num_layers):
+            for mine, ref in ((kv.k, kv_ref.k), (kv.v, kv_ref.v)):
+                a, b = mine[layer].flatten(0, 1)[written].float(), ref[layer].flatten(0, 1)[written].float()
+                torch.testing.assert_close(a, b, atol=tol * max(1.0, float(b.abs().max())), rtol=0)
+
+
+@needs_ext
+def test_falls_back_where_it_does_not_apply():
+    model = random_model(torch.float32)
+    model.attention_backend = "torch"
+    assert not model.uses_cpu_extension()
+    assert not random_model(torch.float16).uses_cpu_extension()
