@@ -137,8 +137,38 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t I) {
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedecode._cpu.forward: ", what); }
 
+// Rows at most this many go through gemv below: for a decode step of a few sequences a dot product
+// per output beats the BLAS call's setup on small layers, and reads a large layer's weights at
+// memory speed (for bf16, half the bytes of float32, converted in registers).
+constexpr int64_t kGemvRows = 4;
+
+template <typename T>
+void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out) {
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(in, 1));
+  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const T* wj = w + j * in;
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* xr = x + r * in;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t k = 0; k < in; ++k) dot += f32(xr[k]) * f32(wj[k]);
+        out[r * n_out + j] = static_cast<T>(b != nullptr ? dot + f32(b[j]) : dot);
+      }
+    }
+  });
+}
+
+template <typename T>
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  return b.defined() && b.numel() > 0 ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
+  const bool bias = b.defined() && b.numel() > 0;
+  if (x.size(0) <= kGemvRows && x.is_contiguous()) {
+    Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+    gemv(x.data_ptr<T>(), w.data_ptr<T>(), bias ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0),
+         x.size(1), w.size(0));
+    return out;
+  }
+  return bias ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
 }
 
 // layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w
@@ -164,7 +194,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
   for (int64_t i = 0; i < n_layers; ++i) {
     const Tensor* L = layers.data() + 8 * i;
-    Tensor qkv = linear(x, L[1], L[2]).contiguous();                     // (T, (H + 2 Hkv) D)
+    Tensor qkv = linear<T>(x, L[1], L[2]).contiguous();                     // (T, (H + 2 Hkv) D)
     T* kc = k_cache.data_ptr<T>() + i * per_layer;
     T* vc = v_cache.data_ptr<T>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
@@ -172,20 +202,20 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
     paged_attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, page_table.data_ptr<int32_t>(), page_table.size(1),
                     seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
                     attn.data_ptr<T>());
-    Tensor o = linear(attn, L[3], L[4]);
+    Tensor o = linear<T>(attn, L[3], L[4]);
     add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
-    Tensor gate_up = at::mm(x, L[6].t());                               // (T, 2 I)
+    Tensor gate_up = linear<T>(x, L[6], Tensor());                               // (T, 2 I)
     const int64_t I = L[7].size(1);
     Tensor act = at::empty({T_, I}, opts);
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), T_, I);
-    Tensor down = at::mm(act, L[7].t());
+    Tensor down = linear<T>(act, L[7], Tensor());
     const T* next_ln = i + 1 < n_layers ? layers[8 * (i + 1)].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), T_, hidden, eps);
   }
   Tensor last = h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
   rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps);
-  return at::mm(normed, lm_head.t()).to(at::kFloat);
+  return linear<T>(normed, lm_head, Tensor()).to(at::kFloat);
 }
 
 Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
