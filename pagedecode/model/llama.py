@@ -7,6 +7,7 @@ except through the cache: each layer writes the new tokens' K/V, then attends ov
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -23,6 +24,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
 
+_cpu_ext: types.ModuleType | None
 try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
     from .. import _cpu as _cpu_ext
 except ImportError:  # pragma: no cover - depends on the install

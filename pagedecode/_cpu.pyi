@@ -1,0 +1,11 @@
+# Type stub for the compiled CPU forward (csrc/cpu_forward.cpp, built by setup.py when a
+# compiler is present; absent otherwise, and pagedecode falls back to the torch path).
+import torch
+
+def forward(
+    ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, cu_q: torch.Tensor, logits_indices: torch.Tensor, embed: torch.Tensor,
+    final_norm: torch.Tensor, lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    layers: list[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
+) -> torch.Tensor: ...
