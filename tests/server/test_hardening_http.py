@@ -4,6 +4,7 @@ import asyncio
 import json
 import logging
 import random
+import time
 
 import httpx
 import pytest
@@ -90,6 +91,12 @@ def test_drain_cancels_what_outlives_the_grace(stories_path):
     from pagedecode.server.serve import drain
     s = start_server(stories_path, template=None)
     try:
+        real = s.engine.model.forward
+
+        def slow(batch, kv):            # the compiled CPU forward would finish 400 tokens in the grace
+            time.sleep(0.005)
+            return real(batch, kv)
+        s.engine.model.forward = slow
         rids = [s.engine.add_request("Once", __import__("pagedecode").SamplingParams(
             max_tokens=400, ignore_eos=True)) for _ in range(3)]
         fut = asyncio.run_coroutine_threadsafe(drain(s.ae, s.state, 0.2), s.ae._loop)
