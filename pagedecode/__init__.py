@@ -19,6 +19,7 @@ from .protocols import Model
 from .runtime.async_engine import AsyncEngine
 from .runtime.config import EngineConfig
 from .runtime.engine import Engine
+from .runtime.heap import freeze_heap
 from .runtime.events import (DeltaEvent, RequestOutput, StartEvent, TerminalEvent, Timings, Usage,
                              STOP_RULE_VERSION)
 from .runtime.lifecycle import ALLOWED, FinishReason, RequestState
@@ -32,6 +33,6 @@ __all__ = [
     "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "Model",
     "ModelConfig", "ModelLoadError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
     "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "Usage", "load_model",
-    "testing", "to_chrome", "to_jsonl",
+    "freeze_heap", "testing", "to_chrome", "to_jsonl",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,7 @@
-"""Turn a SchedulerOutput into a ForwardBatch (see model/batch.py for the row layout)."""
+"""Turn a SchedulerOutput into a ForwardBatch (see model/batch.py for the row layout).
+
+The host side builds two flat lists, one per dtype, and makes each one tensor (one copy to the
+device each); the batch fields are views into them."""
 from __future__ import annotations
 
 import torch
@@ -17,30 +20,39 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
     logits_rows: list[int] = []
     logits_seqs: list[int] = []
     max_pages = max(len(s.request.pages) for s in seqs)
-    table = []
+    table: list[int] = []
+    rows = 0
     for i, s in enumerate(seqs):
         req, start, n = s.request, s.request.num_computed, s.num_new
         pages = req.pages
-        for pos in range(start, start + n):
-            ids.append(req.token_at(pos))
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-        positions.extend(range(start, start + n))
-        cu.append(cu[-1] + n)
+        if n == 1:                                    # a decode step (or a one-token chunk)
+            ids.append(req.token_at(start))
+            slots.append(pages[start // page_size] * page_size + start % page_size)
+            positions.append(start)
+        else:
+            for pos in range(start, start + n):
+                ids.append(req.token_at(pos))
+                slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            positions.extend(range(start, start + n))
+        rows += n
+        cu.append(rows)
         lens.append(start + n)
-        table.append(pages + [-1] * (max_pages - len(pages)))
+        table.extend(pages)
+        if len(pages) < max_pages:
+            table.extend([-1] * (max_pages - len(pages)))
         if s.samples:
-            logits_rows.append(cu[-1] - 1)
+            logits_rows.append(rows - 1)
             logits_seqs.append(i)
 
-    def t(x: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
+    S, T, N = len(seqs), rows, len(logits_rows)
+    wide = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.int64).to(device, non_blocking=True)
+    narrow = torch.tensor(table + lens + cu, dtype=torch.int32).to(device, non_blocking=True)
+    nt = S * max_pages
     return ForwardBatch(
-        input_ids=t(ids, torch.int64), positions=t(positions, torch.int64),
-        slot_mapping=t(slots, torch.int64), page_table=t(table, torch.int32),
-        seq_lens=t(lens, torch.int32), cu_q=t(cu, torch.int32),
-        logits_indices=t(logits_rows, torch.int64), num_decode=len(plan.decode),
-        max_new=max(s.num_new for s in seqs),
+        input_ids=wide[:T], positions=wide[T:2 * T], slot_mapping=wide[2 * T:3 * T],
+        logits_indices=wide[3 * T:3 * T + N],
+        page_table=narrow[:nt].view(S, max_pages), seq_lens=narrow[nt:nt + S], cu_q=narrow[nt + S:],
+        num_decode=len(plan.decode), max_new=max(s.num_new for s in seqs),
         request_ids=[s.request.request_id for s in seqs],
         token_ids=[s.request.prompt_ids for s in seqs],
         logits_seqs=logits_seqs,

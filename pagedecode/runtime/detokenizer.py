@@ -99,9 +99,10 @@ class ByteStream:
                 self._run[:0] = self._settled
             self._run.append(byte)
             return ""
-        text = self._close_run()
+        text = self._close_run() if self._run else ""
         self._settled = b""
-        return self._stripped(text + self._utf8.decode(self._pieces.token_bytes(token_id, first)))
+        text += self._utf8.decode(self._pieces.token_bytes(token_id, first))
+        return self._stripped(text) if self._strip else text
 
     def _close_run(self) -> str:
         data = bytes(self._run)

@@ -241,7 +241,8 @@ class Engine(ConsumerSide):
                 req.first_scheduled = now
                 req.timings.queue_s = now - req.arrival
         for s in plan.decode:
-            s.request.trace.token("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
+            if s.request.trace.tokens:
+                s.request.trace.token("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: no step wrote a shared or cached page."""
@@ -262,6 +263,7 @@ class Engine(ConsumerSide):
 
     def _commit(self, plan: SchedulerOutput, sel: Selection, dt: float, events: list[Event]) -> None:
         row = 0
+        caching, ps = self.config.enable_prefix_caching, self.config.page_size
         for s in plan.seqs:
             req, i = s.request, row
             row += s.samples
@@ -270,15 +272,16 @@ class Engine(ConsumerSide):
             try:
                 req.num_computed += s.num_new
                 req.processed_tokens += s.num_new
-                if self.config.enable_prefix_caching:
-                    register_pages(self.pool, req, self.config.page_size)
-                is_decode = req.state == S.DECODING
-                if is_decode:
+                if caching and req.num_computed // ps > req.pages_registered:     # a page filled
+                    register_pages(self.pool, req, ps)
+                if req.state == S.DECODING:
                     req.timings.decode_s += dt
-                    req.trace.token("decode.completed", t=len(req.output_ids), cache_len=req.num_computed)
+                    if req.trace.tokens:
+                        req.trace.token("decode.completed", t=len(req.output_ids), cache_len=req.num_computed)
                 else:
                     req.timings.prefill_s += dt
-                    req.trace.token("prefill.chunk", tokens=s.num_new, cache_len=req.num_computed)
+                    if req.trace.tokens:
+                        req.trace.token("prefill.chunk", tokens=s.num_new, cache_len=req.num_computed)
                 if s.samples:
                     if i in sel.bad:
                         if req.grammar is not None:
@@ -299,7 +302,7 @@ class Engine(ConsumerSide):
             p = req.params
             req.trace.token("token.selected", t=t, token=token, logprob=logprob, cache_len=req.num_computed,
                             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed)
-        grammar_done = self._grammar_accept(req, token)     # before any of its text is sent
+        grammar_done = req.grammar is not None and self._grammar_accept(req, token)   # before its text is sent
         stop = None
         if not is_eos(req, token, self.eos_ids):
             assert req.pipeline is not None, "a live request has its output pipeline"
@@ -308,7 +311,7 @@ class Engine(ConsumerSide):
             stop = em.stop
             if stop is not None:
                 self._stop_hit(req, stop)
-        if not grammar_done and stop is None:
+        if not grammar_done and stop is None and req.grammar is not None:
             grammar_done = self._grammar_must_end(req, token)
         reason = check_ending(req, token, stop, self.eos_ids, self.max_context, grammar_done)
         if reason is not None:
@@ -326,7 +329,8 @@ class Engine(ConsumerSide):
         if done:
             req.trace.add("grammar.terminated", token=token)
             return True
-        req.trace.token("grammar.accepted", token=token)
+        if req.trace.tokens:
+            req.trace.token("grammar.accepted", token=token)
         return False
 
     def _grammar_must_end(self, req: Request, token: int) -> bool:

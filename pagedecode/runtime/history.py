@@ -77,6 +77,19 @@ class CompactHistory:
     def num_ids(self) -> int:
         return len(self._ids)
 
+    @property
+    def token_ids(self) -> list[int]:
+        """Every returned id, in order (what the deltas carried)."""
+        return self._ids.tolist()
+
+    @property
+    def logprobs(self) -> list[float | None] | None:
+        return None if self._logprobs is None else list(self._logprobs)
+
+    @property
+    def top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
+        return None if self._top is None else list(self._top)
+
     def kept_bytes(self) -> int:
         """Bytes this history holds (arrays, text, logprobs, the two events)."""
         arrays = sum(a.itemsize * len(a) + 64 for a in (self._text_ends, self._id_ends, self._ids, self._seqs))

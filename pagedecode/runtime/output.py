@@ -68,6 +68,8 @@ class OutputPipeline:
     def push(self, token: int, logprob: float | None, n_selected: int, top: TopLogprobs | None = None) -> Emission:
         """Take the n_selected-th output token (1-based). Inside min_tokens, stops don't match."""
         self._top = top or ()
+        if not self._pending and not self._text and not self.stop_ids.sequences:
+            return self._push_unheld(token, logprob, n_selected)
         if n_selected <= self.min_tokens:
             self._decode(token, logprob)
             return self._release(len(self._text))
@@ -75,6 +77,26 @@ class OutputPipeline:
         if hit is not None:
             return self._id_stop(hit, logprob)
         self._decode(token, logprob)
+        return self._match_strings()
+
+    def _push_unheld(self, token: int, logprob: float | None, n_selected: int) -> Emission:
+        """The common case, nothing held and no stop ids: a token whose text neither is nor
+        starts a stop goes straight out, without the bookkeeping of held text."""
+        piece = self.detok.add(token)
+        if not piece:                               # inside a character: the id waits for its text
+            self._pending.append(_Pending(token, logprob, self._top, self._base))
+            return Emission()
+        stops = self.stops
+        if (not stops or n_selected <= self.min_tokens
+                or (find_stop_string(piece, stops) is None and not stop_prefix_len(piece, stops))):
+            self._base += len(piece)
+            return Emission(piece, (token,), (logprob,), (self._top,))
+        self._pending.append(_Pending(token, logprob, self._top, self._base))
+        self._note_text(piece)
+        return self._match_strings()
+
+    def _match_strings(self) -> Emission:
+        """Release what no stop string can still claim (the text is decoded, stop ids fed)."""
         found = find_stop_string(self._text, self.stops) if self.stops else None
         if found is not None:
             return self._release(found.end if self.include_stop else found.start, cut=True, stop=found.stop)

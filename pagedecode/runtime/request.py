@@ -131,15 +131,24 @@ class Request:
     def to_output(self) -> RequestOutput:
         if self.buffer is not None:
             self.timings.send_s = self.buffer.wait_s
-        deltas = self.deltas()
         logprobs = top = None
-        if self.params.logprobs is not None:
-            logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
-        if self.params.logprobs:
-            top = [t for d in deltas for t in (d.top_logprobs or ())]
+        if isinstance(self.history, CompactHistory):        # an ended request: read the packed arrays
+            h = self.history
+            text, ids = h.text, h.token_ids
+            if self.params.logprobs is not None:
+                logprobs = h.logprobs or []
+            if self.params.logprobs:
+                top = h.top_logprobs or []
+        else:
+            deltas = self.deltas()
+            text, ids = "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids]
+            if self.params.logprobs is not None:
+                logprobs = [lp for d in deltas for lp in (d.logprobs or ())]
+            if self.params.logprobs:
+                top = [t for d in deltas for t in (d.top_logprobs or ())]
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=list(self.prompt_ids),
-            token_ids=[t for d in deltas for t in d.token_ids], text="".join(d.text for d in deltas),
+            token_ids=ids, text=text,
             state=self.state, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             usage=self.usage(), error=self.error, selected_token_ids=list(self.output_ids),
             logprobs=logprobs, top_logprobs=top, timings=Timings(**vars(self.timings)))

@@ -91,20 +91,26 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_tokens_per_step
         scheduled: set[int] = set()
-        ready = [r for r in self.running if runnable(r)]
-        decoding = [r for r in ready if r.num_tokens - r.num_computed == 1]
-        chunking = [r for r in ready if r.num_tokens - r.num_computed > 1]
-        for req, queue in [(r, out.decode) for r in decoding] + [(r, out.prefill) for r in chunking]:
+        decoding: list[tuple[Request, int]] = []
+        chunking: list[tuple[Request, int]] = []
+        for r in self.running:
+            if runnable(r):
+                left = len(r.prompt_ids) + len(r.output_ids) - r.num_computed
+                if left == 1:
+                    decoding.append((r, left))
+                elif left > 1:
+                    chunking.append((r, left))
+        for (req, left), queue in [(d, out.decode) for d in decoding] + [(c, out.prefill) for c in chunking]:
             if budget == 0:
                 break
-            if req not in self.running:          # preempted earlier in this loop
+            if req.slot is None:                 # preempted earlier in this loop (running holds a slot)
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(left, budget)
             if not self._grow(req, n, scheduled, out, runnable):
                 continue
             scheduled.add(id(req))
             budget -= n
-            queue.append(ScheduledSeq(req, n, req.num_computed + n == req.num_tokens))
+            queue.append(ScheduledSeq(req, n, n == left))
         self._admit(out, budget, scheduled, runnable)
         self._check_writes(out)
         return out

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
                     on_disconnect=args.on_disconnect, idempotency_ttl_s=args.idempotency_ttl,
                     idempotency_max_keys=args.idempotency_max_keys)
     app.router.lifespan_context = lifespan(ae, app, args.grace_seconds)
+    pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.grace_seconds)
     return 0

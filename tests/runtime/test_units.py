@@ -162,3 +162,19 @@ def test_a_write_into_a_shared_or_cached_page_is_caught():
     sch.schedule(lambda q: True)
     with pytest.raises(AssertionError, match="writes page"):
         sch.check_integrity()
+
+
+def test_freeze_heap_takes_what_lives_now_out_of_the_collector():
+    import gc
+
+    class Marker:
+        pass
+    kept = [Marker()]
+    try:
+        frozen = pd.freeze_heap()
+        assert frozen > 10_000 and gc.get_freeze_count() > 10_000   # torch's heap, at least
+        assert not any(o is kept for o in gc.get_objects())     # full passes no longer walk it
+        later = [Marker()]
+        assert any(o is later for o in gc.get_objects())        # what comes after is collected as usual
+    finally:
+        gc.unfreeze()
