@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds llama.cpp (CPU) from the llama-cpp-python source distribution on PyPI into
+# benchmarks/.cache/llamacpp (ignored), and converts checkpoints to GGUF with llama.cpp's own
+# convert script. engine_vs_hf.py uses the build when it is there.
+#
+#   benchmarks/peers/llamacpp.sh                 # build (once) and convert stories260k
+#   benchmarks/peers/llamacpp.sh convert DIR [OUT.gguf [f32|bf16]]   # one Hugging Face folder -> GGUF
+#
+# Needs: cmake, a C++ compiler, pip access to PyPI. Version: LLAMA_CPP_PYTHON (default below).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")/.." && pwd)"
+CACHE="$HERE/.cache/llamacpp"
+VERSION="${LLAMA_CPP_PYTHON:-0.3.36}"
+PY="${PYTHON:-$HERE/../.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+
+build() {
+  if [ -x "$CACHE/bin/llama-bench" ] && [ -x "$CACHE/bin/llama-batched-bench" ] && [ -x "$CACHE/bin/llama-parallel" ]; then
+    echo "llama.cpp already built in $CACHE/bin"; return
+  fi
+  mkdir -p "$CACHE/src"
+  if [ ! -d "$CACHE/src/vendor/llama.cpp" ]; then
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: --dest "$CACHE/dl" "llama-cpp-python==$VERSION"
+    tar -xzf "$CACHE"/dl/llama_cpp_python-*.tar.gz -C "$CACHE/src" --strip-components=1
+  fi
+  cmake -S "$CACHE/src/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_SERVER=OFF >/dev/null
+  cmake --build "$CACHE/build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-parallel
+  mkdir -p "$CACHE/bin"
+  cp "$CACHE"/build/bin/llama-* "$CACHE/bin/"
+  echo "built llama.cpp $VERSION (from llama-cpp-python sdist) into $CACHE/bin"
+}
+
+convert() {  # convert HF_DIR [OUT [OUTTYPE]]
+  local src="$1" type="${3:-f32}"
+  local out="${2:-$CACHE/$(basename "$1").$type.gguf}"
+  [ -f "$out" ] && { echo "$out"; return; }
+  "$PY" -m pip install --quiet --disable-pip-version-check "$CACHE/src/vendor/llama.cpp/gguf-py" sentencepiece >/dev/null
+  "$PY" "$CACHE/src/vendor/llama.cpp/convert_hf_to_gguf.py" "$src" --outtype "$type" --outfile "$out" >&2
+  echo "$out"
+}
+
+case "${1:-build}" in
+  build) build
+         stories="${PAGEDECODE_STORIES:-}"
+         [ -n "$stories" ] && convert "$stories" ;;
+  convert) shift; convert "$@" ;;
+  *) echo "usage: $0 [build | convert HF_DIR [OUT.gguf [f32|bf16]]]" >&2; exit 2 ;;
+esac
