@@ -2,20 +2,28 @@
 //
 // What it replaces: on the torch path one decode step of a small model is ~18 torch ops per
 // layer, each a few microseconds of Python and dispatch, plus a per-step gather of every decode
-// sequence's context into a contiguous tensor. Here the matmuls stay with ATen (MKL / oneDNN,
-// bf16 on AVX-512-BF16 / AMX where the machine has it), and everything between them -- RMSNorm,
-// RoPE, the KV write, paged attention reading the pages in place, SiLU x up, the residual adds --
-// is a plain loop. The torch path in pagedecode/model/llama.py stays the oracle: tests hold this
-// file to it.
+// sequence's context into a contiguous tensor. Here the matmuls go to oneDNN (its kernels for
+// the instructions present: AVX-512, AVX-512-BF16, AMX; at::mm where torch has no oneDNN) or, for
+// a decode step of a few rows, to a dot-product gemv; prefill chunks attend through ATen's fused
+// attention; everything else -- RMSNorm, RoPE, the KV write, decode attention reading the pages
+// in place, SiLU x up, the residual adds -- is a plain loop the compiler vectorises. The torch path
+// in pagedecode/model/llama.py stays the oracle: tests hold this file to it.
 //
 // Layout (see pagedecode/model/batch.py): T packed token rows, sequences own cu_q[s]:cu_q[s+1],
 // a sequence with n new rows and seq_len tokens after the write has cached = seq_len - n, and its
 // row i sits at position cached + i and attends positions 0 .. cached + i.
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -25,17 +33,53 @@ using at::Tensor;
 
 template <typename T> inline float f32(T x) { return static_cast<float>(x); }
 
+// exp(x) in float, branch-free so that `omp simd` loops vectorise it (std::exp does not): Cody-Waite
+// range reduction x = n ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for exp(r) (about
+// 1 ulp). Below -87.3 it returns 0 (so exp(-inf) is 0, as softmax needs); above 88.7, +inf.
+#pragma omp declare simd
+inline float exp_f(float x) {
+  const float big = x > 88.72283f ? std::numeric_limits<float>::infinity() : 1.f;
+  const bool tiny = x < -87.33654f;
+  x = std::min(std::max(x, -87.33654f), 88.72283f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  // 2^n in two halves: n reaches 128 at the top of the range, past float's largest exponent
+  const int32_t n1 = static_cast<int32_t>(n) / 2, n2 = static_cast<int32_t>(n) - n1;
+  int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, 4);
+  std::memcpy(&s2, &b2, 4);
+  return tiny ? 0.f : y * s1 * s2 * big;
+}
+
+// Rows per parallel_for chunk such that a chunk is ~`work` elements: a decode step's few rows run
+// on the calling thread, a prefill chunk's thousands are split across the pool.
+inline int64_t grain_rows(int64_t row_width, int64_t work = 1 << 15) {
+  return std::max<int64_t>(1, work / std::max<int64_t>(row_width, 1));
+}
+
 // out = rmsnorm(x) * w, per row of width n, computed in float like HF (x.float(), then cast).
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * n;
-    float ss = 0.f;
-    for (int64_t j = 0; j < n; ++j) ss += f32(xr[j]) * f32(xr[j]);
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    T* o = out + r * n;
-    for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(f32(w[j]) * static_cast<T>(f32(xr[j]) * inv));
-  }
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < n; ++j) ss += f32(xr[j]) * f32(xr[j]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* o = out + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(f32(w[j]) * f32(static_cast<T>(f32(xr[j]) * inv)));
+    }
+  });
 }
 
 // In place on the (T, (H + 2 Hkv) D) qkv rows: rotate q and k heads ("rotate half", with the
@@ -44,95 +88,223 @@ template <typename T>
 void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, const float* cos,
                     const float* sin, const int64_t* pos, const int64_t* slots, T* kc, T* vc) {
   const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
-  std::vector<float> tmp(D);
-  for (int64_t r = 0; r < rows; ++r) {
-    T* row = qkv + r * width;
-    const float* c = cos + pos[r] * D;
-    const float* s = sin + pos[r] * D;
-    for (int64_t h = 0; h < H + Hkv; ++h) {
-      T* x = row + h * D;
-      for (int64_t d = 0; d < D; ++d) tmp[d] = f32(x[d]) * c[d] + f32(x[(d + half) % D]) * s[d];
-      for (int64_t d = 0; d < D; ++d) x[d] = static_cast<T>(tmp[d]);
-    }
-    const int64_t slot = slots[r];
-    std::copy(row + H * D, row + (H + Hkv) * D, kc + slot * Hkv * D);
-    std::copy(row + (H + Hkv) * D, row + width, vc + slot * Hkv * D);
-  }
-}
-
-// Paged attention over the cache, in place: every (row, kv head) pair walks its sequence's
-// pages once for the G query heads that share that kv head. Scores and softmax in float.
-template <typename T>
-void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt,
-                     int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S,
-                     int64_t page_size, int64_t H, int64_t Hkv, int64_t D, float scale, T* out) {
-  const int64_t G = H / Hkv;
-  std::vector<int64_t> row_seq(cu[S]);
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t r = cu[s]; r < cu[s + 1]; ++r) row_seq[r] = s;
-  const int64_t items = static_cast<int64_t>(cu[S]) * Hkv;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), qf(G * D);
-    for (int64_t it = begin; it < end; ++it) {
-      const int64_t r = it / Hkv, kvh = it % Hkv, s = row_seq[r];
-      const int64_t n_new = cu[s + 1] - cu[s];
-      const int64_t visible = lens[s] - n_new + (r - cu[s]) + 1;       // positions 0 .. cached + i
-      scores.resize(G * visible);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(qkv[r * q_stride + (kvh * G + g) * D + d]) * scale;
-      const int32_t* pages = pt + s * pt_stride;
-      std::vector<float> mx(G, -std::numeric_limits<float>::infinity());
-      for (int64_t p = 0; p < visible; ++p) {
-        const T* k = kc + ((static_cast<int64_t>(pages[p / page_size]) * page_size + p % page_size) * Hkv + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * f32(k[d]);
-          scores[g * visible + p] = dot;
-          mx[g] = std::max(mx[g], dot);
-        }
+  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(D);
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = qkv + r * width;
+      const float* c = cos + pos[r] * D;
+      const float* s = sin + pos[r] * D;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        T* x = row + h * D;
+        for (int64_t d = 0; d < half; ++d) tmp[d] = f32(x[d]) * c[d] + f32(x[d + half]) * s[d];
+        for (int64_t d = half; d < D; ++d) tmp[d] = f32(x[d]) * c[d] + f32(x[d - half]) * s[d];
+        for (int64_t d = 0; d < D; ++d) x[d] = static_cast<T>(tmp[d]);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> denom(G, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t p = 0; p < visible; ++p) {
-          const float e = std::exp(scores[g * visible + p] - mx[g]);
-          scores[g * visible + p] = e;
-          denom[g] += e;
-        }
-      for (int64_t p = 0; p < visible; ++p) {
-        const T* v = vc + ((static_cast<int64_t>(pages[p / page_size]) * page_size + p % page_size) * Hkv + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * visible + p];
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += w * f32(v[d]);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[r * H * D + (kvh * G + g) * D + d] = static_cast<T>(acc[g * D + d] / denom[g]);
+      const int64_t slot = slots[r];
+      std::copy(row + H * D, row + (H + Hkv) * D, kc + slot * Hkv * D);
+      std::copy(row + (H + Hkv) * D, row + width, vc + slot * Hkv * D);
     }
   });
+}
+
+// Paged attention over the cache, reading the pages in place. A work item is a block of up to
+// kRowBlock consecutive rows of one sequence (a decode row is a block of one); it walks the
+// sequence's pages once for all its query heads, so each page (every kv head of page_size
+// positions, contiguous) is loaded once and stays in L1 while the G query heads of each kv head use
+// it. Per item: scores of every query against the positions it sees (row i of a chunk sees
+// 0 .. cached + i), softmax in float, the weighted sum of V rows. kD > 0 fixes the head size at
+// compile time (the inner loops then unroll into whole vectors); kD == 0 reads it at run time.
+constexpr int64_t kRowBlock = 8;
+
+// A sequence with at least this many new rows (a prefill chunk) attends through ATen's fused
+// scaled_dot_product_attention instead (prefill_attention below): its scores are a matmul.
+constexpr int64_t kMatmulRows = 16;
+
+template <typename T, int64_t kD>
+void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt,
+                     int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S,
+                     int64_t page_size, int64_t H, int64_t Hkv, int64_t head_dim, float scale, T* out) {
+  const int64_t D = kD > 0 ? kD : head_dim, G = H / Hkv, page_elems = page_size * Hkv * D;
+  std::vector<int64_t> block_seq, block_row;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t r = cu[s]; r < cu[s + 1] && cu[s + 1] - cu[s] < kMatmulRows; r += kRowBlock) {
+      block_seq.push_back(s);
+      block_row.push_back(r);
+    }
+  const int64_t items = static_cast<int64_t>(block_seq.size());
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, scores, acc, denom, kf, vf;
+    if constexpr (!std::is_same_v<T, float>) {
+      kf.resize(page_elems);
+      vf.resize(page_elems);
+    }
+    std::vector<int64_t> vis;
+    // one page as float: the cache itself for float, else converted once into buf
+    auto page_as_float = [&](const T* cache, int32_t page, int64_t n, std::vector<float>& buf) -> const float* {
+      const T* src = cache + static_cast<int64_t>(page) * page_elems;
+      if constexpr (std::is_same_v<T, float>) {
+        return src;
+      } else {
+#pragma omp simd
+        for (int64_t e = 0; e < n * Hkv * D; ++e) buf[e] = f32(src[e]);
+        return buf.data();
+      }
+    };
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t s = block_seq[it], r0 = block_row[it];
+      const int64_t r1 = std::min<int64_t>(r0 + kRowBlock, cu[s + 1]), nq = (r1 - r0) * H;
+      const int64_t cached = lens[s] - (cu[s + 1] - cu[s]);
+      const int64_t width = cached + (r1 - cu[s]);            // positions the block's last row sees
+      const int32_t* pages = pt + s * pt_stride;
+      q.resize(nq * D);
+      vis.resize(nq);
+      for (int64_t j = 0; j < nq; ++j) {                        // query j: row r0 + j / H, head j % H
+        const int64_t r = r0 + j / H;
+        vis[j] = cached + (r - cu[s]) + 1;
+        const T* src = qkv + r * q_stride + (j % H) * D;
+        for (int64_t d = 0; d < D; ++d) q[j * D + d] = f32(src[d]) * scale;
+      }
+      scores.resize(nq * width);
+      for (int64_t p0 = 0; p0 < width; p0 += page_size) {
+        const int64_t n = std::min(page_size, width - p0);
+        const float* k = page_as_float(kc, pages[p0 / page_size], n, kf);
+        for (int64_t j = 0; j < nq; ++j) {
+          const float* qj = q.data() + j * D;
+          const float* kh = k + ((j % H) / G) * D;
+          float* sj = scores.data() + j * width + p0;
+          const int64_t m = std::min(n, vis[j] - p0);
+          for (int64_t o = 0; o < m; ++o) {
+            const float* kr = kh + o * Hkv * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
+            sj[o] = dot;
+          }
+        }
+      }
+      denom.resize(nq);
+      for (int64_t j = 0; j < nq; ++j) {
+        float* sj = scores.data() + j * width;
+        const int64_t n = vis[j];
+        float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sj[p]);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t p = 0; p < n; ++p) {
+          sj[p] = exp_f(sj[p] - mx);
+          sum += sj[p];
+        }
+        denom[j] = sum;
+      }
+      acc.assign(nq * D, 0.f);
+      for (int64_t p0 = 0; p0 < width; p0 += page_size) {
+        const int64_t n = std::min(page_size, width - p0);
+        const float* v = page_as_float(vc, pages[p0 / page_size], n, vf);
+        for (int64_t j = 0; j < nq; ++j) {
+          const float* vh = v + ((j % H) / G) * D;
+          const float* sj = scores.data() + j * width + p0;
+          float* a = acc.data() + j * D;
+          const int64_t m = std::min(n, vis[j] - p0);
+          for (int64_t o = 0; o < m; ++o) {
+            const float w = sj[o];
+            const float* vr = vh + o * Hkv * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+          }
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        const float inv = 1.f / denom[j];
+        T* o = out + (r0 + j / H) * H * D + (j % H) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[j * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt, int64_t pt_stride,
+               const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H, int64_t Hkv,
+               int64_t D, float scale, T* out) {
+  auto run = [&](auto fixed) {
+    paged_attention<T, decltype(fixed)::value>(qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, page_size, H,
+                                               Hkv, D, scale, out);
+  };
+  if (D == 64) run(std::integral_constant<int64_t, 64>());
+  else if (D == 128) run(std::integral_constant<int64_t, 128>());
+  else run(std::integral_constant<int64_t, 0>());
+}
+
+// The sequences with kMatmulRows or more new rows: each one's context gathered from its pages
+// (cache rows `rows`, built once per forward), then causal attention in float with ATen's fused
+// CPU kernel (grouped heads, parallel over heads and query blocks). Query i of n new rows sits at
+// position cached + i and sees 0 .. cached + i.
+struct Chunk {
+  int64_t seq, row0, n, cached;
+  Tensor rows;   // (cached + n,) int64 cache rows (slot numbers) of the sequence's context
+  Tensor mask;   // (n, cached + n) bool when cached > 0, else undefined (plain causal)
+};
+
+std::vector<Chunk> matmul_chunks(const int32_t* pt, int64_t pt_stride, const int32_t* lens, const int32_t* cu,
+                                 int64_t S, int64_t page_size) {
+  std::vector<Chunk> out;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = cu[s + 1] - cu[s];
+    if (n < kMatmulRows) continue;
+    const int64_t width = lens[s], cached = width - n;
+    Tensor rows = at::empty({width}, at::kLong);
+    int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t p = 0; p < width; ++p) r[p] = int64_t{pt[s * pt_stride + p / page_size]} * page_size + p % page_size;
+    Tensor mask;
+    if (cached > 0) mask = at::arange(width).unsqueeze(0) <= at::arange(cached, width).unsqueeze(1);
+    out.push_back({s, cu[s], n, cached, rows, mask});
+  }
+  return out;
+}
+
+void prefill_attention(const std::vector<Chunk>& chunks, const Tensor& qkv, const Tensor& k_layer,
+                       const Tensor& v_layer, int64_t H, int64_t Hkv, int64_t D, double scale, Tensor& attn) {
+  const Tensor kf = k_layer.view({-1, Hkv, D}), vf = v_layer.view({-1, Hkv, D});
+  for (const Chunk& c : chunks) {
+    Tensor q = qkv.narrow(0, c.row0, c.n).narrow(1, 0, H * D).view({c.n, H, D}).transpose(0, 1).to(at::kFloat);
+    // (H, width, D): each kv head repeated for its G query heads. enable_gqa would avoid the copy but
+    // sends the CPU to SDPA's unfused math path (several times slower than its fused kernel).
+    Tensor k = kf.index_select(0, c.rows).to(at::kFloat).repeat_interleave(H / Hkv, 1).transpose(0, 1);
+    Tensor v = vf.index_select(0, c.rows).to(at::kFloat).repeat_interleave(H / Hkv, 1).transpose(0, 1);
+    // 4-D (batch of one): the fused kernel takes nothing else
+    Tensor o = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                                c.mask.defined() ? std::optional<Tensor>(c.mask)
+                                                                 : std::optional<Tensor>(),
+                                                0.0, !c.mask.defined(), scale);
+    attn.narrow(0, c.row0, c.n).view({c.n, H, D}).copy_(o[0].transpose(0, 1));
+  }
 }
 
 // h += x (the residual add), then out = rmsnorm(h) * w: one pass over the rows.
 template <typename T>
 void add_then_norm(T* h, const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
-  for (int64_t i = 0; i < rows * n; ++i) h[i] = static_cast<T>(f32(h[i]) + f32(x[i]));
+  at::parallel_for(0, rows * n, grain_rows(1), [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) h[i] = static_cast<T>(f32(h[i]) + f32(x[i]));
+  });
   if (w != nullptr) rms_norm_rows(h, w, out, rows, n, eps);
 }
 
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t I) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gate_up + r * 2 * I;
-    const T* u = g + I;
-    for (int64_t j = 0; j < I; ++j) {
-      const float x = f32(g[j]);
-      // F.silu rounds to T before the multiply, as the torch path does
-      out[r * I + j] = static_cast<T>(f32(static_cast<T>(x / (1.f + std::exp(-x)))) * f32(u[j]));
+  at::parallel_for(0, rows, grain_rows(I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+#pragma omp simd
+      for (int64_t j = 0; j < I; ++j) {
+        const float x = f32(g[j]);
+        // F.silu rounds to T before the multiply, as the torch path does
+        o[j] = static_cast<T>(f32(static_cast<T>(x / (1.f + exp_f(-x)))) * f32(u[j]));
+      }
     }
-  }
+  });
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedecode._cpu.forward: ", what); }
@@ -159,6 +331,27 @@ void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, 
   });
 }
 
+// Larger matmuls: oneDNN's linear (mkldnn::_linear_pointwise, the op torch.compile's CPU backend
+// calls) where torch was built with it, else at::mm. In float32 torch's at::mm goes to MKL, which
+// on non-Intel x86 runs its AVX2 kernels; oneDNN picks its kernels by the instructions present
+// (AVX-512, AVX-512-BF16, AMX) -- measured 2.2-2.5x at::mm's float32 throughput on an AVX-512 AMD
+// EPYC at 12 to 2048 rows. PAGEDECODE_CPU_MATMUL=aten forces at::mm (to measure the difference).
+using LinearOp = c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                                 c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                                 std::optional<c10::string_view>)>;
+
+const LinearOp* onednn_linear() {
+  static const std::optional<LinearOp> op = []() -> std::optional<LinearOp> {
+    const char* env = std::getenv("PAGEDECODE_CPU_MATMUL");
+    if ((env != nullptr && std::string(env) == "aten") || !at::hasMKLDNN()) return std::nullopt;
+    auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+    if (!handle.has_value()) return std::nullopt;
+    return handle->typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
+                                c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+  }();
+  return op.has_value() ? &*op : nullptr;
+}
+
 template <typename T>
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   const bool bias = b.defined() && b.numel() > 0;
@@ -168,6 +361,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
          x.size(1), w.size(0));
     return out;
   }
+  if (const LinearOp* op = onednn_linear())
+    return op->call(x.contiguous(), w, bias ? std::optional<Tensor>(b) : std::nullopt, "none",
+                    c10::List<std::optional<c10::Scalar>>(), std::nullopt);
   return bias ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
 }
 
@@ -191,6 +387,9 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   T* hp = h.data_ptr<T>();
   const int64_t n_layers = static_cast<int64_t>(layers.size() / 8);
+  const std::vector<Chunk> chunks = matmul_chunks(page_table.data_ptr<int32_t>(), page_table.size(1),
+                                                  seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S,
+                                                  page_size);
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
   for (int64_t i = 0; i < n_layers; ++i) {
     const Tensor* L = layers.data() + 8 * i;
@@ -199,9 +398,10 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
     T* vc = v_cache.data_ptr<T>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
                    slots, kc, vc);
-    paged_attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, page_table.data_ptr<int32_t>(), page_table.size(1),
-                    seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
-                    attn.data_ptr<T>());
+    attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, page_table.data_ptr<int32_t>(), page_table.size(1),
+              seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
+              attn.data_ptr<T>());
+    if (!chunks.empty()) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
     Tensor o = linear<T>(attn, L[3], L[4]);
     add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
     Tensor gate_up = linear<T>(x, L[6], Tensor());                               // (T, 2 I)

@@ -4,6 +4,7 @@ shuffled pages, pages the batch does not own poisoned with NaN; logits and the K
 import os
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +54,15 @@ def random_model(dtype, heads=6, kv_heads=2, head_dim=16, bias=True, seed=0):
     return LlamaModel(cfg, w, dtype=dtype)
 
 
+def leading_decode(specs):
+    """ForwardBatch.num_decode: the leading sequences with one new row (a one-row prefill of an
+    empty sequence later in the batch is not one of them)."""
+    n = 0
+    while n < len(specs) and specs[n][1] == 1:
+        n += 1
+    return n
+
+
 def mixed_batch(rng, page_size, seq_pages, specs):
     """specs: (cached, new) per sequence, decode ones (new == 1) first; seq_pages: each one's pages."""
     ids, pos, slots, cu, lens, table, rows = [], [], [], [0], [], [], []
@@ -69,7 +79,7 @@ def mixed_batch(rng, page_size, seq_pages, specs):
     return ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots),
                         torch.tensor(table, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
                         torch.tensor(cu, dtype=torch.int32), torch.tensor(rows),
-                        num_decode=sum(1 for _, n in specs if n == 1), max_new=max(n for _, n in specs))
+                        num_decode=leading_decode(specs), max_new=max(n for _, n in specs))
 
 
 def run(model, batch, kv, backend):
@@ -83,12 +93,16 @@ def run(model, batch, kv, backend):
 @needs_ext
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 0.1)])
 @pytest.mark.parametrize("shape", [dict(heads=6, kv_heads=2, head_dim=16), dict(heads=4, kv_heads=4, head_dim=8,
-                                                                                 bias=False)])
+                                                                                 bias=False),
+                                   dict(heads=4, kv_heads=2, head_dim=64),       # head sizes compiled in
+                                   dict(heads=2, kv_heads=1, head_dim=128, bias=False)])
 def test_matches_torch_path_on_mixed_batches(dtype, tol, shape):
+    """Decode rows, short chunks (the paged kernel, in blocks of 8 rows) and chunks of 16 rows or
+    more (gathered, then ATen's fused attention), with and without a cached prefix."""
     model = random_model(dtype, **shape)
     assert model.uses_cpu_extension()
     c = model.config
-    page_size, num_pages = 4, 64
+    page_size, num_pages = 4, 160
     rng = random.Random(1)
     for trial in range(3):
         kv_ref = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype)
@@ -96,8 +110,9 @@ def test_matches_torch_path_on_mixed_batches(dtype, tol, shape):
         kv_ref.v.fill_(float("nan"))
         free = list(range(num_pages))
         rng.shuffle(free)
-        specs = [(rng.randrange(0, 30), 1) for _ in range(3)] + [(0, rng.randrange(2, 12)), (rng.randrange(1, 9),
-                                                                                           rng.randrange(2, 7))]
+        specs = [(rng.randrange(0, 30), 1) for _ in range(3)] + [
+            (0, rng.randrange(2, 12)), (rng.randrange(1, 9), rng.randrange(2, 7)),
+            (0, rng.randrange(16, 40)), (rng.randrange(1, 30), rng.randrange(16, 30))]
         seq_pages = [[free.pop() for _ in range(-(-(cc + n) // page_size))] for cc, n in specs]
         # each sequence's cached prefix, written by a prefill through the torch path first
         cached = [(i, cc) for i, (cc, _) in enumerate(specs) if cc]
@@ -126,3 +141,31 @@ def test_falls_back_where_it_does_not_apply():
     model.attention_backend = "torch"
     assert not model.uses_cpu_extension()
     assert not random_model(torch.float16).uses_cpu_extension()
+
+
+@needs_ext
+def test_aten_matmul_fallback_matches(tmp_path):
+    """PAGEDECODE_CPU_MATMUL=aten (at::mm instead of oneDNN's linear) gives the same logits: run
+    in a child process, as the choice is read once per process."""
+    import subprocess
+    import sys
+    code = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from model.test_cpu_extension import random_model, mixed_batch, run
+from pagedecode.model.kv_cache import KVCache
+import random
+m = random_model(torch.float32, heads=4, kv_heads=2, head_dim=64)
+rng = random.Random(3)
+kv = KVCache(2, 40, 4, 2, 64, torch.float32)
+pages = [list(range(0, 10)), list(range(10, 12)), list(range(12, 20))]
+b = mixed_batch(rng, 4, pages, [(0, 1), (0, 8), (0, 30)])
+torch.save(run(m, b, kv, "auto"), sys.argv[1])
+""".format(tests=str(Path(__file__).resolve().parents[1]))
+    outs = []
+    for mode in ("aten", "default"):
+        env = {**os.environ, "PAGEDECODE_CPU_MATMUL": mode}
+        path = tmp_path / f"{mode}.pt"
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env, timeout=120)
+        outs.append(torch.load(path))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
