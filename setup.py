@@ -23,7 +23,8 @@ def extensions():
         return [], {}
     exts = []
     if os.environ.get("PAGEDECODE_NO_CPU_EXT") != "1" and shutil.which(os.environ.get("CXX", "c++")):
-        flags = ["-O3", "-std=c++17", "-fopenmp"]
+        # as torch is built; without -fno-trapping-math GCC leaves the exp loops scalar
+        flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
         if os.environ.get("PAGEDECODE_PORTABLE") != "1":
             flags.append("-march=native")      # built where it runs: the venv is per machine
         exts.append(CppExtension("pagedecode._cpu", ["csrc/cpu_forward.cpp"], extra_compile_args=flags,

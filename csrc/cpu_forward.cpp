@@ -33,15 +33,18 @@ using at::Tensor;
 
 template <typename T> inline float f32(T x) { return static_cast<float>(x); }
 
-// exp(x) in float, branch-free so that `omp simd` loops vectorise it (std::exp does not): Cody-Waite
+// exp(x) in float, written so that `omp simd` loops vectorise it (std::exp does not): Cody-Waite
 // range reduction x = n ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for exp(r) (about
-// 1 ulp). Below -87.3 it returns 0 (so exp(-inf) is 0, as softmax needs); above 88.7, +inf.
-#pragma omp declare simd
-inline float exp_f(float x) {
-  const float big = x > 88.72283f ? std::numeric_limits<float>::infinity() : 1.f;
-  const bool tiny = x < -87.33654f;
-  x = std::min(std::max(x, -87.33654f), 88.72283f);
-  const float n = std::floor(x * 1.44269504f + 0.5f);
+// 1 ulp). x is clamped to [-87.34, 88.72] first: exp(-inf) comes out as 1e-38, not 0 (callers pass
+// no -inf), and NaN stays NaN. GCC 12 vectorises the loops calling it only as written: no
+// std::floor / min / max, no reassigned parameter, and -fno-trapping-math (setup.py), as torch
+// itself is built.
+inline float exp_f(float x_in) {
+  const float lo = x_in < -87.33654f ? -87.33654f : x_in;
+  const float x = lo > 88.72283f ? 88.72283f : lo;
+  const float t = x * 1.44269504f + 0.5f;
+  const int32_t ti = static_cast<int32_t>(t);                        // truncates; floor below
+  const float n = static_cast<float>(ti - (t < static_cast<float>(ti) ? 1 : 0));
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -52,11 +55,27 @@ inline float exp_f(float x) {
   const float y = p * r * r + r + 1.f;
   // 2^n in two halves: n reaches 128 at the top of the range, past float's largest exponent
   const int32_t n1 = static_cast<int32_t>(n) / 2, n2 = static_cast<int32_t>(n) - n1;
-  int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &b1, 4);
-  std::memcpy(&s2, &b2, 4);
-  return tiny ? 0.f : y * s1 * s2 * big;
+  return y * __builtin_bit_cast(float, (n1 + 127) << 23) * __builtin_bit_cast(float, (n2 + 127) << 23);
+}
+
+// max of x[0, n) (n >= 1), and x[p] = exp(x[p] - max) in place returning their sum: softmax's two
+// passes, each one vector loop.
+inline float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t p = 0; p < n; ++p) m = x[p] > m ? x[p] : m;
+  return m;
+}
+
+inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t p = 0; p < n; ++p) {
+    const float e = exp_f(x[p] - shift);
+    x[p] = e;
+    sum += e;
+  }
+  return sum;
 }
 
 // Rows per parallel_for chunk such that a chunk is ~`work` elements: a decode step's few rows run
@@ -133,12 +152,13 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
     }
   const int64_t items = static_cast<int64_t>(block_seq.size());
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q, scores, acc, denom, kf, vf;
+    // scratch kept per thread across calls (resize only grows it): no allocation per layer
+    thread_local std::vector<float> q, scores, acc, denom, kf, vf;
+    thread_local std::vector<int64_t> vis;
     if constexpr (!std::is_same_v<T, float>) {
       kf.resize(page_elems);
       vf.resize(page_elems);
     }
-    std::vector<int64_t> vis;
     // one page as float: the cache itself for float, else converted once into buf
     auto page_as_float = [&](const T* cache, int32_t page, int64_t n, std::vector<float>& buf) -> const float* {
       const T* src = cache + static_cast<int64_t>(page) * page_elems;
@@ -185,16 +205,7 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
       denom.resize(nq);
       for (int64_t j = 0; j < nq; ++j) {
         float* sj = scores.data() + j * width;
-        const int64_t n = vis[j];
-        float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-#pragma omp simd reduction(max : mx)
-        for (int64_t p = 0; p < n; ++p) mx = std::max(mx, sj[p]);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < n; ++p) {
-          sj[p] = exp_f(sj[p] - mx);
-          sum += sj[p];
-        }
-        denom[j] = sum;
+        denom[j] = exp_shifted_sum(sj, vis[j], row_max(sj, vis[j]));
       }
       acc.assign(nq * D, 0.f);
       for (int64_t p0 = 0; p0 < width; p0 += page_size) {
@@ -219,6 +230,10 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[j * D + d] * inv);
       }
     }
+    if (scores.capacity() > (size_t{1} << 22)) {     // a long context's scores: not kept past 16 MB
+      scores.clear();
+      scores.shrink_to_fit();
+    }
   });
 }
 
@@ -230,9 +245,14 @@ void attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const i
     paged_attention<T, decltype(fixed)::value>(qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, page_size, H,
                                                Hkv, D, scale, out);
   };
-  if (D == 64) run(std::integral_constant<int64_t, 64>());
-  else if (D == 128) run(std::integral_constant<int64_t, 128>());
-  else run(std::integral_constant<int64_t, 0>());
+  switch (D) {
+    case 8: run(std::integral_constant<int64_t, 8>()); break;
+    case 16: run(std::integral_constant<int64_t, 16>()); break;
+    case 32: run(std::integral_constant<int64_t, 32>()); break;
+    case 64: run(std::integral_constant<int64_t, 64>()); break;
+    case 128: run(std::integral_constant<int64_t, 128>()); break;
+    default: run(std::integral_constant<int64_t, 0>());
+  }
 }
 
 // The sequences with kMatmulRows or more new rows: each one's context gathered from its pages
@@ -313,6 +333,7 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedecode._cpu.forward
 // per output beats the BLAS call's setup on small layers, and reads a large layer's weights at
 // memory speed (for bf16, half the bytes of float32, converted in registers).
 constexpr int64_t kGemvRows = 4;
+constexpr int64_t kPerLayer = 12;
 
 template <typename T>
 void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out) {
@@ -352,14 +373,41 @@ const LinearOp* onednn_linear() {
   return op.has_value() ? &*op : nullptr;
 }
 
+// The same for a small layer whose weight also comes transposed, wt (in, n_out): each input
+// element scales a whole row of wt into float accumulators, so the loop runs over outputs in
+// whole vectors with no horizontal sum per output (on a 64-wide layer, the dot products above
+// spend most of their time in those sums).
 template <typename T>
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+void gemv_transposed(const T* x, const T* wt, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out) {
+  thread_local std::vector<float> acc;
+  acc.resize(n_out);
+  float* a = acc.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n_out; ++j) a[j] = b != nullptr ? f32(b[j]) : 0.f;
+    for (int64_t k = 0; k < in; ++k) {
+      const float xk = f32(x[r * in + k]);
+      const T* wk = wt + k * n_out;
+#pragma omp simd
+      for (int64_t j = 0; j < n_out; ++j) a[j] += xk * f32(wk[j]);
+    }
+    for (int64_t j = 0; j < n_out; ++j) out[r * n_out + j] = static_cast<T>(a[j]);
+  }
+}
+
+// x (rows, in) @ w (n_out, in)^T + b; wt: w transposed for a small layer, else empty. The gemv
+// paths write into buf (allocated on first use, then reused by every layer: a decode step of a
+// small model would otherwise spend a good part of its time allocating).
+template <typename T>
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& wt, Tensor& buf) {
   const bool bias = b.defined() && b.numel() > 0;
-  if (x.size(0) <= kGemvRows && x.is_contiguous()) {
-    Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
-    gemv(x.data_ptr<T>(), w.data_ptr<T>(), bias ? b.data_ptr<T>() : nullptr, out.data_ptr<T>(), x.size(0),
-         x.size(1), w.size(0));
-    return out;
+  const int64_t rows = x.size(0), n_out = w.size(0);
+  if (rows <= kGemvRows && x.is_contiguous()) {
+    if (!buf.defined()) buf = at::empty({rows, n_out}, x.options());
+    T* out = buf.data_ptr<T>();
+    const T* bp = bias ? b.data_ptr<T>() : nullptr;
+    if (wt.numel() > 0) gemv_transposed(x.data_ptr<T>(), wt.data_ptr<T>(), bp, out, rows, x.size(1), n_out);
+    else gemv(x.data_ptr<T>(), w.data_ptr<T>(), bp, out, rows, x.size(1), n_out);
+    return buf;
   }
   if (const LinearOp* op = onednn_linear())
     return op->call(x.contiguous(), w, bias ? std::optional<Tensor>(b) : std::nullopt, "none",
@@ -367,13 +415,15 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   return bias ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
 }
 
-// layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w
-// (an absent bias is an empty tensor). k_cache, v_cache: (layers, pages, page_size, Hkv, D).
+// layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, then the
+// four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), an empty
+// tensor for an absent bias or a layer without its transposed copy; lm_head_t likewise.
+// k_cache, v_cache: (layers, pages, page_size, Hkv, D).
 template <typename T>
 Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
                     const Tensor& logits_indices, const Tensor& embed, const Tensor& final_norm,
-                    const Tensor& lm_head, const Tensor& cos, const Tensor& sin,
+                    const Tensor& lm_head, const Tensor& lm_head_t, const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& layers, const Tensor& k_cache, const Tensor& v_cache,
                     int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d) {
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
@@ -386,14 +436,17 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   T* hp = h.data_ptr<T>();
-  const int64_t n_layers = static_cast<int64_t>(layers.size() / 8);
+  const int64_t n_layers = static_cast<int64_t>(layers.size() / kPerLayer);
   const std::vector<Chunk> chunks = matmul_chunks(page_table.data_ptr<int32_t>(), page_table.size(1),
                                                   seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S,
                                                   page_size);
+  const int64_t I = layers[7].size(1);
+  Tensor act = at::empty({T_, I}, opts);
+  Tensor buf_qkv, buf_o, buf_gate_up, buf_down, buf_logits;            // the gemv outputs, per forward
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
   for (int64_t i = 0; i < n_layers; ++i) {
-    const Tensor* L = layers.data() + 8 * i;
-    Tensor qkv = linear<T>(x, L[1], L[2]).contiguous();                     // (T, (H + 2 Hkv) D)
+    const Tensor* L = layers.data() + kPerLayer * i;
+    Tensor qkv = linear<T>(x, L[1], L[2], L[8], buf_qkv).contiguous();          // (T, (H + 2 Hkv) D)
     T* kc = k_cache.data_ptr<T>() + i * per_layer;
     T* vc = v_cache.data_ptr<T>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
@@ -402,27 +455,25 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
               seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
               attn.data_ptr<T>());
     if (!chunks.empty()) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
-    Tensor o = linear<T>(attn, L[3], L[4]);
+    Tensor o = linear<T>(attn, L[3], L[4], L[9], buf_o);
     add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
-    Tensor gate_up = linear<T>(x, L[6], Tensor());                               // (T, 2 I)
-    const int64_t I = L[7].size(1);
-    Tensor act = at::empty({T_, I}, opts);
+    Tensor gate_up = linear<T>(x, L[6], Tensor(), L[10], buf_gate_up);                  // (T, 2 I)
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), T_, I);
-    Tensor down = linear<T>(act, L[7], Tensor());
-    const T* next_ln = i + 1 < n_layers ? layers[8 * (i + 1)].data_ptr<T>() : nullptr;
+    Tensor down = linear<T>(act, L[7], Tensor(), L[11], buf_down);
+    const T* next_ln = i + 1 < n_layers ? layers[kPerLayer * (i + 1)].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), T_, hidden, eps);
   }
   Tensor last = h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
   rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps);
-  return linear<T>(normed, lm_head, Tensor()).to(at::kFloat);
+  return linear<T>(normed, lm_head, Tensor(), lm_head_t, buf_logits).to(at::kFloat);
 }
 
 Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
                Tensor cu_q, Tensor logits_indices, Tensor embed, Tensor final_norm, Tensor lm_head,
-               Tensor cos, Tensor sin, std::vector<Tensor> layers, Tensor k_cache, Tensor v_cache,
+               Tensor lm_head_t, Tensor cos, Tensor sin, std::vector<Tensor> layers, Tensor k_cache, Tensor v_cache,
                int64_t H, int64_t Hkv, int64_t D, double eps, double scale) {
-  check(layers.size() % 8 == 0 && !layers.empty(), "layers must hold 8 tensors per layer");
+  check(layers.size() % kPerLayer == 0 && !layers.empty(), "layers must hold 12 tensors per layer");
   check(ids.dtype() == at::kLong && positions.dtype() == at::kLong && slot_mapping.dtype() == at::kLong &&
             logits_indices.dtype() == at::kLong, "ids, positions, slot_mapping, logits_indices must be int64");
   check(page_table.dtype() == at::kInt && seq_lens.dtype() == at::kInt && cu_q.dtype() == at::kInt,
@@ -434,10 +485,10 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
   for (const auto& t : layers) check(t.numel() == 0 || t.is_contiguous(), "weights must be contiguous");
   if (embed.scalar_type() == at::kFloat)
     return forward_impl<float>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices, embed,
-                               final_norm, lm_head, cos, sin, layers, k_cache, v_cache, H, Hkv, D, eps, scale);
+                               final_norm, lm_head, lm_head_t, cos, sin, layers, k_cache, v_cache, H, Hkv, D, eps, scale);
   check(embed.scalar_type() == at::kBFloat16, "weights must be float32 or bfloat16");
   return forward_impl<at::BFloat16>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices,
-                                    embed, final_norm, lm_head, cos, sin, layers, k_cache, v_cache, H, Hkv, D,
+                                    embed, final_norm, lm_head, lm_head_t, cos, sin, layers, k_cache, v_cache, H, Hkv, D,
                                     eps, scale);
 }
 

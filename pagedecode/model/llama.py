@@ -31,6 +31,10 @@ except ImportError:  # pragma: no cover - depends on the install
     _cpu_ext = None
 
 
+# weights of at most this many elements also go to the compiled forward transposed (small_t)
+SMALL_LAYER = 1 << 16
+
+
 def cpu_extension_available() -> bool:
     return _cpu_ext is not None
 
@@ -108,9 +112,17 @@ class LlamaModel:
                            and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel)
         if self._fused_cpu:
             none = torch.empty(0, dtype=dtype)
+
+            def small_t(w: torch.Tensor) -> torch.Tensor:
+                """A small layer's weight transposed, for the compiled gemv over outputs (a 64-wide
+                layer spends most of a dot product per output in its horizontal sum)."""
+                return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
+
             self._flat_layers = [t for L in self.layers for t in (
                 L.ln1, L.qkv_w, none if L.qkv_b is None else L.qkv_b, L.o_w, none if L.o_b is None else L.o_b,
-                L.ln2, L.gate_up_w, L.down_w)]
+                L.ln2, L.gate_up_w, L.down_w,
+                small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w))]
+            self._lm_head_t = small_t(self.lm_head)
             self._cos32, self._sin32 = cos.float().contiguous(), sin.float().contiguous()
 
     def uses_cpu_extension(self) -> bool:
@@ -125,8 +137,8 @@ class LlamaModel:
             assert _cpu_ext is not None
             b = batch
             return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
-                                    b.logits_indices, self.embed, self.final_norm, self.lm_head, self._cos32,
-                                    self._sin32, self._flat_layers, kv.k, kv.v, c.num_heads, c.num_kv_heads,
+                                    b.logits_indices, self.embed, self.final_norm, self.lm_head, self._lm_head_t,
+                                    self._cos32, self._sin32, self._flat_layers, kv.k, kv.v, c.num_heads, c.num_kv_heads,
                                     c.head_dim, c.rms_norm_eps, self.scale)
         T = batch.num_tokens
         h = self._embed(batch.input_ids)                                  # (T, hidden)

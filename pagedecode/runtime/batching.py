@@ -45,8 +45,10 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
             logits_seqs.append(i)
 
     S, T, N = len(seqs), rows, len(logits_rows)
-    wide = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.int64).to(device, non_blocking=True)
-    narrow = torch.tensor(table + lens + cu, dtype=torch.int32).to(device, non_blocking=True)
+    wide = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.int64)
+    narrow = torch.tensor(table + lens + cu, dtype=torch.int32)
+    if device.type != "cpu":
+        wide, narrow = wide.to(device, non_blocking=True), narrow.to(device, non_blocking=True)
     nt = S * max_pages
     return ForwardBatch(
         input_ids=wide[:T], positions=wide[T:2 * T], slot_mapping=wide[2 * T:3 * T],

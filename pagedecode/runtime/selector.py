@@ -4,6 +4,7 @@ Owns the per-slot sampler state (penalties and bias, made on first use) and buil
 per-row inputs of the sampler; the min_tokens mask is applied here as one indexed write."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -60,8 +61,9 @@ class TokenSelector:
         active = [uses_penalties(r.params) for r in reqs]
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         if bitmask is None and not any(active) and not want_logprobs and all(r.params.greedy for r in reqs):
-            best, argmax = logits.max(dim=-1)
-            return Selection(argmax.tolist(), None, self._bad_rows(best))
+            best, argmax = logits.max(dim=-1)       # max propagates NaN
+            return Selection(argmax.tolist(), None,
+                             frozenset(i for i, v in enumerate(best.tolist()) if not math.isfinite(v)))
         dev = logits.device
         p = [r.params for r in reqs]
         vocab = logits.shape[-1]
