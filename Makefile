@@ -24,8 +24,15 @@ test: install
 	$(BIN)/mypy
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
-bench: install
-	$(PIP) -e ".[bench]"
+$(BIN)/.bench-installed: $(BIN)/.installed
+	$(PIP) --no-build-isolation -e ".[test,bench]"
+	touch $@
+
+# Micro-benchmarks (pytest-benchmark: the runtime's own cost, the CPU ops, the Triton kernels on
+# CUDA), then the engines side by side. Not part of `make test`. ARGS go to engine_vs_hf.py.
+bench: $(BIN)/.bench-installed
+	$(BIN)/python -m pytest benchmarks/micro -p no:cacheprovider -o addopts="" -q \
+	  --benchmark-json=benchmarks/results/micro-$$(date +%F-%s).json $(PYTEST_ARGS)
 	$(BIN)/python benchmarks/engine_vs_hf.py $(ARGS)
 
 clean:

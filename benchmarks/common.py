@@ -14,7 +14,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def result_path(name: str, out: str | None) -> Path:
     """--out as given, else a new file benchmarks/results/<name>-<date>-<unix time>.json."""
-    path = Path(out) if out else RESULTS / f"{name}-{date.today().isoformat()}-{int(time.time())}.json"
+    if out:
+        path = Path(out)
+    else:
+        stem = f"{name}-{date.today().isoformat()}-{int(time.time())}"
+        path, n = RESULTS / f"{stem}.json", 1
+        while path.exists():                       # two runs in one second
+            n += 1
+            path = RESULTS / f"{stem}-{n}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -1,51 +1,127 @@
 #!/usr/bin/env bash
-# One call on the lent GPU (H200), at most ~460 s even when every step hits its timeout:
-# the kernel tests and the CUDA engine test on the GPU, the kernel benchmarks with a sweep of
-# attention launch configs, then compute-sanitizer once per kernel where it works. Uses the
-# machine's own python3 (torch, triton, pytest, hypothesis are there); installs nothing.
-#   run: bash benchmarks/device_check.sh        (results under $OUT, or benchmarks/results/)
-set -uo pipefail
+# The device check: one call on a lent CUDA GPU (an H200), in the project's own venv; every
+# step together at most 420 s, so a 15-minute lease holds the start, one run and a rerun.
+#
+#   bash benchmarks/device_check.sh            run every step (results under $OUT, else
+#                                             benchmarks/results/device-<date>-<time>/)
+#   bash benchmarks/device_check.sh --help     this text; runs nothing
+#   STEPS="tests kernels" bash benchmarks/device_check.sh     only the steps named
+#
+# Steps, each with its own timeout, each writing its JSON as it finishes (a timeout or a kill
+# keeps what was done; steps.json says which ran, how long, and how each ended):
+#   env      GPU, driver, torch / triton versions                                   env.json
+#   tests    kernel tests and the CUDA engine test, compiled (not interpreted)      tests.json
+#   kernels  copy bandwidth; decode attention vs HBM bandwidth, prefill TFLOP/s,
+#            sampling us, KV write, each beside its torch baseline; config sweep     kernels.json
+#   micro    the pytest-benchmark micro-benchmarks (benchmarks/micro) on CUDA       micro.json
+#   engine   benchmarks/engine_vs_hf.py --device cuda (pagedecode vs transformers)  engine.json
+#   tp2      tensor parallelism on 2 GPUs (skipped with fewer)                      tp2.json
+# Failures are recorded by kernel and shape (kernels.json rows carry "error"); the script exits
+# non-zero when any step failed or timed out, after running the rest.
+#
+# The venv: .venv if its torch sees a GPU; else it is made here with --system-site-packages (the
+# machine's CUDA torch and triton), and pagedecode is installed into it without dependencies or
+# downloads (the device machine reaches no registry).
+set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results/device-$(date +%F)}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TRITON_INTERPRET=0 TRITON_CACHE_DIR="$PWD/.triton_cache"
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/env.txt"
+export TRITON_INTERPRET=0 TRITON_CACHE_DIR="$PWD/.triton_cache" PYTHONUNBUFFERED=1
 
-echo "== kernel tests and the engine on the GPU"
-timeout 120 python3 -m pytest tests/kernels tests/model/test_cuda_engine.py -q -p no:cacheprovider 2>&1 \
-  | tail -25 | tee "$OUT/kernel_tests.txt"
+py_sees_gpu() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
+if [ -x .venv/bin/python ] && py_sees_gpu .venv/bin/python; then
+  echo "using .venv"
+elif [ -x .venv/bin/python ]; then
+  echo "error: .venv exists but its torch sees no GPU (a CPU build?): move it away and rerun" >&2
+  exit 2
+else
+  echo "making .venv on this machine (system site packages: its CUDA torch and triton)"
+  python3 -m venv --system-site-packages .venv
+  PAGEDECODE_NO_CPU_EXT=1 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation --no-index -e . \
+    || { echo "error: installing pagedecode into .venv failed" >&2; exit 2; }
+  py_sees_gpu .venv/bin/python || { echo "error: the venv's torch sees no GPU" >&2; exit 2; }
+fi
+PY="$PWD/.venv/bin/python"
+RESULTS="${OUT:-benchmarks/results/device-$(date +%F-%H%M%S)}"
+mkdir -p "$RESULTS"
+STEPS="${STEPS:-env tests kernels micro engine tp2}"
 
-echo "== benchmarks (copy bandwidth first, then each kernel beside its torch baseline, then the sweep)"
-timeout 200 python3 benchmarks/kernels.py --sweep --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt"
+STATUS="$RESULTS/steps.json"
+echo "[]" > "$STATUS"
+FAILED=0
+record() {  # step rc seconds
+  "$PY" - "$STATUS" "$1" "$2" "$3" <<'PY'
+import json, sys
+path, step, rc, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rows = json.load(open(path))
+rows.append({"step": step, "rc": rc, "seconds": secs,
+             "outcome": "ok" if rc == 0 else "timed out" if rc in (124, 137) else "failed"})
+open(path, "w").write(json.dumps(rows, indent=1) + "\n")
+PY
+}
+step() {  # name timeout command...
+  local name="$1" limit="$2"; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  echo "== $name (at most ${limit}s)"
+  local t0=$SECONDS rc=0
+  timeout "$limit" "$@" > >(tee "$RESULTS/$name.log") 2>&1 || rc=$?
+  record "$name" "$rc" "$((SECONDS - t0))"
+  if [ "$rc" -ne 0 ]; then FAILED=1; echo "!! step $name: rc=$rc (see $RESULTS/$name.log)"; fi
+}
 
-echo "== tensor parallelism, 2 ranks (only with >= 2 GPUs)"
-if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  timeout 120 python3 - <<'PY' 2>&1 | tee "$OUT/tp2.txt"
+step env 30 "$PY" -c "
+import json, subprocess, torch, triton
+smi = subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv,noheader'],
+                     capture_output=True, text=True).stdout.strip()
+env = {'gpu': torch.cuda.get_device_name(), 'nvidia_smi': smi, 'torch': torch.__version__,
+       'triton': triton.__version__, 'capability': list(torch.cuda.get_device_capability())}
+print(env); open('$RESULTS/env.json', 'w').write(json.dumps(env, indent=1) + '\n')"
+
+step tests 100 "$PY" -m pytest tests/kernels tests/model/test_cuda_engine.py -q -p no:cacheprovider -o addopts= \
+  --junitxml="$RESULTS/tests.xml"
+[ -f "$RESULTS/tests.xml" ] && "$PY" - "$RESULTS/tests.xml" "$RESULTS/tests.json" <<'PY' || true
+import json, sys, xml.etree.ElementTree as ET
+cases = []
+for c in ET.parse(sys.argv[1]).iter("testcase"):
+    bad = c.find("failure") if c.find("failure") is not None else c.find("error")
+    cases.append({"test": f"{c.get('classname')}::{c.get('name')}", "seconds": float(c.get("time", 0)),
+                  "outcome": "skipped" if c.find("skipped") is not None else "failed" if bad is not None else "passed",
+                  **({"message": (bad.get("message") or "")[:300]} if bad is not None else {})})
+open(sys.argv[2], "w").write(json.dumps(cases, indent=1) + "\n")
+PY
+
+step kernels 120 "$PY" benchmarks/kernels.py --sweep --out "$RESULTS/kernels.json"
+
+step micro 60 "$PY" -m pytest benchmarks/micro/test_ops.py -q -p no:cacheprovider -o addopts= \
+  --benchmark-json="$RESULTS/micro.json" --benchmark-max-time=0.5
+
+step engine 60 "$PY" benchmarks/engine_vs_hf.py --device cuda --dtype bfloat16 --models llama135m \
+  --engines pagedecode,transformers --repeat 3 --out "$RESULTS/engine.json"
+
+tp2() {
+  if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ]; then
+    echo '{"skipped": "fewer than 2 GPUs"}' > "$RESULTS/tp2.json"; echo "fewer than 2 GPUs: skipped"; return 0
+  fi
+  "$PY" - "$RESULTS/tp2.json" <<'PY'
+import json, sys
 import pagedecode as pd
 from pagedecode.model.default_model import default_model_path
 if __name__ == "__main__":
-    path = default_model_path()
-    params = pd.SamplingParams(max_tokens=32, ignore_eos=True)
+    path, params = default_model_path(), pd.SamplingParams(max_tokens=32, ignore_eos=True)
     prompts = ["The lighthouse keeper", "Numbers"]
-    one = [o.selected_token_ids for o in pd.Engine.from_pretrained(path, device="cuda", dtype="float32").generate(prompts, params)]
-    eng = pd.Engine.from_pretrained(path, device="cuda", dtype="float32", tensor_parallel_size=2)
+    one = [o.selected_token_ids for o in pd.Engine.from_pretrained(path, device="cuda").generate(prompts, params)]
+    eng = pd.Engine.from_pretrained(path, device="cuda", tensor_parallel_size=2)
     two = [o.selected_token_ids for o in eng.generate(prompts, params)]
     eng.close()
-    print("tp2 tokens identical to tp1:", one == two)
-    raise SystemExit(0 if one == two else 1)
+    json.dump({"identical_to_tp1": one == two}, open(sys.argv[1], "w"))
+    sys.exit(0 if one == two else 1)
 PY
-else
-  echo "fewer than 2 GPUs: TP=2 case skipped" | tee "$OUT/tp2.txt"
-fi
+}
+export -f tp2; export PY RESULTS
+step tp2 50 bash -c tp2
 
-echo "== compute-sanitizer, one small launch per kernel"
-if command -v compute-sanitizer >/dev/null; then
-  for k in kv_write decode extend sampling; do
-    timeout 35 compute-sanitizer --tool memcheck --error-exitcode 3 python3 benchmarks/kernels.py --sanitize "$k" \
-      2>&1 | tail -4 | tee -a "$OUT/sanitizer.txt"
-  done
-else
-  echo "compute-sanitizer not found" | tee "$OUT/sanitizer.txt"
-fi
+echo "== steps"; cat "$STATUS"
+if [ "$FAILED" -ne 0 ]; then echo "device check: a step failed (steps.json)" >&2; exit 1; fi
+echo "device check: every step passed"

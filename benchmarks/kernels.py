@@ -149,10 +149,9 @@ PREFILL_CONFIGS = [dict(block_rows=m, block_n=n, num_warps=w, num_stages=st) for
                    ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3))]
 
 
-def sweep(bw):
+def sweep(bw, rows, save):
     """Time each launch configuration of the two attention kernels on the goal shapes; the
-    defaults in the wrappers should become the winners."""
-    rows = []
+    defaults in the wrappers should become the winners. Rows go to `rows`, save() after each."""
     for batch, ctx in ((64, 4096), (1, 32768)):
         kc, vc, tables, lens = paged_setup(batch, ctx)
         qs = [torch.randn(batch, HQ, D, dtype=DT, device="cuda") for _ in range(COPIES)]
@@ -167,6 +166,7 @@ def sweep(bw):
             except Exception as e:
                 rows.append({"kernel": f"decode B={batch} ctx={ctx}", **cfg, "error": str(e)[:200]})
             print(json.dumps(rows[-1]), flush=True)
+            save()
         del kc, vc
         torch.cuda.empty_cache()
     n = 8192
@@ -181,7 +181,7 @@ def sweep(bw):
         except Exception as e:
             rows.append({"kernel": f"prefill n={n}", **cfg, "error": str(e)[:200]})
         print(json.dumps(rows[-1]), flush=True)
-    return rows
+        save()
 
 
 def sanitize(kernel):
@@ -218,19 +218,32 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = [{"kernel": "device copy (read+write)", "GB/s": round(bw)}]
-    for case in (lambda: decode_case(64, 4096, bw, 312), lambda: decode_case(32, 4096, bw, 156),
-                 lambda: decode_case(1, 32768, bw, 50), lambda: prefill_case(8192, 300),
-                 lambda: sampling_case(60), lambda: kv_write_case(bw, 22)):
+    result = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "results": rows, "sweep": []}
+
+    def save():                                    # after every row: a timeout keeps what was done
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    cases = [("decode B=64 ctx=4096", lambda: decode_case(64, 4096, bw, 312)),
+             ("decode B=32 ctx=4096", lambda: decode_case(32, 4096, bw, 156)),
+             ("decode B=1 ctx=32768", lambda: decode_case(1, 32768, bw, 50)),
+             ("prefill causal n=8192", lambda: prefill_case(8192, 300)),
+             ("sampling 64x128256 T=0.8 k=50 p=0.9", lambda: sampling_case(60)),
+             ("kv write T=8192", lambda: kv_write_case(bw, 22))]
+    for name, case in cases:
         try:
             rows.append(case())
         except Exception as e:                     # one failing case must not hide the others
-            rows.append({"kernel": getattr(case, "__name__", "case"), "error": f"{type(e).__name__}: {e}"})
+            rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"[:500]})
         print(json.dumps(rows[-1]), flush=True)
+        save()
         torch.cuda.empty_cache()
-    result = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "results": rows, "sweep": sweep(bw) if args.sweep else []}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.sweep:
+        try:
+            sweep(bw, result["sweep"], save)
+        except Exception as e:
+            result["sweep"].append({"kernel": "sweep", "error": f"{type(e).__name__}: {e}"[:500]})
+            save()
     print()
     print(f"{'kernel':<40}{'us':>9}{'torch us':>10}{'x':>7}  fraction / rate")
     for r in rows[1:]:

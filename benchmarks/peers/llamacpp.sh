@@ -5,6 +5,7 @@
 #
 #   benchmarks/peers/llamacpp.sh                 # build (once) and convert stories260k
 #   benchmarks/peers/llamacpp.sh convert DIR [OUT.gguf [f32|bf16]]   # one Hugging Face folder -> GGUF
+#   LLAMACPP_PRE=gpt-2 ... convert DIR      # a tokenizer llama.cpp does not recognise: name its pre-tokenizer
 #
 # Needs: cmake, a C++ compiler, pip access to PyPI. Version: LLAMA_CPP_PYTHON (default below).
 set -euo pipefail
@@ -37,7 +38,26 @@ convert() {  # convert HF_DIR [OUT [OUTTYPE]]
   local out="${2:-$CACHE/$(basename "$1").$type.gguf}"
   [ -f "$out" ] && { echo "$out"; return; }
   "$PY" -m pip install --quiet --disable-pip-version-check "$CACHE/src/vendor/llama.cpp/gguf-py" sentencepiece >/dev/null
-  "$PY" "$CACHE/src/vendor/llama.cpp/convert_hf_to_gguf.py" "$src" --outtype "$type" --outfile "$out" >&2
+  # LLAMACPP_PRE=NAME: for a checkpoint whose tokenizer llama.cpp's table does not know (the random
+  # 135M model carries a small byte-level BPE), declare its pre-tokenizer instead of failing.
+  LLAMACPP_PRE="${LLAMACPP_PRE:-}" "$PY" - "$CACHE/src/vendor/llama.cpp/convert_hf_to_gguf.py" \
+      "$src" --outtype "$type" --outfile "$out" >&2 <<'PY'
+import os, runpy, sys
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(script))
+pre = os.environ.get("LLAMACPP_PRE")
+if pre:
+    from conversion import base
+    known = base.TextModel.get_vocab_base_pre
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return known(self, tokenizer)
+        except NotImplementedError:
+            return pre
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+runpy.run_path(script, run_name="__main__")
+PY
   echo "$out"
 }
 

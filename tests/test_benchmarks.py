@@ -1,0 +1,83 @@
+"""The benchmark tooling a GPU user runs: it must say what it does without running, refuse a
+machine it cannot measure with a clear message, find models without a sibling folder, never
+write over an earlier result, and produce the JSON it promises."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402
+import engine_vs_hf  # noqa: E402
+
+
+def test_device_check_help_runs_nothing(tmp_path):
+    out = tmp_path / "results"
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_check.sh"), "--help"], capture_output=True,
+                       text=True, env={**os.environ, "OUT": str(out)}, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "Steps" in r.stdout and "kernels" in r.stdout and "--help" in r.stdout
+    assert "set -euo" not in r.stdout
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the check for real")
+def test_device_check_refuses_a_venv_without_a_gpu(tmp_path):
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        pytest.skip("no project venv here")
+    out = tmp_path / "results"
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_check.sh")], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(out)}, timeout=60)
+    assert r.returncode == 2
+    assert "sees no GPU" in r.stderr
+    assert not out.exists()
+
+
+def test_result_paths_never_repeat(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    first = common.result_path("x", None)
+    common.write_json(first, {"a": 1})
+    second = common.result_path("x", None)           # same second
+    assert second != first and not second.exists()
+    assert common.result_path("x", str(tmp_path / "given.json")) == tmp_path / "given.json"
+
+
+def test_a_missing_model_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.delenv("PAGEDECODE_STORIES", raising=False)
+    monkeypatch.delenv("PAGEDECODE_SHARED", raising=False)
+    with pytest.raises(SystemExit, match="stories260k not found.*PAGEDECODE_STORIES"):
+        engine_vs_hf.main(["--models", "stories260k", "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="no config.json"):
+        engine_vs_hf.main(["--model", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="unknown model"):
+        engine_vs_hf.main(["--models", "gpt5", "--out", str(tmp_path / "r.json")])
+
+
+def test_percentiles():
+    p = engine_vs_hf.percentiles([i / 1000 for i in range(1, 101)])     # 1..100 ms
+    assert p == {"p50_ms": 51.0, "p90_ms": 91.0, "p99_ms": 100.0}
+    assert engine_vs_hf.percentiles([]) is None
+    lat = engine_vs_hf.latency(0.0, [[0.010, 0.012, 0.015], [], [0.020]])
+    assert lat["ttft"]["p50_ms"] == 20.0 and lat["itl"]["p99_ms"] == 3.0
+
+
+def test_engine_vs_hf_single_on_stories(stories_path, tmp_path):
+    """One real run, pagedecode beside transformers: the JSON has the rows, the ratios and the
+    latency percentiles, and the greedy tokens agree in float32."""
+    out = tmp_path / "r.json"
+    assert engine_vs_hf.main(["--stories", str(stories_path), "--models", "stories260k", "--workloads", "single",
+                              "--engines", "pagedecode,transformers", "--repeat", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
+    assert row["identical_requests"] == "1/1" and row["token_agreement"] == 1.0
+    assert row["useful_tokens"] == 128
+    for name in ("pagedecode", "transformers"):
+        assert row[name]["tok_s"] > 0 and row[name]["itl"]["p50_ms"] > 0 and row[name]["ttft"]["p50_ms"] > 0
+    assert row["transformers"]["vs_transformers"] == 1.0
+    assert result["threads"] == torch.get_num_threads() and result["dtype"] == "float32"
