@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -149,11 +148,13 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
                      int64_t page_size, int64_t H, int64_t Hkv, int64_t head_dim, float scale, T* out) {
   const int64_t D = kD > 0 ? kD : head_dim, G = H / Hkv, page_elems = page_size * Hkv * D;
   std::vector<int64_t> block_seq, block_row;
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t r = cu[s]; r < cu[s + 1] && cu[s + 1] - cu[s] < kMatmulRows; r += kRowBlock) {
+  for (int64_t s = 0; s < S; ++s) {
+    if (cu[s + 1] - cu[s] >= kMatmulRows) continue;          // prefill_attention takes it
+    for (int64_t r = cu[s]; r < cu[s + 1]; r += kRowBlock) {
       block_seq.push_back(s);
       block_row.push_back(r);
     }
+  }
   const int64_t items = static_cast<int64_t>(block_seq.size());
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     // scratch kept per thread across calls (resize only grows it): no allocation per layer
