@@ -92,7 +92,7 @@ for c in ET.parse(sys.argv[1]).iter("testcase"):
 open(sys.argv[2], "w").write(json.dumps(cases, indent=1) + "\n")
 PY
 
-step kernels 120 "$PY" benchmarks/kernels.py --sweep --out "$RESULTS/kernels.json"
+step kernels 120 "$PY" benchmarks/kernel_sweep.py --sweep --out "$RESULTS/kernels.json"
 
 step micro 60 "$PY" -m pytest benchmarks/micro/test_ops.py -q -p no:cacheprovider -o addopts= \
   --benchmark-json="$RESULTS/micro.json" --benchmark-max-time=0.5

@@ -81,3 +81,14 @@ def test_engine_vs_hf_single_on_stories(stories_path, tmp_path):
         assert row[name]["tok_s"] > 0 and row[name]["itl"]["p50_ms"] > 0 and row[name]["ttft"]["p50_ms"] > 0
     assert row["transformers"]["vs_transformers"] == 1.0
     assert result["threads"] == torch.get_num_threads() and result["dtype"] == "float32"
+
+
+def test_no_benchmark_script_shadows_an_installed_module():
+    """A script's folder is the first entry of sys.path: benchmarks/kernels.py once hid the `kernels`
+    package transformers imports, so engine_vs_hf.py failed on a fresh machine."""
+    from importlib.machinery import PathFinder
+    here = (ROOT / "benchmarks").resolve()
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != here]
+    names = sorted(p.stem for p in here.glob("*.py"))
+    clashes = [n for n in names if n in sys.builtin_module_names or PathFinder.find_spec(n, elsewhere) is not None]
+    assert "engine_vs_hf" in names and not clashes, clashes

@@ -180,7 +180,7 @@ if HAS_TRITON:
 def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale: float,
                                   split_tokens: int = SPLIT_TOKENS, block_n: int | None = None,
                                   num_warps: int = 4, num_stages: int = 2):
-    """Launch parameters are arguments so benchmarks/kernels.py --sweep can compare them."""
+    """Launch parameters are arguments so benchmarks/kernel_sweep.py --sweep can compare them."""
     B, Hq, D = q.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv

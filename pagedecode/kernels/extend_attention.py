@@ -107,7 +107,7 @@ if HAS_TRITON:
 def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float,
                                   max_new: int | None = None, block_rows: int | None = None,
                                   block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
-    """Launch parameters are arguments so benchmarks/kernels.py --sweep can compare them.
+    """Launch parameters are arguments so benchmarks/kernel_sweep.py --sweep can compare them.
     block_rows: rows of one program = tokens x (query heads per KV head, padded to a power of 2)."""
     T, Hq, D = q.shape
     S = seq_lens.shape[0]

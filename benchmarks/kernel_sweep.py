@@ -2,7 +2,7 @@
 with triton.testing.do_bench (median), inputs rotated across copies so they exceed the L2,
 beside a torch baseline, against the copy bandwidth measured in the same run.
 
-    python3 benchmarks/kernels.py [--out FILE.json] [--sweep] [--sanitize KERNEL]
+    python3 benchmarks/kernel_sweep.py [--out FILE.json] [--sweep] [--sanitize KERNEL]
 
 --sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling), for
 compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed beside results.
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time the attention kernels' launch configs")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.py needs a CUDA GPU")
+        print("kernel_sweep.py needs a CUDA GPU")
         return 2
     if args.sanitize:
         sanitize(args.sanitize)
