@@ -64,7 +64,7 @@ PY
 case "${1:-build}" in
   build) build
          stories="${PAGEDECODE_STORIES:-}"
-         [ -n "$stories" ] && convert "$stories" ;;
+         if [ -n "$stories" ]; then convert "$stories"; fi ;;
   convert) shift; convert "$@" ;;
   *) echo "usage: $0 [build | convert HF_DIR [OUT.gguf [f32|bf16]]]" >&2; exit 2 ;;
 esac
