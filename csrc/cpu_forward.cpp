@@ -4,9 +4,10 @@
 // layer, each a few microseconds of Python and dispatch, plus a per-step gather of every decode
 // sequence's context into a contiguous tensor. Here the matmuls go to oneDNN (its kernels for
 // the instructions present: AVX-512, AVX-512-BF16, AMX; at::mm where torch has no oneDNN) or, for
-// a decode step of a few rows, to a dot-product gemv; prefill chunks attend through ATen's fused
-// attention; everything else -- RMSNorm, RoPE, the KV write, decode attention reading the pages
-// in place, SiLU x up, the residual adds -- is a plain loop the compiler vectorises. The torch path
+// a decode step of a few rows, to a dot-product gemv (vdpbf16ps for bf16 where the CPU has it);
+// attention reads the pages in place (decode rows and prefill chunks alike; only long chunks go to
+// ATen's fused attention); everything else -- RMSNorm, RoPE, the KV write, SiLU x up, the
+// residual adds -- is a plain loop the compiler vectorises. The torch path
 // in pagedecode/model/llama.py stays the oracle: tests hold this file to it.
 //
 // Layout (see pagedecode/model/batch.py): T packed token rows, sequences own cu_q[s]:cu_q[s+1],
@@ -35,6 +36,19 @@ namespace {
 using at::Tensor;
 
 template <typename T> inline float f32(T x) { return static_cast<float>(x); }
+
+// float -> T, rounding to nearest even as c10::BFloat16 does (NaN -> 0x7fc0), but branch-free so
+// that `omp simd` loops vectorise it: c10's own conversion tests for NaN with a branch, which left
+// every bf16 elementwise loop scalar.
+template <typename T> inline T to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const uint32_t u = __builtin_bit_cast(uint32_t, x);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return T(static_cast<uint16_t>(x != x ? 0x7fc0u : rounded), T::from_bits());
+  }
+}
 
 // exp(x) in float, written so that `omp simd` loops vectorise it (std::exp does not): Cody-Waite
 // range reduction x = n ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial for exp(r) (about
@@ -99,7 +113,7 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* o = out + r * n;
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(f32(w[j]) * f32(static_cast<T>(f32(xr[j]) * inv)));
+      for (int64_t j = 0; j < n; ++j) o[j] = to<T>(f32(w[j]) * f32(to<T>(f32(xr[j]) * inv)));
     }
   });
 }
@@ -120,7 +134,7 @@ void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, con
         T* x = row + h * D;
         for (int64_t d = 0; d < half; ++d) tmp[d] = f32(x[d]) * c[d] + f32(x[d + half]) * s[d];
         for (int64_t d = half; d < D; ++d) tmp[d] = f32(x[d]) * c[d] + f32(x[d - half]) * s[d];
-        for (int64_t d = 0; d < D; ++d) x[d] = static_cast<T>(tmp[d]);
+        for (int64_t d = 0; d < D; ++d) x[d] = to<T>(tmp[d]);
       }
       const int64_t slot = slots[r];
       std::copy(row + H * D, row + (H + Hkv) * D, kc + slot * Hkv * D);
@@ -138,9 +152,101 @@ void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, con
 // compile time (the inner loops then unroll into whole vectors); kD == 0 reads it at run time.
 constexpr int64_t kRowBlock = 8;
 
-// A sequence with at least this many new rows (a prefill chunk) attends through ATen's fused
-// scaled_dot_product_attention instead (prefill_attention below): its scores are a matmul.
-constexpr int64_t kMatmulRows = 16;
+// A sequence with at least this many new rows (a long prefill chunk) attends through ATen's fused
+// scaled_dot_product_attention instead (prefill_attention below): its scores are a matmul, and the
+// gather of its context is paid once for many rows. Measured on a 135M model in bf16 (2 threads):
+// the paged kernel is faster up to ~512-row prompts (256: 8-10% of the whole prefill), the fused
+// one from ~1024 rows (2000: 20%).
+constexpr int64_t kMatmulRows = 768;
+
+#if defined(__AVX512F__)
+// r[i] = the sum of x[i]'s 16 lanes, for 16 vectors at once: a tree of unpacks and lane shuffles
+// (45 instructions, against ~8 per vector for a horizontal sum each).
+inline __m512 sum16(const __m512* x) {
+  __m512 pair[8], quad[4], half[2];
+  for (int i = 0; i < 8; ++i)           // per 128-bit lane: x2i, x2i+1 interleaved, half-summed
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {         // per lane: the four vectors 4i .. 4i+3, each summed over it
+    const __m512d a = _mm512_castps_pd(pair[2 * i]), b = _mm512_castps_pd(pair[2 * i + 1]);
+    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)           // lanes 0+2 and 1+3 of two quads
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// s[o] = q . k_o for the m key rows k_o = k + o * stride (head size D). With AVX-512 and a head
+// size of whole vectors: q stays in registers, 16 rows' dot products run side by side, and their
+// sums come out of one sum16.
+template <int64_t kD>
+inline void qk_scores(const float* q, const float* k, int64_t stride, int64_t m, int64_t D, float* s) {
+  int64_t o = 0;
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    constexpr int64_t V = kD / 16;
+    __m512 qv[V];
+    for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
+    for (; o + 16 <= m; o += 16) {
+      __m512 dots[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const float* kr = k + (o + i) * stride;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+        for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + 16 * v), a);
+        dots[i] = a;
+      }
+      _mm512_storeu_ps(s + o, sum16(dots));
+    }
+  }
+#endif
+  for (; o < m; ++o) {
+    const float* kr = k + o * stride;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kr[d];
+    s[o] = dot;
+  }
+}
+
+// acc += sum over o < m of w[o] * v_o, v_o = v + o * stride. With AVX-512: acc in registers, two
+// positions per iteration into separate accumulators (so consecutive FMAs do not wait on each other).
+template <int64_t kD>
+inline void pv_accumulate(const float* w, const float* v, int64_t stride, int64_t m, int64_t D, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    constexpr int64_t V = kD / 16;
+    __m512 a[V], b[V];
+    for (int64_t i = 0; i < V; ++i) {
+      a[i] = _mm512_loadu_ps(acc + 16 * i);
+      b[i] = _mm512_setzero_ps();
+    }
+    int64_t o = 0;
+    for (; o + 2 <= m; o += 2) {
+      const __m512 w0 = _mm512_set1_ps(w[o]), w1 = _mm512_set1_ps(w[o + 1]);
+      const float* v0 = v + o * stride;
+      const float* v1 = v0 + stride;
+      for (int64_t i = 0; i < V; ++i) {
+        a[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
+        b[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * i), b[i]);
+      }
+    }
+    if (o < m) {
+      const __m512 w0 = _mm512_set1_ps(w[o]);
+      for (int64_t i = 0; i < V; ++i) a[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + o * stride + 16 * i), a[i]);
+    }
+    for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(acc + 16 * i, _mm512_add_ps(a[i], b[i]));
+    return;
+  }
+#endif
+  for (int64_t o = 0; o < m; ++o) {
+    const float wo = w[o];
+    const float* vr = v + o * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += wo * vr[d];
+  }
+}
 
 template <typename T, int64_t kD>
 void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt,
@@ -197,14 +303,7 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
           const float* qj = q.data() + j * D;
           const float* kh = k + ((j % H) / G) * D;
           float* sj = scores.data() + j * width + p0;
-          const int64_t m = std::min(n, vis[j] - p0);
-          for (int64_t o = 0; o < m; ++o) {
-            const float* kr = kh + o * Hkv * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qj[d] * kr[d];
-            sj[o] = dot;
-          }
+          qk_scores<kD>(qj, kh, Hkv * D, std::min(n, vis[j] - p0), D, sj);
         }
       }
       denom.resize(nq);
@@ -220,19 +319,13 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
           const float* vh = v + ((j % H) / G) * D;
           const float* sj = scores.data() + j * width + p0;
           float* a = acc.data() + j * D;
-          const int64_t m = std::min(n, vis[j] - p0);
-          for (int64_t o = 0; o < m; ++o) {
-            const float w = sj[o];
-            const float* vr = vh + o * Hkv * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
-          }
+          pv_accumulate<kD>(sj, vh, Hkv * D, std::min(n, vis[j] - p0), D, a);
         }
       }
       for (int64_t j = 0; j < nq; ++j) {
         const float inv = 1.f / denom[j];
         T* o = out + (r0 + j / H) * H * D + (j % H) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[j * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = to<T>(acc[j * D + d] * inv);
       }
     }
     if (scores.capacity() > (size_t{1} << 22)) {     // a long context's scores: not kept past 16 MB
@@ -310,7 +403,7 @@ template <typename T>
 void add_then_norm(T* h, const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows * n, grain_rows(1), [&](int64_t begin, int64_t end) {
 #pragma omp simd
-    for (int64_t i = begin; i < end; ++i) h[i] = static_cast<T>(f32(h[i]) + f32(x[i]));
+    for (int64_t i = begin; i < end; ++i) h[i] = to<T>(f32(h[i]) + f32(x[i]));
   });
   if (w != nullptr) rms_norm_rows(h, w, out, rows, n, eps);
 }
@@ -326,7 +419,7 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t I) {
       for (int64_t j = 0; j < I; ++j) {
         const float x = f32(g[j]);
         // F.silu rounds to T before the multiply, as the torch path does
-        o[j] = static_cast<T>(f32(static_cast<T>(x / (1.f + exp_f(-x)))) * f32(u[j]));
+        o[j] = to<T>(f32(to<T>(x / (1.f + exp_f(-x)))) * f32(u[j]));
       }
     }
   });
@@ -370,8 +463,42 @@ inline float dot_row(const float* x, const T* w, int64_t n) {
   return d;
 }
 
+#if defined(__AVX512BF16__)
+// The same for bf16 rows and weights where the CPU has AVX-512-BF16: vdpbf16ps multiplies 32 pairs
+// (exactly, in float) and adds them into 16 float lanes in one instruction, so nothing is widened
+// (the widening path above is instruction-bound well below memory speed on one core).
+inline float dot_row_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t n) {
+  auto ld = [](const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); };
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 128 <= n; k += 128) {
+    a0 = _mm512_dpbf16_ps(a0, ld(x + k), ld(w + k));
+    a1 = _mm512_dpbf16_ps(a1, ld(x + k + 32), ld(w + k + 32));
+    a2 = _mm512_dpbf16_ps(a2, ld(x + k + 64), ld(w + k + 64));
+    a3 = _mm512_dpbf16_ps(a3, ld(x + k + 96), ld(w + k + 96));
+  }
+  for (; k + 32 <= n; k += 32) a0 = _mm512_dpbf16_ps(a0, ld(x + k), ld(w + k));
+  float d = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  for (; k < n; ++k) d += f32(x[k]) * f32(w[k]);
+  return d;
+}
+#endif
+
 template <typename T>
 void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out) {
+  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(in, 1));
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float dot = dot_row_bf16(x + r * in, w + j * in, in);
+          out[r * n_out + j] = to<T>(b != nullptr ? dot + f32(b[j]) : dot);
+        }
+    });
+    return;
+  }
+#endif
   const float* xf;                                   // the rows in float, converted once
   thread_local std::vector<float> buf;
   if constexpr (std::is_same_v<T, float>) {
@@ -381,13 +508,12 @@ void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, 
     for (int64_t i = 0; i < rows * in; ++i) buf[i] = f32(x[i]);
     xf = buf.data();
   }
-  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(in, 1));
   at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const T* wj = w + j * in;
       for (int64_t r = 0; r < rows; ++r) {
         const float dot = dot_row(xf + r * in, wj, in);
-        out[r * n_out + j] = static_cast<T>(b != nullptr ? dot + f32(b[j]) : dot);
+        out[r * n_out + j] = to<T>(b != nullptr ? dot + f32(b[j]) : dot);
       }
     }
   });
@@ -431,7 +557,7 @@ void gemv_transposed(const T* x, const T* wt, const T* b, T* out, int64_t rows, 
 #pragma omp simd
       for (int64_t j = 0; j < n_out; ++j) a[j] += xk * f32(wk[j]);
     }
-    for (int64_t j = 0; j < n_out; ++j) out[r * n_out + j] = static_cast<T>(a[j]);
+    for (int64_t j = 0; j < n_out; ++j) out[r * n_out + j] = to<T>(a[j]);
   }
 }
 
