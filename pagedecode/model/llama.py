@@ -7,6 +7,7 @@ except through the cache: each layer writes the new tokens' K/V, then attends ov
 from __future__ import annotations
 
 import math
+import os
 import types
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -111,6 +112,9 @@ class LlamaModel:
         self._fused_cpu = (_cpu_ext is not None and self.device.type == "cpu" and not c.qk_norm
                            and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel)
         if self._fused_cpu:
+            assert _cpu_ext is not None
+            if os.environ.get("PAGEDECODE_MALLOC") != "default":     # see keep_freed_memory in csrc/
+                _cpu_ext.keep_freed_memory()
             none = torch.empty(0, dtype=dtype)
 
             def small_t(w: torch.Tensor) -> torch.Tensor:

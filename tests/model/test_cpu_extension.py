@@ -208,3 +208,34 @@ torch.save(run(m, b, kv, "auto"), sys.argv[1])
         subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env, timeout=120)
         outs.append(torch.load(path))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+
+
+@needs_ext
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="a glibc malloc setting")
+def test_freed_activations_are_reused_not_refaulted():
+    """With the compiled forward in use, a block the size of a step's activations, freed and
+    allocated again, comes back without new page faults (glibc gave it back to the kernel each
+    time, which then zeroed fresh pages); PAGEDECODE_MALLOC=default leaves glibc as it is."""
+    import subprocess
+    import sys
+    code = """
+import resource, sys, torch
+sys.path.insert(0, {tests!r})
+from model.test_cpu_extension import random_model
+random_model(torch.float32)
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.ones(2 << 20)           # 8 MB, written
+    del t
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(max(faults[1:]))
+""".format(tests=str(Path(__file__).resolve().parents[1]))
+    got = {}
+    for mode in ("default", "keep"):
+        env = {**os.environ, "PAGEDECODE_MALLOC": mode}
+        out = subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, capture_output=True,
+                             text=True).stdout
+        got[mode] = int(out.split()[-1])
+    assert got["default"] >= 1500, got          # 2048 pages of 4 KB, zeroed by the kernel each time
+    assert got["keep"] < 100, got
