@@ -214,6 +214,39 @@ inline void qk_scores(const float* q, const float* k, int64_t stride, int64_t m,
   }
 }
 
+#if defined(__AVX512BF16__)
+// The same for bf16 queries and keys where the CPU has AVX-512-BF16: vdpbf16ps takes 32 pairs per
+// instruction straight from the cache page (exact products, float sums), so a page of keys is not
+// widened to float first; s[o] = scale * (q . k_o).
+template <int64_t kD>
+inline void qk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride, int64_t m, float scale,
+                           float* s) {
+  static_assert(kD % 32 == 0);
+  constexpr int64_t V = kD / 32;
+  auto ld = [](const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); };
+  __m512bh qv[V];
+  for (int64_t v = 0; v < V; ++v) qv[v] = ld(q + 32 * v);
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t o = 0;
+  for (; o + 16 <= m; o += 16) {
+    __m512 dots[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      const c10::BFloat16* kr = k + (o + i) * stride;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], ld(kr));
+      for (int64_t v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, qv[v], ld(kr + 32 * v));
+      dots[i] = a;
+    }
+    _mm512_storeu_ps(s + o, _mm512_mul_ps(sum16(dots), sc));
+  }
+  for (; o < m; ++o) {
+    const c10::BFloat16* kr = k + o * stride;
+    float dot = 0.f;
+    for (int64_t d = 0; d < kD; ++d) dot += f32(q[d]) * f32(kr[d]);
+    s[o] = dot * scale;
+  }
+}
+#endif
+
 // acc += sum over o < m of w[o] * v_o, v_o = v + o * stride. With AVX-512: acc in registers, two
 // positions per iteration into separate accumulators (so consecutive FMAs do not wait on each other).
 template <int64_t kD>
@@ -257,6 +290,12 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
                      int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S,
                      int64_t page_size, int64_t H, int64_t Hkv, int64_t head_dim, float scale, T* out) {
   const int64_t D = kD > 0 ? kD : head_dim, G = H / Hkv, page_elems = page_size * Hkv * D;
+#if defined(__AVX512BF16__)
+  // bf16 scores straight from the pages (qk_scores_bf16); the V pages are still widened once each
+  constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
+#else
+  constexpr bool kDotBf16 = false;
+#endif
   std::vector<int64_t> block_seq, block_row;
   for (int64_t s = 0; s < S; ++s) {
     if (cu[s + 1] - cu[s] >= kMatmulRows) continue;          // prefill_attention takes it
@@ -296,12 +335,24 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
       for (int64_t j = 0; j < nq; ++j) {                        // query j: row r0 + j / H, head j % H
         const int64_t r = r0 + j / H;
         vis[j] = cached + (r - cu[s]) + 1;
+        if constexpr (kDotBf16) continue;                      // read in place instead
         const T* src = qkv + r * q_stride + (j % H) * D;
         for (int64_t d = 0; d < D; ++d) q[j * D + d] = f32(src[d]) * scale;
       }
       scores.resize(nq * width);
       for (int64_t p0 = 0; p0 < width; p0 += page_size) {
         const int64_t n = std::min(page_size, width - p0);
+        if constexpr (kDotBf16) {
+#if defined(__AVX512BF16__)
+          const T* k = kc + static_cast<int64_t>(pages[p0 / page_size]) * page_elems;
+          for (int64_t j = 0; j < nq; ++j) {
+            const T* qj = qkv + (r0 + j / H) * q_stride + (j % H) * D;
+            qk_scores_bf16<kD>(qj, k + ((j % H) / G) * D, Hkv * D, std::min(n, vis[j] - p0), scale,
+                               scores.data() + j * width + p0);
+          }
+#endif
+          continue;
+        }
         const float* k = page_as_float(kc, pages[p0 / page_size], n, kf);
         for (int64_t j = 0; j < nq; ++j) {
           const float* qj = q.data() + j * D;
