@@ -52,7 +52,7 @@ LLAMACPP = ROOT / ".cache" / "llamacpp"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def progress(total: int, desc: str) -> Any:
+def progress(total: int, desc: str, unit: str = "tok") -> Any:
     try:
         from tqdm import tqdm
     except ImportError:                     # make bench installs it; without it, no bar
@@ -60,7 +60,7 @@ def progress(total: int, desc: str) -> Any:
             def update(self, n: int = 1) -> None: ...
             def close(self) -> None: ...
         return Quiet()
-    return tqdm(total=total, desc=desc, unit="tok", leave=False, file=sys.stderr, mininterval=0.5)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr, mininterval=0.5)
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -234,6 +234,23 @@ def run_transformers(path: Path, reqs: list, batch: int, device: str, dtype: str
     return {"seconds": elapsed, "tokens": tokens, **latency(t0, arrivals)}
 
 
+def transformers_in_child(threads: int, *args: Any) -> dict[str, Any]:
+    """run_transformers in a fresh process: nothing pagedecode set in this one (its CPU forward
+    sets glibc's malloc thresholds for the process; the heap it leaves) applies to transformers."""
+    import multiprocessing
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
+        return pool.apply(_transformers_with_threads, (threads, *args))
+    finally:                       # close + join, not terminate: the child exits on its own
+        pool.close()
+        pool.join()
+
+
+def _transformers_with_threads(threads: int, *args: Any) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    return run_transformers(*args)
+
+
 def llamacpp_gguf(path: Path, dtype: str) -> Path | None:
     """The checkpoint converted by llama.cpp's own script (once), or None without a build."""
     if not (LLAMACPP / "bin" / "llama-bench").is_file():
@@ -311,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                 got["pagedecode"] = median_run([run_pagedecode(path, reqs, args.device, args.dtype)
                                                 for _ in range(repeat)])
             if "transformers" in engines:
-                got["transformers"] = median_run([run_transformers(path, reqs, row["hf_batch"], args.device,
-                                                                   args.dtype) for _ in range(repeat)])
+                got["transformers"] = median_run([transformers_in_child(args.threads, path, reqs, row["hf_batch"],
+                                                                        args.device, args.dtype)
+                                                  for _ in range(repeat)])
             if gguf is not None:
                 got["llamacpp"] = run_llamacpp(gguf, reqs, args.threads, repeat)
             for name, r in got.items():

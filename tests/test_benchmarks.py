@@ -83,6 +83,21 @@ def test_engine_vs_hf_single_on_stories(stories_path, tmp_path):
     assert result["threads"] == torch.get_num_threads() and result["dtype"] == "float32"
 
 
+def test_dtype_ratio_interleaves_runs(stories_path, tmp_path):
+    """dtype_ratio.py: both dtypes every round, one ratio per round, their median in the JSON."""
+    import dtype_ratio
+    out = tmp_path / "ratio.json"
+    assert dtype_ratio.main(["--stories", str(stories_path), "--models", "stories260k", "--rounds", "2",
+                             "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert len(row["float32"]["tok_s"]) == len(row["bfloat16"]["tok_s"]) == 2
+    assert len(row["round_ratios"]) == 2 and row["min_ratio"] <= row["median_ratio"] <= row["max_ratio"]
+    assert row["round_ratios"][0] == pytest.approx(row["bfloat16"]["tok_s"][0] / row["float32"]["tok_s"][0],
+                                                   rel=0.01)
+    with pytest.raises(SystemExit):
+        dtype_ratio.main(["--dtypes", "float32", "--out", str(out)])
+
+
 def test_no_benchmark_script_shadows_an_installed_module():
     """A script's folder is the first entry of sys.path: benchmarks/kernels.py once hid the `kernels`
     package transformers imports, so engine_vs_hf.py failed on a fresh machine."""
