@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -305,7 +306,29 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
     }
   }
   const int64_t items = static_cast<int64_t>(block_seq.size());
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Items differ in work (rows x the context they see: a mixed batch holds 16- and 700-token
+  // sequences), so contiguous equal-count shares left a thread waiting on the other. Each thread
+  // gets a bin instead, filled longest item first into the least-loaded bin.
+  const int64_t bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> order(items), bin_of(items), bin_start(bins + 1, 0);
+  {
+    std::vector<int64_t> work(items), load(bins, 0);
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t s = block_seq[it], r1 = std::min<int64_t>(block_row[it] + kRowBlock, cu[s + 1]);
+      work[it] = (r1 - block_row[it]) * (lens[s] - (cu[s + 1] - r1));
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+    for (int64_t it : order) {
+      bin_of[it] = std::min_element(load.begin(), load.end()) - load.begin();
+      load[bin_of[it]] += work[it];
+      ++bin_start[bin_of[it] + 1];
+    }
+    for (int64_t t = 0; t < bins; ++t) bin_start[t + 1] += bin_start[t];
+    std::vector<int64_t> fill(bin_start.begin(), bin_start.end() - 1);
+    for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;    // each bin in batch order
+  }
+  at::parallel_for(0, bins, 1, [&](int64_t bin_begin, int64_t bin_end) {
     // scratch kept per thread across calls (resize only grows it): no allocation per layer
     thread_local std::vector<float> q, scores, acc, denom, kf, vf;
     thread_local std::vector<int64_t> vis;
@@ -324,7 +347,8 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
         return buf.data();
       }
     };
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t k = bin_start[bin_begin]; k < bin_start[bin_end]; ++k) {
+      const int64_t it = order[k];
       const int64_t s = block_seq[it], r0 = block_row[it];
       const int64_t r1 = std::min<int64_t>(r0 + kRowBlock, cu[s + 1]), nq = (r1 - r0) * H;
       const int64_t cached = lens[s] - (cu[s + 1] - cu[s]);
