@@ -510,7 +510,7 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedecode._cpu.forward
 // per output beats the BLAS call's setup on small layers, and reads a large layer's weights at
 // memory speed (for bf16, half the bytes of float32, converted in registers).
 constexpr int64_t kGemvRows = 4;
-constexpr int64_t kPerLayer = 12;
+constexpr int64_t kPerLayer = 16;
 
 // sum x[k] * w[k], k < n, in float, bf16 weights widened in registers. With AVX-512: four vector
 // accumulators over consecutive 64-element blocks, so the FMAs do not wait on each other's latency
@@ -640,11 +640,15 @@ void gemv_transposed(const T* x, const T* wt, const T* b, T* out, int64_t rows, 
   }
 }
 
-// x (rows, in) @ w (n_out, in)^T + b; wt: w transposed for a small layer, else empty. The gemv
-// paths write into buf (allocated on first use, then reused by every layer: a decode step of a
-// small model would otherwise spend a good part of its time allocating).
+// x (rows, in) @ w (n_out, in)^T + b; wt: w transposed for a small layer, else empty; packed: w in
+// oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight), else empty. The gemv paths
+// write into buf (allocated on first use, then reused by every layer: a decode step of a small
+// model would otherwise spend a good part of its time allocating). oneDNN given a plain weight
+// re-blocks it on every call: the packed copy made 8-52-row matmuls of a 135M model 1.3-2.5x
+// faster (the same results, bit for bit), prefill-sized ones 3-10%.
 template <typename T>
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& wt, Tensor& buf) {
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& wt, const Tensor& packed,
+              Tensor& buf) {
   const bool bias = b.defined() && b.numel() > 0;
   const int64_t rows = x.size(0), n_out = w.size(0);
   if (rows <= kGemvRows && x.is_contiguous()) {
@@ -656,20 +660,21 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
     return buf;
   }
   if (const LinearOp* op = onednn_linear())
-    return op->call(x.contiguous(), w, bias ? std::optional<Tensor>(b) : std::nullopt, "none",
+    return op->call(x.contiguous(), packed.is_mkldnn() ? packed : w, bias ? std::optional<Tensor>(b) : std::nullopt, "none",
                     c10::List<std::optional<c10::Scalar>>(), std::nullopt);
   return bias ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
 }
 
 // layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, then the
-// four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), an empty
-// tensor for an absent bias or a layer without its transposed copy; lm_head_t likewise.
+// four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), then the
+// same four packed for oneDNN; an empty tensor for an absent bias, a layer without its transposed
+// copy, or a weight not packed; lm_head_t and lm_head_packed likewise.
 // k_cache, v_cache: (layers, pages, page_size, Hkv, D).
 template <typename T>
 Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
                     const Tensor& logits_indices, const Tensor& embed, const Tensor& final_norm,
-                    const Tensor& lm_head, const Tensor& lm_head_t, const Tensor& cos, const Tensor& sin,
+                    const Tensor& lm_head, const Tensor& lm_head_t, const Tensor& lm_head_packed, const Tensor& cos, const Tensor& sin,
                     const std::vector<Tensor>& layers, const Tensor& k_cache, const Tensor& v_cache,
                     int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d) {
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
@@ -692,7 +697,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
   for (int64_t i = 0; i < n_layers; ++i) {
     const Tensor* L = layers.data() + kPerLayer * i;
-    Tensor qkv = linear<T>(x, L[1], L[2], L[8], buf_qkv).contiguous();          // (T, (H + 2 Hkv) D)
+    Tensor qkv = linear<T>(x, L[1], L[2], L[8], L[12], buf_qkv).contiguous();          // (T, (H + 2 Hkv) D)
     T* kc = k_cache.data_ptr<T>() + i * per_layer;
     T* vc = v_cache.data_ptr<T>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
@@ -701,25 +706,25 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
               seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
               attn.data_ptr<T>());
     if (!chunks.empty()) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
-    Tensor o = linear<T>(attn, L[3], L[4], L[9], buf_o);
+    Tensor o = linear<T>(attn, L[3], L[4], L[9], L[13], buf_o);
     add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
-    Tensor gate_up = linear<T>(x, L[6], Tensor(), L[10], buf_gate_up);                  // (T, 2 I)
+    Tensor gate_up = linear<T>(x, L[6], Tensor(), L[10], L[14], buf_gate_up);                  // (T, 2 I)
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), T_, I);
-    Tensor down = linear<T>(act, L[7], Tensor(), L[11], buf_down);
+    Tensor down = linear<T>(act, L[7], Tensor(), L[11], L[15], buf_down);
     const T* next_ln = i + 1 < n_layers ? layers[kPerLayer * (i + 1)].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), T_, hidden, eps);
   }
   Tensor last = h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
   rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps);
-  return linear<T>(normed, lm_head, Tensor(), lm_head_t, buf_logits).to(at::kFloat);
+  return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits).to(at::kFloat);
 }
 
 Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
                Tensor cu_q, Tensor logits_indices, Tensor embed, Tensor final_norm, Tensor lm_head,
-               Tensor lm_head_t, Tensor cos, Tensor sin, std::vector<Tensor> layers, Tensor k_cache, Tensor v_cache,
+               Tensor lm_head_t, Tensor lm_head_packed, Tensor cos, Tensor sin, std::vector<Tensor> layers, Tensor k_cache, Tensor v_cache,
                int64_t H, int64_t Hkv, int64_t D, double eps, double scale) {
-  check(layers.size() % kPerLayer == 0 && !layers.empty(), "layers must hold 12 tensors per layer");
+  check(layers.size() % kPerLayer == 0 && !layers.empty(), "layers must hold 16 tensors per layer");
   check(ids.dtype() == at::kLong && positions.dtype() == at::kLong && slot_mapping.dtype() == at::kLong &&
             logits_indices.dtype() == at::kLong, "ids, positions, slot_mapping, logits_indices must be int64");
   check(page_table.dtype() == at::kInt && seq_lens.dtype() == at::kInt && cu_q.dtype() == at::kInt,
@@ -728,13 +733,13 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
   check(k_cache.is_contiguous() && v_cache.is_contiguous() && page_table.is_contiguous(), "caches must be contiguous");
   check(k_cache.dtype() == embed.dtype(), "cache and weights must share a dtype");
   check(D % 2 == 0 && H % Hkv == 0, "head_dim must be even and heads a multiple of kv heads");
-  for (const auto& t : layers) check(t.numel() == 0 || t.is_contiguous(), "weights must be contiguous");
+  for (const auto& t : layers) check(t.is_mkldnn() || t.numel() == 0 || t.is_contiguous(), "weights must be contiguous");
   if (embed.scalar_type() == at::kFloat)
     return forward_impl<float>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices, embed,
-                               final_norm, lm_head, lm_head_t, cos, sin, layers, k_cache, v_cache, H, Hkv, D, eps, scale);
+                               final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache, H, Hkv, D, eps, scale);
   check(embed.scalar_type() == at::kBFloat16, "weights must be float32 or bfloat16");
   return forward_impl<at::BFloat16>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices,
-                                    embed, final_norm, lm_head, lm_head_t, cos, sin, layers, k_cache, v_cache, H, Hkv, D,
+                                    embed, final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache, H, Hkv, D,
                                     eps, scale);
 }
 

@@ -5,7 +5,8 @@ import torch
 def forward(
     ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, cu_q: torch.Tensor, logits_indices: torch.Tensor, embed: torch.Tensor,
-    final_norm: torch.Tensor, lm_head: torch.Tensor, lm_head_t: torch.Tensor, cos: torch.Tensor,
+    final_norm: torch.Tensor, lm_head: torch.Tensor, lm_head_t: torch.Tensor, lm_head_packed: torch.Tensor,
+    cos: torch.Tensor,
     sin: torch.Tensor, layers: list[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
 ) -> torch.Tensor: ...

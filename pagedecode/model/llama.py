@@ -122,11 +122,27 @@ class LlamaModel:
                 layer spends most of a dot product per output in its horizontal sum)."""
                 return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
 
+            pack = (torch.backends.mkldnn.is_available() and os.environ.get("PAGEDECODE_CPU_MATMUL") != "aten"
+                    and os.environ.get("PAGEDECODE_CPU_PACK") != "0")
+
+            def packed(w: torch.Tensor) -> torch.Tensor:
+                """w in oneDNN's blocked layout, for the compiled forward's matmuls of more than a
+                few rows (given a plain weight, oneDNN re-blocks it on every call). A second copy
+                of the weights: PAGEDECODE_CPU_PACK=0 goes without it."""
+                if not pack:
+                    return none
+                try:
+                    return torch.ops.mkldnn._reorder_linear_weight(w, 64)
+                except (RuntimeError, AttributeError):      # a torch without the op: plain weights
+                    return none
+
             self._flat_layers = [t for L in self.layers for t in (
                 L.ln1, L.qkv_w, none if L.qkv_b is None else L.qkv_b, L.o_w, none if L.o_b is None else L.o_b,
                 L.ln2, L.gate_up_w, L.down_w,
-                small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w))]
+                small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w),
+                packed(L.qkv_w), packed(L.o_w), packed(L.gate_up_w), packed(L.down_w))]
             self._lm_head_t = small_t(self.lm_head)
+            self._lm_head_packed = packed(self.lm_head)
             self._cos32, self._sin32 = cos.float().contiguous(), sin.float().contiguous()
 
     def uses_cpu_extension(self) -> bool:
@@ -142,7 +158,7 @@ class LlamaModel:
             b = batch
             return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
                                     b.logits_indices, self.embed, self.final_norm, self.lm_head, self._lm_head_t,
-                                    self._cos32, self._sin32, self._flat_layers, kv.k, kv.v, c.num_heads, c.num_kv_heads,
+                                    self._lm_head_packed, self._cos32, self._sin32, self._flat_layers, kv.k, kv.v, c.num_heads, c.num_kv_heads,
                                     c.head_dim, c.rms_norm_eps, self.scale)
         T = batch.num_tokens
         h = self._embed(batch.input_ids)                                  # (T, hidden)

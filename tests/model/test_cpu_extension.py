@@ -184,8 +184,9 @@ def test_falls_back_where_it_does_not_apply():
 
 @needs_ext
 def test_aten_matmul_fallback_matches(tmp_path):
-    """PAGEDECODE_CPU_MATMUL=aten (at::mm instead of oneDNN's linear) gives the same logits: run
-    in a child process, as the choice is read once per process."""
+    """PAGEDECODE_CPU_MATMUL=aten (at::mm instead of oneDNN's linear) gives the same logits, and
+    PAGEDECODE_CPU_PACK=0 (oneDNN on plain weights) bit for bit: run in child processes, as the
+    matmul choice is read once per process."""
     import subprocess
     import sys
     code = """
@@ -202,12 +203,14 @@ b = mixed_batch(rng, 4, pages, [(0, 1), (0, 8), (0, 30)])
 torch.save(run(m, b, kv, "auto"), sys.argv[1])
 """.format(tests=str(Path(__file__).resolve().parents[1]))
     outs = []
-    for mode in ("aten", "default"):
-        env = {**os.environ, "PAGEDECODE_CPU_MATMUL": mode}
-        path = tmp_path / f"{mode}.pt"
+    for matmul, pack in (("aten", "1"), ("default", "1"), ("default", "0")):
+        env = {**os.environ, "PAGEDECODE_CPU_MATMUL": matmul, "PAGEDECODE_CPU_PACK": pack}
+        path = tmp_path / f"{matmul}-{pack}.pt"
         subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env, timeout=120)
         outs.append(torch.load(path))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+    # oneDNN's packed weights (the default) and plain ones: the same kernels, the same bits
+    assert torch.equal(outs[1], outs[2])
 
 
 @needs_ext
