@@ -111,12 +111,12 @@ def test_matches_torch_path_on_mixed_batches(dtype, tol, shape, page_size):
     assert model.uses_cpu_extension()
     num_pages = 640 // page_size
     rng = random.Random(1)
-    for trial in range(4):
+    for trial in range(5):
         specs = [(rng.randrange(0, 30), 1) for _ in range(3)] + [
             (0, rng.randrange(2, 12)), (rng.randrange(1, 9), rng.randrange(2, 7)),
             (0, rng.randrange(16, 40)), (rng.randrange(1, 30), rng.randrange(16, 30))]
-        if trial == 3:      # a decode step of a few rows: the dot-product gemv (kGemvRows)
-            specs = [(rng.randrange(1, 40), 1) for _ in range(3)]
+        if trial >= 3:      # decode steps of 2 and 4 rows: the dot-product gemv (kGemvRows: 2 f32, 4 bf16)
+            specs = [(rng.randrange(1, 40), 1) for _ in range(2 if trial == 3 else 4)]
         check_against_torch(model, shape, rng, page_size, num_pages, specs, tol)
 
 
