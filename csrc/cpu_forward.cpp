@@ -216,6 +216,9 @@ inline void qk_scores(const float* q, const float* k, int64_t stride, int64_t m,
 }
 
 #if defined(__AVX512BF16__)
+// 32 bf16 values as vdpbf16ps takes them
+inline __m512bh load_bf16(const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
 // The same for bf16 queries and keys where the CPU has AVX-512-BF16: vdpbf16ps takes 32 pairs per
 // instruction straight from the cache page (exact products, float sums), so a page of keys is not
 // widened to float first; s[o] = scale * (q . k_o).
@@ -224,17 +227,16 @@ inline void qk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64
                            float* s) {
   static_assert(kD % 32 == 0);
   constexpr int64_t V = kD / 32;
-  auto ld = [](const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); };
   __m512bh qv[V];
-  for (int64_t v = 0; v < V; ++v) qv[v] = ld(q + 32 * v);
+  for (int64_t v = 0; v < V; ++v) qv[v] = load_bf16(q + 32 * v);
   const __m512 sc = _mm512_set1_ps(scale);
   int64_t o = 0;
   for (; o + 16 <= m; o += 16) {
     __m512 dots[16];
     for (int64_t i = 0; i < 16; ++i) {
       const c10::BFloat16* kr = k + (o + i) * stride;
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], ld(kr));
-      for (int64_t v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, qv[v], ld(kr + 32 * v));
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bf16(kr));
+      for (int64_t v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, qv[v], load_bf16(kr + 32 * v));
       dots[i] = a;
     }
     _mm512_storeu_ps(s + o, _mm512_mul_ps(sum16(dots), sc));
@@ -286,6 +288,32 @@ inline void pv_accumulate(const float* w, const float* v, int64_t stride, int64_
   }
 }
 
+// Work items to `bins` threads. Items differ in work (a mixed batch holds 16- and 700-token
+// sequences), so contiguous equal-count shares left a thread waiting on the other: each item goes,
+// longest first, to the least-loaded bin. Out: order (the items bin by bin, each bin in batch order)
+// and bin_start (bin t holds order[bin_start[t] .. bin_start[t + 1])).
+void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t>& order,
+             std::vector<int64_t>& bin_start) {
+  const int64_t items = static_cast<int64_t>(work.size());
+  order.resize(items);
+  std::iota(order.begin(), order.end(), 0);
+  bin_start.assign(bins + 1, 0);
+  if (bins == 1 || bins == items) {          // nothing to balance: one bin, or an item per bin
+    for (int64_t t = 0; t <= bins; ++t) bin_start[t] = bins == 1 ? (t == 0 ? 0 : items) : t;
+    return;
+  }
+  std::vector<int64_t> bin_of(items), load(bins, 0), by_work(order);
+  std::stable_sort(by_work.begin(), by_work.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+  for (int64_t it : by_work) {
+    bin_of[it] = std::min_element(load.begin(), load.end()) - load.begin();
+    load[bin_of[it]] += work[it];
+    ++bin_start[bin_of[it] + 1];
+  }
+  for (int64_t t = 0; t < bins; ++t) bin_start[t + 1] += bin_start[t];
+  std::vector<int64_t> fill(bin_start.begin(), bin_start.end() - 1);
+  for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;
+}
+
 template <typename T, int64_t kD>
 void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt,
                      int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S,
@@ -306,28 +334,17 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
     }
   }
   const int64_t items = static_cast<int64_t>(block_seq.size());
-  // Items differ in work (rows x the context they see: a mixed batch holds 16- and 700-token
-  // sequences), so contiguous equal-count shares left a thread waiting on the other. Each thread
-  // gets a bin instead, filled longest item first into the least-loaded bin.
   const int64_t bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  std::vector<int64_t> order(items), bin_of(items), bin_start(bins + 1, 0);
-  {
-    std::vector<int64_t> work(items), load(bins, 0);
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t s = block_seq[it], r1 = std::min<int64_t>(block_row[it] + kRowBlock, cu[s + 1]);
-      work[it] = (r1 - block_row[it]) * (lens[s] - (cu[s + 1] - r1));
-    }
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
-    for (int64_t it : order) {
-      bin_of[it] = std::min_element(load.begin(), load.end()) - load.begin();
-      load[bin_of[it]] += work[it];
-      ++bin_start[bin_of[it] + 1];
-    }
-    for (int64_t t = 0; t < bins; ++t) bin_start[t + 1] += bin_start[t];
-    std::vector<int64_t> fill(bin_start.begin(), bin_start.end() - 1);
-    for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;    // each bin in batch order
+  // kept across calls (no allocation a layer); named through references, which the workers'
+  // lambda below captures (a thread_local named inside it would be the worker's own)
+  thread_local std::vector<int64_t> work_, order_, bin_start_;
+  std::vector<int64_t>&work = work_, &order = order_, &bin_start = bin_start_;
+  work.resize(items);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t s = block_seq[it], r1 = std::min<int64_t>(block_row[it] + kRowBlock, cu[s + 1]);
+    work[it] = (r1 - block_row[it]) * (lens[s] - (cu[s + 1] - r1));     // rows x the context they see
   }
+  balance(work, bins, order, bin_start);
   at::parallel_for(0, bins, 1, [&](int64_t bin_begin, int64_t bin_end) {
     // scratch kept per thread across calls (resize only grows it): no allocation per layer
     thread_local std::vector<float> q, scores, acc, denom, kf, vf;
@@ -564,17 +581,16 @@ inline float dot_row(const float* x, const T* w, int64_t n) {
 // (exactly, in float) and adds them into 16 float lanes in one instruction, so nothing is widened
 // (the widening path above is instruction-bound well below memory speed on one core).
 inline float dot_row_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_t n) {
-  auto ld = [](const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); };
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 128 <= n; k += 128) {
     prefetch_ahead(w + k);
-    a0 = _mm512_dpbf16_ps(a0, ld(x + k), ld(w + k));
-    a1 = _mm512_dpbf16_ps(a1, ld(x + k + 32), ld(w + k + 32));
-    a2 = _mm512_dpbf16_ps(a2, ld(x + k + 64), ld(w + k + 64));
-    a3 = _mm512_dpbf16_ps(a3, ld(x + k + 96), ld(w + k + 96));
+    a0 = _mm512_dpbf16_ps(a0, load_bf16(x + k), load_bf16(w + k));
+    a1 = _mm512_dpbf16_ps(a1, load_bf16(x + k + 32), load_bf16(w + k + 32));
+    a2 = _mm512_dpbf16_ps(a2, load_bf16(x + k + 64), load_bf16(w + k + 64));
+    a3 = _mm512_dpbf16_ps(a3, load_bf16(x + k + 96), load_bf16(w + k + 96));
   }
-  for (; k + 32 <= n; k += 32) a0 = _mm512_dpbf16_ps(a0, ld(x + k), ld(w + k));
+  for (; k + 32 <= n; k += 32) a0 = _mm512_dpbf16_ps(a0, load_bf16(x + k), load_bf16(w + k));
   float d = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
   for (; k < n; ++k) d += f32(x[k]) * f32(w[k]);
   return d;
@@ -663,7 +679,7 @@ void gemv_transposed(const T* x, const T* wt, const T* b, T* out, int64_t rows, 
 // write into buf (allocated on first use, then reused by every layer: a decode step of a small
 // model would otherwise spend a good part of its time allocating). oneDNN given a plain weight
 // re-blocks it on every call: the packed copy made 8-52-row matmuls of a 135M model 1.3-2.5x
-// faster (the same results, bit for bit), prefill-sized ones 3-10%.
+// faster (the same results, bit for bit), 300- and 2048-row ones 3-12%.
 template <typename T>
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& wt, const Tensor& packed,
               Tensor& buf) {
@@ -678,7 +694,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
     return buf;
   }
   if (const LinearOp* op = onednn_linear())
-    return op->call(x.contiguous(), packed.is_mkldnn() ? packed : w, bias ? std::optional<Tensor>(b) : std::nullopt, "none",
+    return op->call(x.contiguous(), packed.is_mkldnn() ? packed : w,
+                    bias ? std::optional<Tensor>(b) : std::nullopt, "none",
                     c10::List<std::optional<c10::Scalar>>(), std::nullopt);
   return bias ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
 }
@@ -692,8 +709,9 @@ template <typename T>
 Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
                     const Tensor& logits_indices, const Tensor& embed, const Tensor& final_norm,
-                    const Tensor& lm_head, const Tensor& lm_head_t, const Tensor& lm_head_packed, const Tensor& cos, const Tensor& sin,
-                    const std::vector<Tensor>& layers, const Tensor& k_cache, const Tensor& v_cache,
+                    const Tensor& lm_head, const Tensor& lm_head_t, const Tensor& lm_head_packed,
+                    const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& layers,
+                    const Tensor& k_cache, const Tensor& v_cache,
                     int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d) {
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
   const int64_t T_ = ids.size(0), hidden = embed.size(1), S = seq_lens.size(0);
@@ -715,7 +733,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
   for (int64_t i = 0; i < n_layers; ++i) {
     const Tensor* L = layers.data() + kPerLayer * i;
-    Tensor qkv = linear<T>(x, L[1], L[2], L[8], L[12], buf_qkv).contiguous();          // (T, (H + 2 Hkv) D)
+    Tensor qkv = linear<T>(x, L[1], L[2], L[8], L[12], buf_qkv).contiguous();     // (T, (H + 2 Hkv) D)
     T* kc = k_cache.data_ptr<T>() + i * per_layer;
     T* vc = v_cache.data_ptr<T>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
@@ -726,7 +744,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
     if (!chunks.empty()) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
     Tensor o = linear<T>(attn, L[3], L[4], L[9], L[13], buf_o);
     add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
-    Tensor gate_up = linear<T>(x, L[6], Tensor(), L[10], L[14], buf_gate_up);                  // (T, 2 I)
+    Tensor gate_up = linear<T>(x, L[6], Tensor(), L[10], L[14], buf_gate_up);    // (T, 2 I)
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), T_, I);
     Tensor down = linear<T>(act, L[7], Tensor(), L[11], L[15], buf_down);
     const T* next_ln = i + 1 < n_layers ? layers[kPerLayer * (i + 1)].data_ptr<T>() : nullptr;
@@ -740,8 +758,8 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
 
 Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
                Tensor cu_q, Tensor logits_indices, Tensor embed, Tensor final_norm, Tensor lm_head,
-               Tensor lm_head_t, Tensor lm_head_packed, Tensor cos, Tensor sin, std::vector<Tensor> layers, Tensor k_cache, Tensor v_cache,
-               int64_t H, int64_t Hkv, int64_t D, double eps, double scale) {
+               Tensor lm_head_t, Tensor lm_head_packed, Tensor cos, Tensor sin, std::vector<Tensor> layers,
+               Tensor k_cache, Tensor v_cache, int64_t H, int64_t Hkv, int64_t D, double eps, double scale) {
   check(layers.size() % kPerLayer == 0 && !layers.empty(), "layers must hold 16 tensors per layer");
   check(ids.dtype() == at::kLong && positions.dtype() == at::kLong && slot_mapping.dtype() == at::kLong &&
             logits_indices.dtype() == at::kLong, "ids, positions, slot_mapping, logits_indices must be int64");
@@ -751,20 +769,22 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
   check(k_cache.is_contiguous() && v_cache.is_contiguous() && page_table.is_contiguous(), "caches must be contiguous");
   check(k_cache.dtype() == embed.dtype(), "cache and weights must share a dtype");
   check(D % 2 == 0 && H % Hkv == 0, "head_dim must be even and heads a multiple of kv heads");
-  for (const auto& t : layers) check(t.is_mkldnn() || t.numel() == 0 || t.is_contiguous(), "weights must be contiguous");
+  for (const auto& t : layers)
+    check(t.is_mkldnn() || t.numel() == 0 || t.is_contiguous(), "weights must be contiguous");
   if (embed.scalar_type() == at::kFloat)
     return forward_impl<float>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices, embed,
-                               final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache, H, Hkv, D, eps, scale);
+                               final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache,
+                               H, Hkv, D, eps, scale);
   check(embed.scalar_type() == at::kBFloat16, "weights must be float32 or bfloat16");
   return forward_impl<at::BFloat16>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices,
-                                    embed, final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache, H, Hkv, D,
-                                    eps, scale);
+                                    embed, final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers,
+                                    k_cache, v_cache, H, Hkv, D, eps, scale);
 }
 
 // glibc's malloc hands blocks over its mmap threshold back to the kernel on free, and trims the
 // heap's free top, so every forward's activations and oneDNN outputs (a few MB at a decode batch
 // of 64, tens at a 2048-row prefill) came back as fresh pages the kernel zeroes: measured 8.4 s of
-// system time in a 28 s mixed workload on a 135M model, 2.5 s with blocks kept for reuse. Fixed
+// system time in a 28 s mixed workload on a 135M model, 2.6 s with blocks kept for reuse. Fixed
 // thresholds (the largest mmap threshold glibc takes, 32 MB; 1 GB of free heap kept) keep what a
 // step frees for the next step: the process holds its peak heap instead of returning it. Returns
 // whether glibc took both settings (false elsewhere).

@@ -158,8 +158,8 @@ class LlamaModel:
             b = batch
             return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
                                     b.logits_indices, self.embed, self.final_norm, self.lm_head, self._lm_head_t,
-                                    self._lm_head_packed, self._cos32, self._sin32, self._flat_layers, kv.k, kv.v, c.num_heads, c.num_kv_heads,
-                                    c.head_dim, c.rms_norm_eps, self.scale)
+                                    self._lm_head_packed, self._cos32, self._sin32, self._flat_layers, kv.k, kv.v,
+                                    c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
         T = batch.num_tokens
         h = self._embed(batch.input_ids)                                  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)

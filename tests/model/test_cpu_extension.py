@@ -217,14 +217,17 @@ torch.save(run(m, b, kv, "auto"), sys.argv[1])
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="a glibc malloc setting")
 def test_freed_activations_are_reused_not_refaulted():
     """With the compiled forward in use, a step's activations, freed and allocated again, come back
-    without new page faults (glibc gave them back to the kernel, which then zeroed fresh pages);
-    PAGEDECODE_MALLOC=default leaves glibc as it is."""
+    without new page faults. With glibc as it is, the same child usually faulted ~12,000 pages of
+    4 KB in on every step (glibc trims the freed top of its heap past twice the size it last served
+    by mmap, 64 MB at most), but not always (a live block above them can keep them), so the
+    default is not asserted here; PAGEDECODE_MALLOC=default leaves glibc alone."""
     import subprocess
     import sys
     code = """
 import resource, sys, torch
 sys.path.insert(0, {tests!r})
 from model.test_cpu_extension import random_model
+from pagedecode import _cpu
 model = random_model(torch.float32)    # kept alive, as an engine keeps its model
 faults = []
 for _ in range(8):                    # a "step": three 24 MB activations, written, then freed
@@ -232,15 +235,10 @@ for _ in range(8):                    # a "step": three 24 MB activations, writt
     step = [torch.ones(6 << 20) for _ in range(3)]
     del step
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(min(faults[4:]), max(faults[4:]))
+print(_cpu.keep_freed_memory(), max(faults[2:]))
 """.format(tests=str(Path(__file__).resolve().parents[1]))
-    got = {}
-    for mode in ("default", "keep"):
-        env = {**os.environ, "PAGEDECODE_MALLOC": mode}
-        out = subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, capture_output=True,
-                             text=True).stdout
-        got[mode] = [int(v) for v in out.split()[-2:]]
-    # by default glibc trims the freed top of its heap past twice the size it last served by mmap
-    # (64 MB at most): here ~12,000 pages of 4 KB faulted in, zeroed by the kernel, on every step
-    assert got["default"][0] >= 4000, got
-    assert got["keep"][1] < 100, got
+    env = {**os.environ, "PAGEDECODE_MALLOC": "keep"}
+    out = subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, capture_output=True,
+                         text=True).stdout.split()
+    assert out[-2] == "True", out                  # glibc took both settings
+    assert int(out[-1]) < 100, out                 # after the first steps, none faulted in again
