@@ -1,4 +1,5 @@
-"""The synchronous engine: requests in, ordered events out, one safe point per step.
+"""The synchronous engine: requests in, ordered events out, one safe point per step (its checks
+and every way a request ends are in terminations.py).
 
 A step is a transaction: schedule (under the lock), then build the batch, run the model and
 choose tokens without touching any request, then commit under the lock. An exception before
@@ -8,7 +9,6 @@ effect at the safe points around it.
 """
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
@@ -29,21 +29,19 @@ from .config import DEFAULT_CACHE_TOKENS, EngineConfig
 from .consumer import ConsumerSide
 from .endings import check_ending, is_eos
 from .grammar import Constraints, GrammarCompiler, TokenBitmask
-from .events import Event, RequestOutput, StartEvent, TerminalEvent
+from .events import Event, RequestOutput, StartEvent
 from .intake import make_request
 from .lifecycle import FinishReason, RequestState
-from .output import Emission
 from .page_pool import PagePool
 from .prefix_cache import namespace, register as register_pages
 from .registry import RequestRegistry
-from .request import RESOURCES, Request
+from .request import Request
 from .scheduler import Scheduler, SchedulerOutput
 from .selector import Selection, TokenSelector, TopLogprobs
 from .slots import SlotTable
 from .stream import EventBuffer
+from .terminations import RequestEndings
 from .trace import now_us
-
-log = logging.getLogger("pagedecode")
 
 
 @dataclass
@@ -53,7 +51,7 @@ S, R = RequestState, FinishReason
 ENDED = (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED)
 
 
-class Engine(ConsumerSide):
+class Engine(ConsumerSide, RequestEndings):
     def __init__(self, model: Model, tokenizer: Any, config: EngineConfig | None = None) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model must be a pd.Model (config, device, dtype, forward), got {type(model).__name__}")
@@ -343,115 +341,12 @@ class Engine(ConsumerSide):
             return True
         return False
 
-    def _stop_hit(self, req: Request, stop: str | tuple[int, ...]) -> None:
-        req.stop_reason = stop[0] if isinstance(stop, tuple) and len(stop) == 1 else stop
-        req.trace.add("stop.hit", stop=req.stop_reason, rule_version=1)
-
-    # -- endings ----------------------------------------------------------------------------
-    def _finish(self, req: Request, reason: FinishReason, events: list[Event]) -> None:
-        """A normal end: fix the reason (DRAINING), flush what is held, then FINISHED."""
-        req.transition(S.DRAINING)
-        req.finish_reason = reason
-        if reason != R.STOP_SEQUENCE and req.pipeline is not None:
-            em = req.pipeline.finish("drop" if reason == R.DEADLINE_EXCEEDED else None)
-            self._deliver(req, em, events)
-            if em.stop is not None:
-                self._stop_hit(req, em.stop)
-                reason = R.STOP_SEQUENCE
-            if em.error is not None:
-                self._terminate(req, S.FAILED, R.CONTENT_INTERRUPTED, em.error, events)
-                return
-        self._terminate(req, S.FINISHED, reason, None, events)
-
-    def _fail(self, req: Request, exc: BaseException, events: list[Event]) -> None:
-        if req.state.terminal:
-            log.exception("request %s failed after it ended", req.request_id)
-            return
-        self._terminate(req, S.FAILED, R.MODEL_ERROR, f"{type(exc).__name__}: {exc}", events)
-
-    def _terminate(self, req: Request, state: RequestState, reason: FinishReason, error: str | None,
-                   events: list[Event]) -> None:
-        """Fix the terminal state and emit the terminal event together (caller holds the lock),
-        then release every resource once."""
-        req.transition(state)
-        req.finish_reason = reason
-        req.error = error
-        if req.pipeline is not None:
-            req.timings.hold_s = req.pipeline.hold_s
-        req.trace.add("finish", state=state.value, reason=reason.value, error=error)
-        self._emit(req, TerminalEvent(req.request_id, req.take_seq(), state, reason, req.usage(),
-                                      error, req.stop_reason), events)
-        self._release_all(req)
-        self.requests.finish(req)
-
-    def _release_all(self, req: Request) -> None:
-        """Pages and slot go back through the scheduler, which owns them; the rest is dropped
-        here. Each is marked once (a second release raises); a failing one is logged and the
-        others still go."""
-        try:
-            self.scheduler.release(req)
-        except Exception:
-            log.exception("releasing the pages and slot of request %s failed", req.request_id)
-        for resource in RESOURCES:
-            req.mark_released(resource)
-            req.trace.add("release", resource=resource)
-        # "rng": the seed is the whole generator state; "stream": the engine stops writing to
-        # the buffer, which stays with its consumer until read; "trace": closed below
-        req.trace.closed = True
-        req.grammar = None
-        req.compact()
-
-    def _fail_step(self, plan: SchedulerOutput, exc: BaseException | None, events: list[Event]) -> None:
-        log.error("model step failed: %s: %s", type(exc).__name__, exc)
-        for s in plan.seqs:
-            req = s.request
-            if not req.state.terminal and req.state != S.CANCEL_REQUESTED:
-                self._terminate(req, S.FAILED, R.MODEL_ERROR, f"model step failed: {type(exc).__name__}: {exc}",
-                                events)
-
-    def _safe_point(self, events: list[Event]) -> None:
-        now = time.perf_counter()
-        for req in list(self.requests.live.values()):
-            if req.state == S.CANCEL_REQUESTED:
-                req.trace.add("cancel.effective")
-                self._terminate(req, S.CANCELLED, req.cancel_reason, None, events)
-            elif (req.first_token_deadline is not None and not req.output_ids
-                  and now >= req.first_token_deadline):
-                req.trace.add("deadline", state=req.state.value, first_token=True)
-                self._terminate(req, S.FAILED, R.DEADLINE_EXCEEDED,
-                                f"no first token within {req.params.first_token_timeout_s}s", events)
-            elif req.deadline is not None and now >= req.deadline:
-                req.trace.add("deadline", state=req.state.value)
-                if req.state == S.DECODING:
-                    self._finish(req, R.DEADLINE_EXCEEDED, events)
-                else:
-                    self._terminate(req, S.FAILED, R.DEADLINE_EXCEEDED,
-                                    "deadline passed before decoding started", events)
-            elif req.grammar is not None and (why := req.grammar.failure()) is not None:
-                self._terminate(req, S.FAILED, R.MODEL_ERROR, why, events)
-            elif (req.paused_since is not None and self.config.backpressure == "fail"
-                  and now - req.paused_since > self.config.backpressure_timeout_s):
-                self._terminate(req, S.FAILED, R.TRANSPORT_ERROR,
-                                f"consumer did not read for {self.config.backpressure_timeout_s}s", events)
-
     def _runnable(self, req: Request) -> bool:
         """Not scheduled: a request being cancelled, held back by its full outgoing buffer, or
         waiting for its grammar's compile."""
         if req.grammar is not None and not self.constraints.ready(req.grammar):
             return False
         return req.state != S.CANCEL_REQUESTED and not req.backpressured()
-
-    # -- events out ---------------------------------------------------------------------------
-    def _deliver(self, req: Request, em: Emission, events: list[Event]) -> None:
-        if em.text or em.token_ids:
-            self._emit(req, req.delta(em), events)
-
-    def _emit(self, req: Request, ev: Event, events: list[Event]) -> None:
-        assert isinstance(req.history, list), "a live request's history is a list"
-        req.history.append(ev)
-        events.append(ev)
-        if req.buffer is not None and "stream" not in req.released:
-            req.buffer.push(ev)
 
     def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
