@@ -10,7 +10,8 @@ Shapes:
                      reaches top_p of the mass left after top-k and min-p (ties kept)
         log_min_p    float32, log(min_p) or -inf: keeps z >= max(z) + log_min_p
         seed         int64 (the 64-bit seed's bits), output_index int64
-    returns SampleOutput(tokens int64 (B,), logprobs float32 (B,))
+    returns SampleOutput(tokens int64 (B,), logprobs float32 (B,)); a row left with no token above
+    -inf (bias, mask) gets a NaN logprob on both paths, and its token means nothing
 
 Kernel plan, one program per row: pass 1 applies penalties (writing the processed row once) and
 takes max / sum-exp / argmax; top-k's k-th value comes from a radix select (4 passes); when

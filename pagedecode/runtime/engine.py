@@ -51,6 +51,19 @@ S, R = RequestState, FinishReason
 ENDED = (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED)
 
 
+def nothing_allowed(req: Request) -> str:
+    """Why a request's row had no token to choose: what masked them, in the order applied."""
+    p, why = req.params, []
+    if p.logit_bias:
+        why.append("logit_bias")
+    if len(req.output_ids) < p.min_tokens and (not p.ignore_eos or any(len(q) == 1 for q in p.stop_id_seqs)):
+        why.append(f"min_tokens={p.min_tokens} (EOS and stop ids masked)")
+    if req.grammar is not None:
+        why.append("the grammar")
+    masks = " and ".join(why) or "the sampling parameters"
+    return f"no token is allowed at output position {len(req.output_ids) + 1}: every token is -inf after {masks}"
+
+
 class Engine(ConsumerSide, RequestEndings):
     def __init__(self, model: Model, tokenizer: Any, config: EngineConfig | None = None) -> None:
         if not isinstance(model, Model):
@@ -282,9 +295,9 @@ class Engine(ConsumerSide, RequestEndings):
                         req.trace.token("prefill.chunk", tokens=s.num_new, cache_len=req.num_computed)
                 if s.samples:
                     if i in sel.bad:
-                        if req.grammar is not None:
-                            raise RuntimeError("the grammar allows no token here (or the logits are not finite)")
                         raise FloatingPointError("the model returned non-finite logits (NaN or inf) for it")
+                    if i in sel.empty:
+                        raise RuntimeError(nothing_allowed(req))
                     self._on_token(req, sel.tokens[i], None if sel.logprobs is None else sel.logprobs[i],
                                    None if sel.top is None else sel.top[i], events)
             except Exception as exc:

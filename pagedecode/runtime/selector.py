@@ -24,8 +24,9 @@ TopLogprobs = tuple[tuple[int, float], ...]
 class Selection:
     tokens: list[int]                    # one per row
     logprobs: list[float] | None         # None when no row needed them (greedy, no logprobs)
-    bad: frozenset[int]                  # rows whose logits were not usable (NaN / inf)
+    bad: frozenset[int]                  # rows whose logits were not usable (NaN / inf, or all -inf)
     top: list[TopLogprobs] | None = None  # per row, its N most likely (id, logprob); None: nobody asked
+    empty: frozenset[int] = frozenset()  # rows left with no allowed token (bias, min_tokens, grammar)
 
 
 def uses_penalties(p: SamplingParams) -> bool:
@@ -55,15 +56,19 @@ class TokenSelector:
     def select(self, logits: torch.Tensor, reqs: Sequence[Request], bitmask: torch.Tensor | None = None
                ) -> Selection:
         """logits (N, V), one row per request; bitmask (N, ceil(V / 32)) int32: the tokens each row's
-        grammar allows (all bits set for unconstrained rows), applied after penalties. A row with
-        NaN or +inf, or nothing above -inf, chooses no token: it is reported in `bad`."""
-        logits = self._mask_min_tokens(logits, reqs)
+        grammar allows (all bits set for unconstrained rows), applied after penalties. A row whose
+        logits hold NaN or +inf, or nothing above -inf, chooses no token: it is reported in `bad`.
+        A row that logit_bias, the min_tokens mask and the grammar together leave with no token
+        above -inf chooses none either: it is reported in `empty` (the sampler marks it with a
+        NaN logprob, on both paths)."""
+        masked = self._mask_min_tokens(logits, reqs)
         active = [uses_penalties(r.params) for r in reqs]
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         if bitmask is None and not any(active) and not want_logprobs and all(r.params.greedy for r in reqs):
-            best, argmax = logits.max(dim=-1)       # max propagates NaN
-            return Selection(argmax.tolist(), None,
-                             frozenset(i for i, v in enumerate(best.tolist()) if not math.isfinite(v)))
+            best, argmax = masked.max(dim=-1)       # max propagates NaN
+            unusable = self._bad_rows(best)
+            bad = self._bad_rows(logits.amax(dim=-1)) if unusable else frozenset()
+            return Selection(argmax.tolist(), None, bad, empty=unusable - bad)
         dev = logits.device
         p = [r.params for r in reqs]
         vocab = logits.shape[-1]
@@ -76,22 +81,22 @@ class TokenSelector:
             penalties = make_penalty_inputs(self._penalty_state(), [self._slot(r) for r in reqs],
                                             [q.repetition_penalty for q in p], [q.presence_penalty for q in p],
                                             [q.frequency_penalty for q in p], active, dev)
-        rows = logits.float().contiguous()
+        bad = self._bad_rows(logits.amax(dim=-1))      # the model's own logits, before any mask
+        rows = masked.float().contiguous()
         allowed = None
-        if bitmask is not None:            # unpacked once: the empty-row check and top logprobs
+        if bitmask is not None:            # unpacked once, for top logprobs
             bitmask = bitmask.to(dev, non_blocking=True)
-            allowed = unpack_bitmask(bitmask, vocab)
-            bad = self._bad_rows(rows.masked_fill(~allowed, float("-inf")).amax(dim=-1))
-        else:
-            bad = self._bad_rows(rows.amax(dim=-1))
+            if any(r.params.logprobs for r in reqs):
+                allowed = unpack_bitmask(bitmask, vocab)
         out = sample(rows, inputs, backend=self.backend, penalties=penalties, bitmask=bitmask)
-        tokens = out.tokens.tolist()
+        tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
+        empty = frozenset(i for i, lp in enumerate(logprobs) if not math.isfinite(lp)) - bad
         top = self._top_logprobs(rows, penalties, reqs, allowed)
         if penalties is not None:
             chosen = [(self._slot(r), t) for i, (r, t, a) in enumerate(zip(reqs, tokens, active))
-                      if a and i not in bad]
+                      if a and i not in bad and i not in empty]
             self._penalty_state().record([s for s, _ in chosen], [t for _, t in chosen])
-        return Selection(tokens, out.logprobs.tolist(), bad, top)
+        return Selection(tokens, logprobs, bad, top, empty)
 
     @staticmethod
     def _top_logprobs(rows: torch.Tensor, penalties: PenaltyInputs | None, reqs: Sequence[Request],

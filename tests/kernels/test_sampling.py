@@ -244,3 +244,34 @@ def _to(pen, device):
     st.bias.copy_(pen.state.bias)
     return make_penalty_inputs(st, pen.slot.tolist(), pen.repetition.tolist(), pen.presence.tolist(),
                                pen.frequency.tolist(), pen.active.tolist(), device)
+
+
+@needs_triton
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 0.9), (1.2, 0, 0.5)])
+def test_a_row_with_nothing_allowed_gets_a_nan_logprob_on_both_paths(temperature, top_k, top_p):
+    """Bias -inf on every id, a bias that bans the only finite logit (min_tokens masked the
+    rest), a grammar mask that allows only banned ids: no token is allowed, and both paths say so
+    with a NaN logprob (the selector fails such a row); the other rows are untouched."""
+    g = torch.Generator().manual_seed(19)
+    B, V = 5, 111
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[2] = float("-inf")
+    logits[2, 17] = 1.0                               # only 17 is finite (as if min_tokens masked EOS)
+    state = PenaltyState(B, V, "cpu")
+    state.reset(0, [1], [], {t: float("-inf") for t in range(V)})
+    state.reset(1, [1], [2], {7: 1.0})
+    state.reset(2, [1], [], {17: float("-inf")})
+    state.reset(3, [1], [], {t: float("-inf") for t in range(0, V, 2)})     # even ids banned
+    state.reset(4, [], [], None)
+    mask = torch.full((B, -(-V // 32)), -1, dtype=torch.int32)
+    mask[3] = 0x55555555                              # the grammar allows only even ids
+    pen = make_penalty_inputs(state, list(range(B)), [1.1] * B, [0.2] * B, [0.0] * B, [1, 1, 1, 1, 0], "cpu")
+    inp = inputs([dict(index=i) for i in range(B)], temperature=temperature, top_k=top_k, top_p=top_p, seed=4)
+    ref = sample_ref(logits, inp, pen, mask)
+    out = sample(logits.to(DEVICE), inp.to(DEVICE), backend="triton", penalties=_to(pen, DEVICE),
+                 bitmask=mask.to(DEVICE))
+    for res in (ref, out):
+        lp = res.logprobs.cpu()
+        assert [bool(torch.isnan(lp[i])) for i in range(B)] == [True, False, True, True, False]
+    assert out.tokens.cpu()[[1, 4]].tolist() == ref.tokens[[1, 4]].tolist()
+    torch.testing.assert_close(out.logprobs.cpu()[[1, 4]], ref.logprobs[[1, 4]], atol=1e-5, rtol=1e-5)

@@ -142,6 +142,29 @@ def test_non_finite_logits_fail_that_request_only(value, temperature):
     assert [o.state for o in (outs[0], outs[2])] == [S.FINISHED] * 2 and outs[0].text == "ABABAB"
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, seed=3), dict(logprobs=2)])
+def test_a_row_with_nothing_allowed_fails_that_request_only(stories_engine_factory, backend, sampling):
+    """Bias -inf on every id used to finish normally with token 0 repeated, and min_tokens=3 with
+    all but EOS banned emitted three banned tokens (issue 19, 10f)."""
+    from pagedecode.kernels._backend import HAS_TRITON, interpreting
+    if backend == "triton" and not (HAS_TRITON and interpreting()):
+        pytest.skip("needs the Triton interpreter")
+    eng = stories_engine_factory(sampling_backend=backend)
+    eos = min(eng.eos_ids)
+    plain = pd.SamplingParams(max_tokens=4, **sampling)
+    alone = eng.generate("Lily", plain)[0].selected_token_ids
+    everything = pd.SamplingParams(max_tokens=4, logit_bias={t: -math.inf for t in range(eng.vocab_size)}, **sampling)
+    all_but_eos = pd.SamplingParams(max_tokens=4, min_tokens=3, **sampling,
+                                    logit_bias={t: -math.inf for t in range(eng.vocab_size) if t != eos})
+    banned, masked, ok = eng.generate(["Once", "Once", "Lily"], [everything, all_but_eos, plain])
+    for out, why in ((banned, "logit_bias"), (masked, "min_tokens=3")):
+        assert out.state == S.FAILED and out.finish_reason == R.MODEL_ERROR, (out.state, out.token_ids)
+        assert "no token is allowed at output position 1" in out.error and why in out.error
+        assert out.selected_token_ids == []
+    assert ok.state == S.FINISHED and ok.selected_token_ids == alone
+
+
 def test_huge_top_k_is_disabled_not_an_exception():
     eng = engine([101])
     outs = eng.generate([[5], [6]], [pd.SamplingParams(max_tokens=2, temperature=1.0, top_k=2**31 - 1, seed=3),

@@ -193,3 +193,18 @@ def test_a_row_with_no_allowed_token_fails_and_never_samples_token_0(stories_eng
                                                  pd.SamplingParams(max_tokens=5)])
     assert out.state == S.FAILED and out.finish_reason == R.MODEL_ERROR and "no token" in out.error
     assert out.selected_token_ids == [] and plain.state == S.FINISHED
+
+
+def test_a_grammar_whose_tokens_logit_bias_bans_fails_that_request_only(stories_engine_factory):
+    """Neither the grammar nor the bias alone leaves a row empty; together they do (issue 19, 10f)."""
+    from pagedecode.runtime.grammar import token_bytes_table
+    eng = stories_engine_factory()
+    table = token_bytes_table(eng.tokenizer, eng.vocab_size)
+    starts = {t: -float("inf") for t, b in enumerate(table) if b and b"yes".startswith(b)}
+    so = pd.StructuredOutput(choice=["yes"])
+    out, biased, plain = eng.generate(["Once", "Once", "Lily"], [
+        pd.SamplingParams(max_tokens=5, structured_output=so, logit_bias=starts),
+        pd.SamplingParams(max_tokens=5, logit_bias=starts), pd.SamplingParams(max_tokens=5)])
+    assert out.state == S.FAILED and out.finish_reason == R.MODEL_ERROR and out.selected_token_ids == []
+    assert "logit_bias and the grammar" in out.error
+    assert biased.state == plain.state == S.FINISHED
