@@ -215,6 +215,12 @@ class Engine(ConsumerSide, RequestEndings):
         self._wake()
         return True
 
+    def cancel_all(self, reason: FinishReason = R.CANCELLED) -> int:
+        """Ask every live request to cancel (thread-safe, effective at the next safe point);
+        returns how many were asked."""
+        with self._lock:
+            return sum(self.cancel(rid, reason) for rid in list(self.requests.live))
+
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """Schedule, run the model and choose tokens, then at the safe point commit them, apply
@@ -390,7 +396,6 @@ class Engine(ConsumerSide, RequestEndings):
         """End every live request (cancelled) at once, each exactly once; returns the events."""
         with self._lock:
             events, self._outbox = self._outbox, []
-            for rid in list(self.requests.live):
-                self.cancel(rid)
+            self.cancel_all()
             self._safe_point(events)
         return events

@@ -20,3 +20,9 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def thaw_heap() -> None:
+    """Undo freeze_heap before the process ends: at interpreter teardown frozen objects are
+    never collected, and nanobind extensions (triton's) then report each one as leaked."""
+    gc.unfreeze()

@@ -6,14 +6,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
+import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ..runtime.config import EngineConfig
+from ..runtime.heap import thaw_heap
 
 log = logging.getLogger("pagedecode.server")
 ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name",)]
+FLUSH_S = 5.0     # after the drain: for cancels to take effect and clients to get their endings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
     p.add_argument("--max-request-seconds", type=float, default=None, help="cap on timeout and first_token_timeout")
     p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at once; at the cap a new one closes the longest-idle one, or gets 503 "
+                        "when every connection has a request running (default: 2048, less to fit the open-file limit)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds from connecting (or a kept-alive connection's next byte) to complete request headers")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds from the request headers to the body's last byte (408 and closed beyond)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection is kept open between requests")
     p.add_argument("--grace-seconds", type=float, default=10.0, help="on shutdown, how long live requests may finish")
     p.add_argument("--log-text", action="store_true", help="include output text in the per-request log line")
     p.add_argument("--resume-grace", type=float, default=0.0,
@@ -67,32 +80,71 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     from .app import build_app
     from .chat import ChatTemplate, load_template
     from .protocol import Limits
+    from .transport import BACKLOG, ConnectionLimits, DrainingServer, GuardedH11Protocol, default_max_connections
     if parsed is None:
         ap = argparse.ArgumentParser(prog="pagedecode serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_arguments(ap)
         parsed = ap.parse_args(argv)
     args = parsed
+    try:
+        limits = ConnectionLimits(max_connections=args.max_connections or default_max_connections(),
+                                  header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                                  keep_alive_timeout_s=args.keep_alive_timeout)
+    except ValueError as e:
+        print(f"pagedecode serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        sock = listen_socket(args.host, args.port)      # before loading: a taken port is one line, at once
+    except OSError as e:
+        print(f"pagedecode serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     from ..model.default_model import default_model_path
     model_dir = Path(args.model) if args.model else default_model_path()
     options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS}
     name = args.served_model_name or model_dir.name
     engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
                                        tensor_parallel_size=args.tensor_parallel_size, **options)
-    source, specials = load_template(model_dir, args.chat_template)
-    template = ChatTemplate(source, specials) if source else None
-    defaults = generation_defaults(model_dir)
-    ae = pd.AsyncEngine(engine)
-    app = build_app(ae, model_name=name, chat_template=template, api_key=args.api_key,
-                    limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
-                    max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                    generation_defaults=defaults, log_text=args.log_text, resume_grace_s=args.resume_grace,
-                    on_disconnect=args.on_disconnect, idempotency_ttl_s=args.idempotency_ttl,
-                    idempotency_max_keys=args.idempotency_max_keys)
-    app.router.lifespan_context = lifespan(ae, app, args.grace_seconds)
-    pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.grace_seconds)
+    try:
+        source, specials = load_template(model_dir, args.chat_template)
+        template = ChatTemplate(source, specials) if source else None
+        defaults = generation_defaults(model_dir)
+        ae = pd.AsyncEngine(engine)
+        app = build_app(ae, model_name=name, chat_template=template, api_key=args.api_key,
+                        limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
+                        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                        generation_defaults=defaults, log_text=args.log_text, resume_grace_s=args.resume_grace,
+                        on_disconnect=args.on_disconnect, idempotency_ttl_s=args.idempotency_ttl,
+                        idempotency_max_keys=args.idempotency_max_keys)
+        app.router.lifespan_context = lifespan(ae, app, args.grace_seconds)
+        pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level="info",
+                                http=GuardedH11Protocol.configured(limits),
+                                timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+                                timeout_graceful_shutdown=int(FLUSH_S), backlog=BACKLOG)
+        state = app.state.pagedecode
+
+        def stop_admitting() -> None:
+            state.draining = True
+        DrainingServer(config, lambda hurry: drain(ae, state, args.grace_seconds, hurry),
+                       stop_admitting).run(sockets=[sock])
+    finally:
+        engine.close()            # tensor-parallel workers stop here, told to, not at interpreter exit
+        thaw_heap()
     return 0
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything slow starts (OSError when the port is taken)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def lifespan(ae: Any, app: Any, grace_s: float) -> Any:
@@ -103,17 +155,29 @@ def lifespan(ae: Any, app: Any, grace_s: float) -> Any:
             yield
         finally:
             await drain(ae, app.state.pagedecode, grace_s)
+            await ae.shutdown()
     return run
 
 
-async def drain(ae: Any, state: Any, grace_s: float) -> None:
-    """Stop admitting; let live requests finish up to grace_s; cancel the rest (each ends once)."""
+async def drain(ae: Any, state: Any, grace_s: float, hurry: Callable[[], bool] = lambda: False) -> None:
+    """Stop admitting (/health and new requests answer 503); let live requests finish for up to
+    grace_s (or until hurry() says stop waiting); then cancel the rest, each ending once, and wait
+    until every one has ended, so its client gets its final chunk and [DONE] (or its result)."""
     state.draining = True
+    engine = ae.engine
+    if not ae.running or not engine.has_unfinished():
+        return
+    log.info("drain: admitting nothing more; live requests have %.1f s to finish", grace_s)
     loop = asyncio.get_running_loop()
     end = loop.time() + grace_s
-    while ae.engine.has_unfinished() and loop.time() < end:
+    while engine.has_unfinished() and loop.time() < end and not hurry():
         await asyncio.sleep(0.05)
-    await ae.shutdown()
+    cancelled = engine.cancel_all()
+    if cancelled:
+        log.info("drain: grace over, %d live requests cancelled", cancelled)
+    end = loop.time() + FLUSH_S
+    while engine.has_unfinished() and loop.time() < end:     # the step loop applies the cancels
+        await asyncio.sleep(0.02)
 
 
 def generation_defaults(model_dir: Path) -> dict[str, Any]:

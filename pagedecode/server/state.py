@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from ..errors import InvalidRequestError
 from ..runtime.async_engine import AsyncEngine
@@ -95,10 +95,13 @@ class ServerState:
         if size is not None and size.isdigit() and int(size) > self.o.max_body_bytes:
             raise ApiError(413, f"request body over {self.o.max_body_bytes} bytes")
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > self.o.max_body_bytes:
-                raise ApiError(413, f"request body over {self.o.max_body_bytes} bytes")
+        try:
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > self.o.max_body_bytes:
+                    raise ApiError(413, f"request body over {self.o.max_body_bytes} bytes")
+        except ClientDisconnect:        # gone, or cut off by the body timeout: nothing was queued
+            raise ApiError(408, "the client went away before sending the whole body") from None
         try:
             return json.loads(bytes(data)), bytes(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

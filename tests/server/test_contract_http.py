@@ -185,5 +185,5 @@ def test_serve_command_drains_on_sigterm(tmp_path, stories_path):
     finals = [d for _, d in items if isinstance(d, dict) and d.get("choices") and d["choices"][0]["finish_reason"]]
     assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
     rest = p.stdout.read()
-    assert p.wait(timeout=30) in (0, -signal.SIGTERM)     # uvicorn re-raises the signal once drained
+    assert p.wait(timeout=30) == 0
     assert "Application shutdown complete" in rest and "Traceback" not in rest

@@ -1,0 +1,206 @@
+"""What `pagedecode serve` adds to uvicorn: connection hygiene and a drain-first shutdown.
+
+Connections (uvicorn has a keep-alive timeout, but nothing bounds a client that connects and
+sends nothing, trickles its headers, or trickles its body, and no cap keeps sockets under the
+file-descriptor limit):
+
+    header timeout   from connect (or a kept-alive connection's next byte) to complete headers;
+                     then closed (408 first if part of a request came)
+    body timeout     from complete headers to the body's last byte; then 408 and closed, and the
+                     handler sees a disconnect (a body is read whole before a request is queued,
+                     so a slow client never holds a model slot)
+    keep-alive       uvicorn's timeout_keep_alive: idle between requests
+    max connections  at the cap a new connection closes the connection idle the longest (no
+                     request running: waiting for headers or kept alive); when every connection
+                     has a request running, the new one gets a 503 (OpenAI error body,
+                     Connection: close) at once and is closed
+
+Shutdown: see DrainingServer.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable
+
+from uvicorn import server as uvicorn_server
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+MAX_CONNECTIONS_CEILING = 2048
+BACKLOG = 128        # the listen queue, and the most connections asyncio accepts before any is seen
+FD_RESERVE = 64      # descriptors for the process itself (~30 after loading: model files, pipes, torch)
+
+
+def default_max_connections() -> int:
+    """2048, or fewer so that the open connections, a batch of accepts not yet seen and the
+    process's own files fit under RLIMIT_NOFILE (at 256: 64 connections)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_CEILING
+    return max(8, min(MAX_CONNECTIONS_CEILING, soft - FD_RESERVE - BACKLOG))
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int = MAX_CONNECTIONS_CEILING   # open connections at once (see the module doc)
+    header_timeout_s: float = 10.0                    # connect (or next request's first byte) -> headers
+    body_timeout_s: float = 30.0                      # headers -> the body's last byte
+    keep_alive_timeout_s: float = 5.0                 # idle between two requests on one connection
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def _plain_response(status: str, message: str, code: str) -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "server_error" if status[0] == "5" else
+                                 "invalid_request_error", "param": None, "code": code}}).encode()
+    head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode()
+    return head + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the header and body timeouts and the connection cap."""
+
+    limits: ConnectionLimits = ConnectionLimits()
+
+    @classmethod
+    def configured(cls, limits: ConnectionLimits) -> type["GuardedH11Protocol"]:
+        return type("GuardedH11Protocol", (cls,), {"limits": limits})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._timer: asyncio.TimerHandle | None = None
+        self._body_cycle: Any = None          # the request whose body the body timer is for
+        self._refused = False
+        self.idle_since = self.loop.time()
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections and not self._make_room():
+            self._refuse()
+            return
+        self._arm(self.limits.header_timeout_s, self._headers_late)
+
+    def _busy(self) -> bool:
+        """A request of this connection is in the app."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _make_room(self) -> bool:
+        idle = [c for c in self.connections
+                if c is not self and isinstance(c, GuardedH11Protocol) and not c._busy()]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.idle_since)
+        victim.transport.close()
+        self.connections.discard(victim)      # its connection_lost comes later; the count is now
+        return True
+
+    def _refuse(self) -> None:
+        self._refused = True
+        self.connections.discard(self)
+        n = self.limits.max_connections
+        self.transport.write(_plain_response(
+            "503 Service Unavailable",
+            f"the server has {n} connections with requests running (--max-connections {n}); retry later",
+            "too_many_connections"))
+        # closed when its request arrives (read first, so the close is no reset that could
+        # destroy the 503 before the client reads it), or after a second at the latest
+        self._arm(1.0, self.transport.close)
+
+    def _arm(self, delay: float, then: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(delay, then)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            self.transport.close()
+            return
+        if not self._busy() and self._timer is None:       # a kept-alive connection's next request
+            self._arm(self.limits.header_timeout_s, self._headers_late)
+        super().data_received(data)
+        self._follow_cycle()
+
+    def on_response_complete(self) -> None:
+        self.idle_since = self.loop.time()
+        super().on_response_complete()
+        self._follow_cycle()                  # a pipelined request may have started
+
+    def _follow_cycle(self) -> None:
+        if not self._busy():
+            return                            # still waiting for headers: the header timer runs
+        if self.cycle.more_body:
+            if self._body_cycle is not self.cycle:
+                self._body_cycle = self.cycle
+                self._arm(self.limits.body_timeout_s, self._body_late)
+        else:
+            self._disarm()
+
+    def _headers_late(self) -> None:
+        self._timer = None
+        if self._busy() or self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:        # part of a request came: say why it is closed
+            self.transport.write(_plain_response("408 Request Timeout", f"request headers not complete within "
+                                                 f"{self.limits.header_timeout_s:g} s", "header_timeout"))
+        self.transport.close()
+
+    def _body_late(self) -> None:
+        self._timer = None
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or self.transport.is_closing():
+            return
+        if not cycle.response_started:
+            self.transport.write(_plain_response("408 Request Timeout", f"request body not complete within "
+                                                 f"{self.limits.body_timeout_s:g} s", "body_timeout"))
+        cycle.disconnected = True             # the handler's receive() answers http.disconnect
+        cycle.message_event.set()
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if hasattr(self, "_timer"):
+            self._disarm()
+        super().connection_lost(exc)
+
+
+class DrainingServer(uvicorn_server.Server):
+    """uvicorn's Server, stopped by pagedecode's drain. uvicorn alone stops listening at the
+    signal and, after its graceful-shutdown timeout, cancels the HTTP tasks before the app
+    hears of it (every client cut off, every request logged transport_error), then re-raises the
+    signal (exit -15). Here the first SIGINT / SIGTERM starts `drain` (a coroutine function
+    taking a `hurry()` callable) while uvicorn still serves, so /health and new requests get
+    503; uvicorn closes the connections only once every request has ended, and the process
+    exits 0. A second signal ends the grace at once."""
+
+    def __init__(self, config: Any, drain: Callable[[Callable[[], bool]], Any],
+                 on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.drain, self.on_signal = drain, on_signal
+        self.signals = 0
+        self._drain: asyncio.Future[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # a signal handler: set flags only; the event loop acts on them in on_tick
+        self.signals += 1
+        self.on_signal()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.signals and self._drain is None:
+            self._drain = asyncio.ensure_future(self.drain(lambda: self.signals > 1))
+        if self._drain is not None and self._drain.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets is not None and self.started:
+            self._log_started_message(sockets)     # uvicorn says where it listens only when it binds
