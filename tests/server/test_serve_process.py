@@ -235,3 +235,16 @@ def test_idle_sockets_beyond_the_open_file_limit_do_not_starve_clients(serve):
     for c in idle:
         c.close()
     assert s.stop() == 0
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(stories_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "pagedecode.cli", "serve", "--model", str(stories_path),
+                            "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"pagedecode serve: cannot listen on 127.0.0.1:{port}: "
+                                             "Address already in use"]
+    assert r.stdout == ""
