@@ -15,8 +15,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..runtime.async_engine import AsyncEngine
-from ..runtime.events import DeltaEvent, TerminalEvent
-from ..runtime.lifecycle import FinishReason
+from ..runtime.events import DeltaEvent, RequestOutput, TerminalEvent
+from ..runtime.lifecycle import FinishReason, RequestState
 from ..runtime.trace import to_chrome
 from .chat import ChatTemplate
 from .protocol import ApiError, chat_choice, completion_choice, finish_reason, now, parse_request, stop_reason, usage_body
@@ -24,6 +24,12 @@ from .responses import chunk_body, logprobs_body, sse, sum_usage
 from .state import ServerOptions, ServerState, Track
 
 FAILURES = (FinishReason.MODEL_ERROR, FinishReason.CONTENT_INTERRUPTED, FinishReason.TRANSPORT_ERROR)
+
+
+def _stream_error(out: RequestOutput) -> bool:
+    """Whether a stream ends in an error chunk: a failure reason, or any request that FAILED with
+    an error (a deadline before the first token: the non-streaming answer's pagedecode_error)."""
+    return bool(out.error) and (out.finish_reason in FAILURES or out.state == RequestState.FAILED)
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -232,7 +238,7 @@ async def _sse_stream(state: ServerState, track: Track, after: int) -> AsyncIter
         fin["delta"] = {}
     else:
         fin["text"] = ""
-    if out.error and out.finish_reason in FAILURES:
+    if _stream_error(out):
         yield sse({"error": {"message": out.error, "type": "server_error", "param": None,
                               "code": out.finish_reason.value if out.finish_reason else None}}, terminal.seq)
     else:

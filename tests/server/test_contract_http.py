@@ -187,3 +187,21 @@ def test_serve_command_drains_on_sigterm(tmp_path, stories_path):
     rest = p.stdout.read()
     assert p.wait(timeout=30) == 0
     assert "Application shutdown complete" in rest and "Traceback" not in rest
+
+
+def test_streamed_first_token_timeout_is_an_error_chunk(server):
+    """Reproduction: a stream whose first_token_timeout expires ended with a bare finish chunk;
+    the client gets the error that says "first token" (the non-streaming answer's wording),
+    then [DONE]."""
+    body = {"prompt": "Once", "max_tokens": 5, "first_token_timeout": 1e-6}
+    plain = httpx.post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=30).json()
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, json={**body, "stream": True},
+                      timeout=30) as r:
+        assert r.status_code == 200
+        items = sse([ln for ln in r.iter_lines() if ln])
+    assert items[-1][1] == "[DONE]"
+    errors = [d["error"] for _, d in items[:-1] if "error" in d]
+    assert len(errors) == 1 and "first token" in errors[0]["message"]
+    assert errors[0]["message"] == plain["pagedecode_error"]
+    assert errors[0]["code"] == "deadline_exceeded"
+    assert not any(d.get("choices") for _, d in items[:-1])       # no finish chunk besides the error
