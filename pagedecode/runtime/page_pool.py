@@ -6,9 +6,12 @@ Every page is in exactly one of three sets:
     evictable   ref 0, hashed: a cached prefix page nobody uses, least recently used first;
                 allocation takes it (dropping its hash) only when no free page is left
     in use      ref >= 1 (hashed or not); a hashed in-use page is shared, full, never written
-A hash maps to one page and back (`by_hash` / `page_hash` are inverse); the page's token ids
-are kept with it, so a lookup confirms the tokens and a hash collision can never hand one
-prompt another prompt's K/V.
+A hash maps to one page and back (`by_hash` / `page_hash` are inverse). A hashed page keeps
+its token ids and its parent (the hashed page before it in its chain, None for a first page),
+and a lookup confirms both, so a hit is confirmed along the whole chain: a hash collision can
+never hand one prompt another prompt's K/V, not even a page holding the same tokens after a
+different prefix. A page that loses its hash takes its descendants' hashes with it (their
+parent is gone), so a parent is always a live hashed page.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ class PagePool:
         self.by_hash: dict[bytes, int] = {}
         self.page_hash: dict[int, bytes] = {}
         self._tokens: dict[int, tuple[int, ...]] = {}
+        self._parent: dict[int, int | None] = {}
+        self._children: dict[int, set[int]] = {}
 
     @property
     def free_pages(self) -> int:
@@ -83,31 +88,48 @@ class PagePool:
                     self._free.append(p)
 
     # -- the prefix cache's pages ------------------------------------------------------------
-    def register(self, page: int, key: bytes, tokens: Sequence[int]) -> bool:
-        """Record that an in-use, fully written page holds `tokens` under `key`. False (nothing
-        changes) when the key already names a page or the page already has a hash."""
+    def register(self, page: int, key: bytes, tokens: Sequence[int], parent: int | None) -> bool:
+        """Record that an in-use, fully written page holds `tokens` under `key`, after the hashed
+        page `parent` (None: the chain's first page). False (nothing changes) when the key already
+        names a page, the page already has a hash, or the parent is not hashed."""
         if self.ref_counts[page] <= 0:
             raise AssertionError(f"page {page} is not in use; only written pages are registered")
-        if key in self.by_hash or page in self.page_hash:
+        if key in self.by_hash or page in self.page_hash or (parent is not None and parent not in self.page_hash):
             return False
         self.by_hash[key] = page
         self.page_hash[page] = key
         self._tokens[page] = tuple(tokens)
+        self._parent[page] = parent
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(page)
         return True
 
-    def lookup(self, key: bytes, tokens: Sequence[int]) -> int | None:
-        """The cached page for key whose tokens are exactly `tokens`, or None."""
+    def lookup(self, key: bytes, tokens: Sequence[int], parent: int | None) -> int | None:
+        """The cached page for key that holds exactly `tokens` right after the page `parent`
+        (None: first in its chain), or None."""
         page = self.by_hash.get(key)
-        if page is None or self._tokens.get(page) != tuple(tokens):
+        if page is None or self._tokens.get(page) != tuple(tokens) or self._parent.get(page) != parent:
             return None
         if page in self._evictable:
             self._evictable.move_to_end(page)       # recently used
         return page
 
     def _unhash(self, page: int) -> None:
-        key = self.page_hash.pop(page)
-        del self.by_hash[key]
-        del self._tokens[page]
+        """Drop a page's hash, and its descendants' (an evictable one becomes free)."""
+        parent = self._parent.get(page)
+        if parent is not None:
+            self._children[parent].discard(page)
+            if not self._children[parent]:
+                del self._children[parent]
+        todo = [page]
+        while todo:
+            p = todo.pop()
+            del self.by_hash[self.page_hash.pop(p)]
+            del self._tokens[p], self._parent[p]
+            todo.extend(self._children.pop(p, ()))
+            if p != page and p in self._evictable:
+                del self._evictable[p]
+                self._free.append(p)
 
     def clear_cache(self) -> None:
         """Forget every cached page nobody uses (they become free)."""
@@ -134,8 +156,14 @@ class PagePool:
                                  f"!= total {self.num_pages}")
         if any(self.by_hash.get(k) != p for p, k in self.page_hash.items()) or len(self.by_hash) != len(self.page_hash):
             raise AssertionError("hash -> page and page -> hash are not inverse")
-        if set(self._tokens) != set(self.page_hash):
-            raise AssertionError("a hashed page without its tokens (or tokens without a hash)")
+        if set(self._tokens) != set(self.page_hash) or set(self._parent) != set(self.page_hash):
+            raise AssertionError("a hashed page without its tokens and parent (or those without a hash)")
+        children = {(parent, p) for p, parent in self._parent.items() if parent is not None}
+        if any(parent not in self.page_hash for parent, _ in children):
+            raise AssertionError("a hashed page whose parent is not hashed")
+        if children != {(parent, c) for parent, cs in self._children.items() for c in cs} or \
+                any(not cs for cs in self._children.values()):
+            raise AssertionError("parent -> children and child -> parent disagree")
         if not evictable <= set(self.page_hash):
             raise AssertionError("an evictable page without a hash")
         if free & set(self.page_hash):

@@ -7,7 +7,8 @@ The namespace holds the model's identity and the request's `cache_salt`, so requ
 different salts never share a page. Only full pages are keyed, and only after the step that
 wrote their last token committed. At admission the longest chain of cached pages is matched,
 at most up to the second-to-last known token (the last one is always computed, to produce the
-logits that choose the next token), confirmed token by token by the pool.
+logits that choose the next token), each page confirmed by the pool against its tokens and
+its parent page, so the whole chain is confirmed, never the key alone.
 
     known tokens   | page 0 | page 1 | page 2 | partial |
     matched        | hit    | hit    | miss -> computed from here on
@@ -49,11 +50,12 @@ def keys_for(req: Request, n_pages: int, page_size: int) -> list[bytes]:
 
 def match(pool: PagePool, req: Request, page_size: int) -> list[int]:
     """The cached pages of req's longest matching prefix (not yet retained), leaving at least the
-    last known token to compute."""
+    last known token to compute. Each page is confirmed by its tokens and its parent, the page
+    matched before it: the whole chain, not only the key."""
     limit = (req.num_tokens - 1) // page_size
     pages: list[int] = []
     for i, key in enumerate(keys_for(req, limit, page_size)):
-        page = pool.lookup(key, _page_tokens(req, i, page_size))
+        page = pool.lookup(key, _page_tokens(req, i, page_size), pages[-1] if pages else None)
         if page is None:
             break
         pages.append(page)
@@ -61,10 +63,12 @@ def match(pool: PagePool, req: Request, page_size: int) -> list[int]:
 
 
 def register(pool: PagePool, req: Request, page_size: int) -> None:
-    """After a commit: key every page of req that is now full and not yet keyed."""
+    """After a commit: key every page of req that is now full and not yet keyed. A page whose
+    parent is not cached (its key named another page) is not: its chain cannot be confirmed."""
     full = min(req.num_computed // page_size, len(req.pages))
     if full <= req.pages_registered:
         return
     for i, key in enumerate(keys_for(req, full, page_size)[req.pages_registered:], start=req.pages_registered):
-        pool.register(req.pages[i], key, _page_tokens(req, i, page_size))
+        parent = req.pages[i - 1] if i else None
+        pool.register(req.pages[i], key, _page_tokens(req, i, page_size), parent)
     req.pages_registered = full

@@ -94,6 +94,30 @@ def test_a_hash_collision_never_serves_another_prompts_kv(stories_engine_factory
     on.check_integrity()
 
 
+def test_a_colliding_page_from_another_chain_is_never_served(stories_engine_factory, monkeypatch):
+    """Reproduction: keys that collide across chains (here: a key of the page's tokens only, as if
+    the chained hash collided). B's pages hold the same tokens as A's pages 1 and 2, at another
+    place after another prefix: confirming a page by its own tokens served A's K/V (computed after
+    A's first page) to B. The whole chain is confirmed (parent page and tokens): B misses."""
+    import hashlib
+    params = pd.SamplingParams(max_tokens=10, logprobs=0)       # the logprobs show the K/V used
+    off = stories_engine_factory(page_size=4, enable_prefix_caching=False)
+    a = off.tokenizer.encode("Once upon a time there was a little girl named Lily")
+    b = a[4:]                                    # A's pages 1, 2, ... at positions 0, 1, ...
+    want = [off.generate([p], params)[0] for p in (a, b)]
+    monkeypatch.setattr(prefix_cache, "page_key",
+                        lambda prev, tokens, ns: hashlib.sha256(repr((tokens, ns)).encode()).digest())
+    on = stories_engine_factory(page_size=4)
+    got = [on.generate([p], params)[0] for p in (a, b)]
+    assert got[1].usage.cached_tokens == 0
+    assert ids_of(got) == ids_of(want)
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    on.check_integrity()
+    again = on.generate([a[:9] + [400]], params)[0]           # the true chain is still served
+    assert again.usage.cached_tokens == 8
+    on.check_integrity()
+
+
 def test_pressure_with_cancels_and_preemption(stories_engine_factory):
     """A pool of a dozen pages, many overlapping prompts: integrity every step, the same outputs as
     without pressure, every page free or evictable when idle; freed pages poisoned throughout."""

@@ -64,6 +64,54 @@ def test_page_pool_integrity_under_random_use(ops):
         assert pool.free_pages + sum(map(len, held)) == 12
 
 
+def test_page_pool_confirms_the_chain_and_forgets_orphans():
+    """A hashed page is found only after its own parent; when a parent loses its hash (evicted,
+    its page reused), its descendants lose theirs: a reused page number never vouches for them."""
+    pool = PagePool(4)
+    a0, a1, a2 = pool.allocate(3)
+    assert pool.register(a0, b"k0", [1], None) and pool.register(a1, b"k1", [2], a0)
+    assert pool.register(a2, b"k2", [3], a1)
+    assert not pool.register(pool.allocate(1)[0], b"k9", [4], 3)        # an unhashed parent: refused
+    assert pool.lookup(b"k1", [2], a0) == a1
+    assert pool.lookup(b"k1", [2], None) is None                       # same key and tokens, other place
+    assert pool.lookup(b"k1", [2], a2) is None                         # ... or other parent
+    pool.release([a2, a1, a0, 3])
+    pool.check_integrity()
+    (reused,) = pool.allocate(1)           # the free page 3 first ...
+    (reused,) = pool.allocate(1)           # ... then the least recently used cached page: a2, a leaf
+    assert reused == a2 and pool.cached_pages == 2
+    pool.release([reused, 3])
+    pool.clear_cache()
+    assert pool.cached_pages == 0 and pool.free_pages == 4
+    pool.check_integrity()
+    b0, b1 = pool.allocate(2)
+    assert pool.register(b0, b"k0", [1], None) and pool.register(b1, b"k1", [2], b0)
+    pool.release([b1, b0])
+    pool.allocate(2)                       # the two free pages
+    (head,) = pool.allocate(1)             # the LRU cached page: b1 then b0 were released, b1 is older
+    assert head == b1 and pool.cached_pages == 1
+    (head,) = pool.allocate(1)
+    assert head == b0 and pool.cached_pages == 0
+    pool.check_integrity()
+
+
+def test_page_pool_evicting_a_parent_drops_its_children():
+    pool = PagePool(3)
+    p0, p1 = pool.allocate(2)
+    pool.register(p0, b"k0", [1], None)
+    pool.register(p1, b"k1", [2], p0)
+    pool.release([p0, p1])                 # head first: the head is evicted first
+    pool.allocate(1)                       # the free page
+    (taken,) = pool.allocate(1)
+    assert taken == p0
+    assert pool.cached_pages == 0 and pool.lookup(b"k1", [2], p0) is None   # its child went with it
+    assert pool.free_pages == 1                                             # ... and is free again
+    pool.check_integrity()
+    assert pool.register(taken, b"k5", [9], None)                           # the page number reused
+    assert pool.lookup(b"k1", [2], taken) is None
+    pool.check_integrity()
+
+
 def test_slots_release_once():
     slots = SlotTable(2)
     a, b = slots.acquire(), slots.acquire()

@@ -158,7 +158,7 @@ def test_a_write_into_a_shared_or_cached_page_is_caught():
     sch.add(r)
     commit(sch.schedule(lambda q: True))
     sch.check_integrity()
-    sch.pool.register(r.pages[1], b"key", [5, 5, 5, 5])          # its page being written is now "cached"
+    sch.pool.register(r.pages[1], b"key", [5, 5, 5, 5], None)    # its page being written is now "cached"
     sch.schedule(lambda q: True)
     with pytest.raises(AssertionError, match="writes page"):
         sch.check_integrity()
