@@ -116,3 +116,20 @@ def test_serve_takes_every_engine_option_as_a_flag():
         if f.name != "model_name":
             assert hasattr(args, "engine_" + f.name)
     assert args.host == "127.0.0.1" and args.port == 8000
+
+
+def test_serve_takes_several_api_keys_hosts_and_switches(tmp_path, capsys):
+    from pagedecode.server.serve import allowed_hosts, api_keys
+    keys = tmp_path / "keys"
+    keys.write_text("# one a line\nkey-c\n\n  key-d  \n")
+    args = cli.build_parser().parse_args(["serve", "--api-key", "key-a", "--api-key", "key-b", "--api-keys-file",
+                                          str(keys), "--allowed-host", "api.example", "--allowed-host", "b.example",
+                                          "--metrics-public", "--allow-special-tokens-in-content"])
+    assert api_keys(args) == ("key-a", "key-b", "key-c", "key-d")
+    assert allowed_hosts(args) == ("api.example", "b.example", "127.0.0.1")
+    assert args.metrics_public and args.allow_special_tokens_in_content
+    plain = cli.build_parser().parse_args(["serve", "--host", "0.0.0.0"])
+    assert api_keys(plain) == () and allowed_hosts(plain) == () and not plain.metrics_public
+    keys.write_text("# nobody\n\n")
+    assert cli.main(["serve", "--api-keys-file", str(keys)]) == 2           # never an open server by mistake
+    assert "holds no key" in capsys.readouterr().err

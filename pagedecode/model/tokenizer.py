@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 from ..errors import ModelLoadError
+from .specials import SpecialTokenEscape
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _WORDPIECE_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
@@ -57,6 +58,16 @@ class TokenizerLike(Protocol):
     def is_shown(self, token_id: int, skip_special_tokens: bool) -> bool: ...
 
     def byte_fallback_value(self, token_id: int) -> int | None: ...
+
+
+@runtime_checkable
+class EscapesSpecialTokens(Protocol):
+    """A tokenizer that keeps special-token strings typed in chat content plain text
+    (model/specials.py): `pd.Tokenizer` is one."""
+
+    def escape_specials(self, text: str) -> str: ...
+
+    def encode_escaped(self, text: str) -> list[int]: ...
 
 
 def byte_alphabet() -> dict[str, int]:
@@ -138,6 +149,7 @@ class Tokenizer:
         self._alphabet = byte_alphabet() if self.kind == "bytelevel" else None
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._byte_values: dict[int, int | None] = {}
+        self._escape: SpecialTokenEscape | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, eos_token_ids: Iterable[int] = (),
@@ -183,6 +195,21 @@ class Tokenizer:
         if self.add_eos and self.eos_token_ids:
             ids = ids + [self.eos_token_ids[0]]
         return ids
+
+    def escape_specials(self, text: str) -> str:
+        """`text` with every special token's string replaced by a marker that encode_escaped
+        reads as that string's plain text (chat content, before the template renders it)."""
+        return self._escaper().escape(text)
+
+    def encode_escaped(self, text: str) -> list[int]:
+        """Ids of text that is already rendered with its special tokens (no BOS / EOS added);
+        its escaped parts are plain text, whatever special-token strings they hold."""
+        return self._escaper().encode(text)
+
+    def _escaper(self) -> SpecialTokenEscape:
+        if self._escape is None:
+            self._escape = SpecialTokenEscape(self._tok)
+        return self._escape
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         try:

@@ -2,7 +2,7 @@
 replay, trace) within a count and a byte budget, the oldest forgotten first."""
 from __future__ import annotations
 
-import itertools
+import secrets
 from collections import OrderedDict
 
 from ..errors import InvalidRequestError
@@ -26,7 +26,6 @@ class RequestRegistry:
         self._finished: OrderedDict[str, tuple[Request, int]] = OrderedDict()   # oldest first
         self._finished_bytes = 0
         self._forgotten: OrderedDict[str, None] = OrderedDict()
-        self._auto = itertools.count()
 
     @property
     def finished_bytes(self) -> int:
@@ -37,9 +36,10 @@ class RequestRegistry:
         return len(self._finished)
 
     def new_id(self) -> str:
-        """An id no live or kept request has (a user may have chosen "req-0" already)."""
+        """`req-` and 128 random bits: nobody can guess another client's id (the server's
+        events and trace routes are reached by id), and none a live or kept request has."""
         while True:
-            rid = f"req-{next(self._auto)}"
+            rid = f"req-{secrets.token_hex(16)}"
             if rid not in self.live and rid not in self._finished:
                 return rid
 

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -19,6 +20,7 @@ from ..runtime.events import DeltaEvent, RequestOutput, TerminalEvent
 from ..runtime.lifecycle import FinishReason, RequestState
 from ..runtime.trace import to_chrome
 from .chat import ChatTemplate
+from .guard import RequestGuard
 from .protocol import ApiError, chat_choice, completion_choice, finish_reason, now, parse_request, stop_reason, usage_body
 from .responses import chunk_body, logprobs_body, sse, sum_usage
 from .state import ServerOptions, ServerState, Track
@@ -39,9 +41,10 @@ def _error(e: ApiError) -> JSONResponse:
 def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_template: ChatTemplate | None = None,
               **options: Any) -> Starlette:
     """The ASGI app over an AsyncEngine (started by the caller, or by `pagedecode serve`'s
-    lifespan). options: the fields of ServerOptions (api_key, limits, max_queued_requests,
-    max_body_bytes, generation_defaults, log_text, resume_grace_s, on_disconnect,
-    idempotency_ttl_s, idempotency_max_keys)."""
+    lifespan). options: the fields of ServerOptions (state.py: api_key / api_keys, metrics_public,
+    allowed_hosts, allow_special_tokens_in_content, limits, max_queued_requests, max_body_bytes,
+    generation_defaults, log_text, resume_grace_s, on_disconnect, idempotency_ttl_s,
+    idempotency_max_keys, ...)."""
     state = ServerState(async_engine, chat_template,
                         ServerOptions(model_name=model_name or async_engine.engine.model_name, **options))
 
@@ -60,12 +63,16 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
              "max_model_len": state.engine.max_context}]})
 
     async def metrics(request: Request) -> Response:
+        try:
+            state.check_metrics_auth(request)
+        except ApiError as e:
+            return _error(e)
         state.refresh_metrics()
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
-            state.check_auth(request)
+            tenant = state.check_auth(request)
             body, raw = await state.body(request)
             if isinstance(body, dict) and body.get("model") not in (None, state.o.model_name):
                 raise ApiError(404, f"model {body.get('model')!r} is not served here (try {state.o.model_name!r})",
@@ -73,7 +80,8 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
             parsed = parse_request(body, chat, state.o.generation_defaults, state.o.limits)
             if parsed.stream and parsed.n > 1:
                 raise ApiError(400, "n > 1 is served without streaming only", param="n")
-            key = request.headers.get("idempotency-key")
+            header = request.headers.get("idempotency-key")
+            key = None if header is None else (tenant, "chat" if chat else "completions", header)
             entry = state.idempotent(key, raw)
             if entry is not None:
                 tracks = [state.tracks[r] for r in entry.request_ids if r in state.tracks]
@@ -84,7 +92,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
                 state.metrics.replays.inc()
             else:
                 state.admit()
-                tracks = state.start(state.prompt_of(parsed), parsed, chat)
+                tracks = state.start(state.prompt_of(parsed), parsed, chat, tenant)
                 state.remember(key, raw, tracks)
         except ApiError as e:
             return _error(e)
@@ -104,15 +112,12 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
     async def events(request: Request) -> Response:
         """Replay a request's events after Last-Event-ID (or ?after=) and follow it live."""
         try:
-            state.check_auth(request)
             rid = request.path_params["request_id"]
-            track = state.tracks.get(rid)
+            track = state.owned(state.check_auth(request), rid)
             try:
                 state.engine.replay(rid, 0)
             except KeyError as e:
                 raise ApiError(404, str(e.args[0]), param="request_id", code="request_not_found") from None
-            if track is None:
-                raise ApiError(404, f"request {rid!r} was not started by this server", param="request_id")
             track.resumes += 1
         except ApiError as e:
             return _error(e)
@@ -121,8 +126,8 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
 
     async def trace(request: Request) -> Response:
         try:
-            state.check_auth(request)
             rid = request.path_params["request_id"]
+            state.owned(state.check_auth(request), rid)
             try:
                 records = state.engine.trace(rid)
             except KeyError as e:
@@ -131,7 +136,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
             return _error(e)
         return JSONResponse(to_chrome({rid: records}, wall_offset_us=state.engine.wall_offset_us))
 
-    app = Starlette(routes=[
+    app = Starlette(middleware=[Middleware(RequestGuard, allowed_hosts=state.o.allowed_hosts)], routes=[
         Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

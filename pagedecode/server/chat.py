@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .protocol import ApiError
 
@@ -53,7 +53,9 @@ class ChatTemplate:
         self._specials = {k: (v or "") for k, v in specials.items()}
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, escape: Callable[[str], str] | None = None) -> str:
+        """The prompt text. escape (a tokenizer's escape_specials) is applied to every string a
+        message holds, so what the client typed cannot become the template's special tokens."""
         from jinja2.exceptions import TemplateError
         msgs = []
         for m in messages:
@@ -65,9 +67,20 @@ class ChatTemplate:
                         raise ApiError(400, "only text content parts are supported", param="messages")
                     parts.append(p["text"])
                 content = "".join(parts)
-            msgs.append({**m, "content": content})
+            message = {**m, "content": content}
+            msgs.append(message if escape is None else _escaped(message, escape))
         try:
             return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                          **self._specials, **(extra or {}))
         except TemplateError as e:
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
+
+
+def _escaped(value: Any, escape: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {k: _escaped(v, escape) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v, escape) for v in value]
+    return value

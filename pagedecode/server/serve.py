@@ -24,7 +24,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in tiny Llama)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY'; repeat it for more tenants (each key one tenant, "
+                        "who sees only its own requests)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="a file of API keys, one a line (blank lines and lines starting with # skipped)")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key when keys are set")
+    p.add_argument("--allowed-host", action="append", default=None,
+                   help="a Host name the server answers to besides its address and localhost ('*': any); "
+                        "repeatable")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="chat content's special-token strings ('</s>') become the real tokens (unsafe)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"], help="weights dtype")
@@ -90,6 +100,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
         limits = ConnectionLimits(max_connections=args.max_connections or default_max_connections(),
                                   header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                                   keep_alive_timeout_s=args.keep_alive_timeout)
+        keys = api_keys(args)          # a bad key file fails before the model loads
     except ValueError as e:
         print(f"pagedecode serve: {e}", file=sys.stderr)
         return 2
@@ -109,7 +120,9 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
         template = ChatTemplate(source, specials) if source else None
         defaults = generation_defaults(model_dir)
         ae = pd.AsyncEngine(engine)
-        app = build_app(ae, model_name=name, chat_template=template, api_key=args.api_key,
+        app = build_app(ae, model_name=name, chat_template=template, api_keys=keys,
+                        metrics_public=args.metrics_public, allowed_hosts=allowed_hosts(args),
+                        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
                         limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
                         generation_defaults=defaults, log_text=args.log_text, resume_grace_s=args.resume_grace,
@@ -145,6 +158,34 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The tenants' keys: every --api-key, then --api-keys-file's lines."""
+    keys = list(args.api_key or [])
+    if args.api_keys_file is not None:
+        try:
+            lines = Path(args.api_keys_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"--api-keys-file: {e}") from None
+        listed = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+        if not listed:                 # an empty file must not leave the server open
+            raise ValueError(f"--api-keys-file {args.api_keys_file} holds no key")
+        keys += listed
+    if any(not k or k != k.strip() for k in keys):
+        raise ValueError("an API key is empty or has surrounding whitespace")
+    return tuple(keys)
+
+
+def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
+    """--allowed-host values and --host (a wildcard address such as 0.0.0.0 names no one: a
+    connection's own address is accepted anyway, guard.py)."""
+    import ipaddress
+    try:
+        wildcard = ipaddress.ip_address(args.host).is_unspecified
+    except ValueError:
+        wildcard = False
+    return tuple(args.allowed_host or []) + (() if wildcard else (args.host,))
 
 
 def lifespan(ae: Any, app: Any, grace_s: float) -> Any:

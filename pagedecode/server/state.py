@@ -1,5 +1,10 @@
-"""The server's per-request bookkeeping: Tracks (arrival, first token, retries, resumes,
-attached clients), the Idempotency-Key store, disconnect policy and metering.
+"""The server's per-request bookkeeping: tenants (one per API key), Tracks (arrival, first
+token, retries, resumes, attached clients), the Idempotency-Key store, disconnect policy and
+metering.
+
+A tenant is who holds one API key (without keys: the one anonymous tenant). A request's events,
+trace and Idempotency-Keys belong to its tenant: another tenant is told they do not exist
+(404, never 403), and Idempotency-Keys live apart per (tenant, endpoint).
 
 Every request the server starts has a Track. It is metered (metrics + one log line) exactly
 once, when its terminal event is first seen, whoever sees it: the client's handler, a resumed
@@ -20,6 +25,7 @@ from typing import Any, Mapping
 from starlette.requests import ClientDisconnect, Request
 
 from ..errors import InvalidRequestError
+from ..model.tokenizer import EscapesSpecialTokens
 from ..runtime.async_engine import AsyncEngine
 from ..runtime.events import DeltaEvent, Event, TerminalEvent
 from ..runtime.lifecycle import FinishReason
@@ -30,12 +36,16 @@ from .protocol import ApiError, Limits, Parsed, invalid
 log = logging.getLogger("pagedecode.server")
 
 
+ANONYMOUS = "anonymous"             # the tenant of a server without API keys
+
+
 @dataclass
 class Track:
     request_id: str
     arrival: float
     chat: bool
     parsed: Parsed
+    tenant: str
     first_token: float | None = None
     last_delta: float | None = None
     attached: int = 0                 # clients reading it now
@@ -56,7 +66,11 @@ class IdempotencyEntry:
 @dataclass
 class ServerOptions:
     model_name: str
-    api_key: str | None = None
+    api_key: str | None = None                  # one tenant's key; api_keys: more tenants
+    api_keys: tuple[str, ...] = ()
+    metrics_public: bool = False                # /metrics without a key even when keys are set
+    allowed_hosts: tuple[str, ...] = ()         # Host names answered besides the address itself (guard.py)
+    allow_special_tokens_in_content: bool = False   # chat content's "</s>" is the real token (unsafe)
     limits: Limits = field(default_factory=Limits)
     max_queued_requests: int = 256
     max_body_bytes: int = 1 << 20
@@ -78,17 +92,40 @@ class ServerState:
         self.metrics = Metrics()
         self.draining = False
         self.tracks: OrderedDict[str, Track] = OrderedDict()
-        self.keys: OrderedDict[str, IdempotencyEntry] = OrderedDict()
+        self.keys: OrderedDict[tuple[str, str, str], IdempotencyEntry] = OrderedDict()  # (tenant, endpoint, key)
+        self._tenants = tenants(options)
+        tok = self.engine.tokenizer
+        if chat_template is not None and not options.allow_special_tokens_in_content \
+                and isinstance(tok, EscapesSpecialTokens):
+            tok.escape_specials("")       # builds the escape (a tokenizer copy) now, not during a request
         self._preemptions_seen = 0
         self._cache_seen = (0, 0)
 
     # -- admission -------------------------------------------------------------------------
-    def check_auth(self, request: Request) -> None:
-        if self.o.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.o.api_key}".encode()):
+    def check_auth(self, request: Request) -> str:
+        """The tenant whose key the request carries (ANONYMOUS on a server without keys); 401
+        otherwise. Every key is compared, each in constant time."""
+        if not self._tenants:
+            return ANONYMOUS
+        given = request.headers.get("authorization", "").encode()
+        found: str | None = None
+        for expected, tenant in self._tenants:
+            if hmac.compare_digest(given, expected):
+                found = tenant
+        if found is None:
             raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        return found
+
+    def check_metrics_auth(self, request: Request) -> None:
+        if not self.o.metrics_public:
+            self.check_auth(request)
+
+    def owned(self, tenant: str, request_id: str) -> Track:
+        """The tenant's request; 404 for one it did not start (another tenant's is unknown too)."""
+        track = self.tracks.get(request_id)
+        if track is None or track.tenant != tenant:
+            raise ApiError(404, f"unknown request id {request_id!r}", param="request_id", code="request_not_found")
+        return track
 
     async def body(self, request: Request) -> tuple[Any, bytes]:
         size = request.headers.get("content-length")
@@ -122,10 +159,12 @@ class ServerState:
         if self.chat_template is None:
             raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
                            param="messages")
-        text = self.chat_template.render(parsed.messages)
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        tok = self.engine.tokenizer
+        if self.o.allow_special_tokens_in_content or not isinstance(tok, EscapesSpecialTokens):
+            return tok.encode(self.chat_template.render(parsed.messages), add_special_tokens=False)
+        return tok.encode_escaped(self.chat_template.render(parsed.messages, escape=tok.escape_specials))
 
-    def start(self, prompt: str | list[int], parsed: Parsed, chat: bool) -> list[Track]:
+    def start(self, prompt: str | list[int], parsed: Parsed, chat: bool, tenant: str) -> list[Track]:
         """n independent requests (seeded seed, seed + 1, ...), each with its Track."""
         tracks: list[Track] = []
         try:
@@ -134,7 +173,7 @@ class ServerState:
                 if parsed.n > 1 and params.seed is not None:
                     params = replace(params, seed=params.seed + i)
                 rid = self.engine.add_request(prompt, params, acked=True)
-                tracks.append(self._track(Track(rid, time.perf_counter(), chat, parsed)))
+                tracks.append(self._track(Track(rid, time.perf_counter(), chat, parsed, tenant)))
         except InvalidRequestError as e:
             for t in tracks:
                 self.engine.cancel(t.request_id)
@@ -148,8 +187,9 @@ class ServerState:
         return t
 
     # -- idempotency -------------------------------------------------------------------------
-    def idempotent(self, key: str | None, raw: bytes) -> IdempotencyEntry | None:
-        """The entry a retry attaches to; 409 for the same key with another body."""
+    def idempotent(self, key: tuple[str, str, str] | None, raw: bytes) -> IdempotencyEntry | None:
+        """The entry a retry attaches to; 409 for the same key with another body. A key is
+        (tenant, endpoint, Idempotency-Key): tenants and endpoints never see each other's."""
         if key is None:
             return None
         now_s = time.monotonic()
@@ -164,7 +204,7 @@ class ServerState:
                            code="idempotency_key_reused")
         return entry
 
-    def remember(self, key: str | None, raw: bytes, tracks: list[Track]) -> None:
+    def remember(self, key: tuple[str, str, str] | None, raw: bytes, tracks: list[Track]) -> None:
         if key is not None:
             self.keys[key] = IdempotencyEntry(hashlib.sha256(raw).hexdigest(), [t.request_id for t in tracks],
                                               time.monotonic())
@@ -238,7 +278,8 @@ class ServerState:
         if track.disconnects:
             m.disconnects.inc()
         record: dict[str, Any] = {
-            "request_id": out.request_id, "model": self.o.model_name, "state": out.state.value,
+            "request_id": out.request_id, "tenant": track.tenant, "model": self.o.model_name,
+            "state": out.state.value,
             "finish_reason": out.finish_reason.value if out.finish_reason else None, "error": out.error,
             "prompt_tokens": u.prompt_tokens, "selected_tokens": u.selected_tokens,
             "processed_tokens": u.processed_tokens, "returned_tokens": u.returned_tokens,
@@ -259,3 +300,17 @@ class ServerState:
         self.metrics.prefix_queries.inc(sch.cache_queries - self._cache_seen[0])
         self.metrics.prefix_hits.inc(sch.cache_hits - self._cache_seen[1])
         self._cache_seen = (sch.cache_queries, sch.cache_hits)
+
+
+def tenants(options: ServerOptions) -> list[tuple[bytes, str]]:
+    """(the Authorization header a key makes, its tenant's name) for every key. A tenant is
+    named by a digest of its key, so logs never hold a key."""
+    keys = list(options.api_keys) + ([options.api_key] if options.api_key is not None else [])
+    out: list[tuple[bytes, str]] = []
+    for key in keys:
+        if not key or key != key.strip():
+            raise ValueError("an API key must be non-empty, without surrounding whitespace")
+        name = "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+        if all(n != name for _, n in out):
+            out.append((f"Bearer {key}".encode(), name))
+    return out

@@ -13,7 +13,7 @@ from .helpers import engine, run
 
 def kept_per_request(level, n=40, tokens=256):
     eng = engine([101, 102, 103], trace=level, max_batch_size=n, max_cache_tokens=n * (tokens + 8))
-    eng.generate([[5]], pd.SamplingParams(max_tokens=4))
+    first = eng.generate([[5]], pd.SamplingParams(max_tokens=4))[0].request_id
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -22,7 +22,7 @@ def kept_per_request(level, n=40, tokens=256):
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    return used / n, (eng.requests.finished_bytes - eng.requests.get("req-0").kept_bytes()) / n
+    return used / n, (eng.requests.finished_bytes - eng.requests.get(first).kept_bytes()) / n
 
 
 @pytest.mark.parametrize("level, most", [("off", 16_000), ("lifecycle", 21_000), ("tokens", 420_000)])

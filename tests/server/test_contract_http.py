@@ -71,7 +71,7 @@ def test_idempotent_retry_is_one_generation(server):
     b = httpx.post(server.url + "/v1/completions", headers=h, json=body, timeout=30).json()
     assert a["id"] == b["id"] and a["choices"][0]["text"] == b["choices"][0]["text"]
     assert len(server.state.tracks) == before + 1                    # one generation
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
     assert "pagedecode:idempotent_replays_total 1.0" in metrics
     r = httpx.post(server.url + "/v1/completions", headers=h, json={**body, "max_tokens": 13})
     assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_key_reused"

@@ -6,6 +6,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+AUTH = {"Authorization": "Bearer sekret"}
 REF = ", there was a little girl named Lily. She loved to play"     # stories260k greedy, 16 tokens
 
 
@@ -79,6 +80,8 @@ def test_models_and_health(client, server):
 
 def post(server, body, key="sekret", **kw):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if "content" in kw:
+        headers["Content-Type"] = "application/json"
     return httpx.post(server.url + "/v1/completions", headers=headers, timeout=30, **kw,
                       **({"json": body} if body is not None else {}))
 
@@ -120,7 +123,7 @@ def test_chat_without_a_template_is_400(stories_path):
 
 def test_metrics_agree_with_what_clients_saw(client, server):
     def scrape():
-        text = httpx.get(server.url + "/metrics").text
+        text = httpx.get(server.url + "/metrics", headers=AUTH).text
         out = {}
         for line in text.splitlines():
             if line.startswith("pagedecode:") and " " in line:
@@ -134,7 +137,7 @@ def test_metrics_agree_with_what_clients_saw(client, server):
         r.usage.completion_tokens
     key = 'pagedecode:request_success_total{finished_reason="max_output_tokens"}'
     assert after[key] - before.get(key, 0) == 1
-    assert "pagedecode:time_to_first_token_seconds_bucket" in httpx.get(server.url + "/metrics").text
+    assert "pagedecode:time_to_first_token_seconds_bucket" in httpx.get(server.url + "/metrics", headers=AUTH).text
 
 
 def test_n_choices_are_independent_seeded_requests(client):
@@ -153,7 +156,7 @@ def test_non_streaming_client_that_leaves_cancels_its_request(server):
             break
         time.sleep(0.05)
     assert not server.engine.has_unfinished()
-    rid = max(server.engine.requests._finished, key=lambda r: int(r.split("-")[1]))
+    rid = next(reversed(server.engine.requests._finished))          # the last to finish
     out = server.engine.result(rid)
     assert out.state.value == "cancelled" and out.finish_reason.value == "transport_error"
     assert server.engine.pool.free_pages == server.engine.pool.num_pages
@@ -165,7 +168,7 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(client, server):
     r = client.completions.create(model="stories260k", prompt=system + "The end", max_tokens=2)
     cached = r.usage.prompt_tokens_details.cached_tokens
     assert cached > 0 and cached % server.engine.config.page_size == 0
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=AUTH).text
     hits = [ln for ln in text.splitlines() if ln.startswith("pagedecode:prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) >= cached
 
