@@ -161,10 +161,10 @@ def test_idle_and_slow_connections_are_closed_and_never_reach_the_engine(serve):
     headers = [s.connect() for _ in range(5)]
     bodies = [s.connect() for _ in range(5)]
     for c in bodies:
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                   b"content-length: 1000\r\n\r\n{\"prompt\": \"Once")
     kept = s.connect()
-    kept.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    kept.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
     assert b"200 OK" in kept.recv(4096)
     start = time.time()
     stop = threading.Event()
@@ -209,7 +209,8 @@ def test_beyond_max_connections_idle_ones_make_room_then_503(serve):
     assert closed_by_server(idle[0], 5)
     busy = [s.connect() for _ in range(4)]                           # evict the other idle ones
     for c in busy:
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{")
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n{")
     time.sleep(0.3)
     r = httpx.get(s.url + "/health")
     assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections"
