@@ -25,12 +25,18 @@ model refuses every later step with ModelUnavailableError.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import multiprocessing
+import os
+import signal
 import socket
+import sys
+import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,6 +49,7 @@ from .kv_cache import KVCache
 from .llama import LlamaModel
 
 OP_FORWARD, OP_STOP = 1, 2
+STOP_WAIT_S = 2.0     # a worker told to stop leaves its group and exits in well under this
 HEADER = 10      # op, T, S, max_pages, n_logits, num_decode, max_new, num_pages, page_size, reserved
 
 
@@ -141,6 +148,24 @@ class ShardedLlama(LlamaModel):
         return torch.cat(parts, dim=-1)                                               # (N, V)
 
 
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT held until the block ends, when it runs on the main thread (`pagedecode generate`):
+    a KeyboardInterrupt between two collectives would leave the workers waiting in the next one
+    (60 s, then a gloo error) and the group unable to stop. The interrupt is raised right after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda sig, frame: caught.append(sig))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,10 +214,24 @@ def _load(path: Path, rank: int, world: int, device: torch.device, dtype: Any, b
 
 def _worker(path: str, rank: int, world: int, port: int, device: str, dtype: Any, backend: str,
             timeout_s: float) -> None:
+    # Rank 0 owns the group's life: a Ctrl-C (sent to the whole process group) or a SIGTERM to
+    # every process must not stop a worker halfway through a collective; rank 0 finishes its
+    # step and sends OP_STOP.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
     torch.set_num_threads(1)
-    _init_group(rank, world, port, dev, timeout_s)
-    serve_rank(Path(path), rank=rank, world=world, device=dev, dtype=dtype, attention_backend=backend)
+    try:
+        _init_group(rank, world, port, dev, timeout_s)
+        serve_rank(Path(path), rank=rank, world=world, device=dev, dtype=dtype, attention_backend=backend)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)             # told to stop: the interpreter's teardown (~1 s with torch) does nothing for us
+    except Exception:
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():
+            os._exit(1)         # rank 0 is gone (killed): nobody to report to, nothing to clean
+        raise
 
 
 def serve_rank(path: str | Path, rank: int | None = None, world: int | None = None, device: torch.device | None = None,
@@ -272,8 +311,9 @@ class TensorParallelModel:
         if dead:
             self._fail(f"tensor-parallel rank process {', '.join(dead)} died")
         try:
-            _send_batch(batch, kv)
-            return self.shard.forward(batch, kv)
+            with _interrupts_held():
+                _send_batch(batch, kv)
+                return self.shard.forward(batch, kv)
         except ModelUnavailableError:
             raise
         except Exception as e:
@@ -305,7 +345,7 @@ class TensorParallelModel:
             except Exception:
                 pass
             for p in self._procs:
-                p.join(timeout=10)
+                p.join(timeout=STOP_WAIT_S)         # then killed
         if self.failure is None:
             self.failure = "the tensor-parallel group was closed"
         self._stop_processes()

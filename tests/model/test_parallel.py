@@ -165,3 +165,23 @@ def test_interpreter_exit_leaves_no_worker_behind(stories_path, tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"worker {pid} outlived the interpreter")
+
+
+def test_ctrl_c_of_generate_at_two_ranks_ends_at_once(stories_path):
+    """Ctrl-C reaches every process of the terminal's group. The workers leave it to rank 0,
+    which finishes its step, so the group stops together (it used to wait 60 s in all_reduce)."""
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "generate", "--model", str(stories_path),
+                          "--prompt", "Once upon a time", "--max-tokens", "100000", "--ignore-eos",
+                          "--tensor-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    assert p.stdout.read(40)                           # decoding at two ranks
+    start = time.time()
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    took = time.time() - start
+    assert p.returncode == 130
+    assert b"[interrupted" in err and b"Traceback" not in err and b"gloo" not in err, err.decode()[-2000:]
+    assert took < 15, took                             # ~2.5 s on a loaded 2-core machine

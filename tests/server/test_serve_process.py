@@ -2,6 +2,7 @@
 connection cap, the open-file limit), a taken port. Real subprocesses over stories260k, driven by
 raw sockets and httpx."""
 import json
+import os
 import resource
 import signal
 import socket
@@ -249,3 +250,31 @@ def test_a_port_in_use_is_one_line_and_exit_1(stories_path):
     assert r.stderr.strip().splitlines() == [f"pagedecode serve: cannot listen on 127.0.0.1:{port}: "
                                              "Address already in use"]
     assert r.stdout == ""
+
+
+def children(pid):
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def test_sigterm_at_two_ranks_stops_the_workers_without_a_traceback(serve):
+    s = serve("--tensor-parallel-size", "2", "--grace-seconds", "2")
+    workers = [c for c in children(s.p.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+    assert len(workers) == 1
+    r = httpx.post(s.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 16}, timeout=60)
+    assert r.json()["choices"][0]["text"] == ", there was a little girl named Lily. She loved to play"
+    assert s.stop() == 0
+    end = time.time() + 1
+    while any(os.path.exists(f"/proc/{w}") for w in workers) and time.time() < end:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{w}") for w in workers)
+    assert "Traceback" not in s.output and "gloo" not in s.output, s.output[-3000:]
