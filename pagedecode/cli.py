@@ -41,7 +41,8 @@ def _engine(args: argparse.Namespace) -> Any:
     path = args.model or default_model_path()
     options = {"max_batch_size": max(8, getattr(args, "requests", 1))}
     return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
-                                  tensor_parallel_size=args.tensor_parallel_size, **options)
+                                  tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+                                  tokenizer=args.tokenizer, **options)
 
 
 def _sampling(args: argparse.Namespace, seed: int | None = None) -> SamplingParams:
@@ -192,7 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("generate", "stream one completion to stdout"),
                        ("demo", "several concurrent requests with a progress display and a latency table")):
         p = sub.add_parser(name, help=what, description=what, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        p.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in tiny Llama)")
+        p.add_argument("--model", default=None,
+                       help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
+        p.add_argument("--quantization", default=None, choices=[None, "q8_0", "q4_0"],
+                       help="keep the layer weights quantized in memory (a GGUF's own Q8_0 / Q4_0 stay so anyway)")
+        p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
         p.add_argument("--device", default="cpu", help="cpu or cuda")
         p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"],
                        help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")

@@ -16,6 +16,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -
         pass
     elif kind == "linear":
         inv = inv / float(scaling["factor"])
+    elif kind == "freq_factors":     # a GGUF's rope_freqs tensor: one divisor per frequency
+        inv = inv / torch.as_tensor(scaling["factors"], dtype=torch.float64)
     elif kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -29,7 +31,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -
         mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(mid, blended, scaled)
     else:
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, freq_factors)")
     return inv.float()
 
 

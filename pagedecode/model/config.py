@@ -7,6 +7,9 @@ from typing import Any, Mapping
 from ..errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# GGUF's general.architecture -> model_type (llama.cpp writes Mistral 7B as "llama")
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+NO_TOKEN = 0xFFFFFFFF             # how llama.cpp's converters write "no such token"
 
 
 @dataclass
@@ -72,3 +75,52 @@ class ModelConfig:
             qk_norm=(mtype == "qwen3"), sliding_window=window, model_type=mtype,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"))
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], vocab_size: int,
+                  rope_factors: list[float] | None = None) -> "ModelConfig":
+        """From a GGUF's metadata (key -> value); `rope_factors` is its rope_freqs tensor, which
+        is how llama.cpp stores Llama 3.x's rope scaling."""
+        arch = meta.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+
+        def get(key: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelLoadError(f"GGUF metadata has no {arch}.{key}")
+            return value
+
+        heads = int(get("attention.head_count"))
+        hidden = int(get("embedding_length"))
+        rope: dict[str, Any] | None = None
+        kind = meta.get(f"{arch}.rope.scaling.type", "none")
+        if rope_factors is not None:
+            rope = {"rope_type": "freq_factors", "factors": rope_factors}
+        elif kind == "linear":
+            rope = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        elif kind != "none":
+            raise ModelLoadError(f"unsupported GGUF rope scaling {kind!r} (supported: none, linear, rope_freqs)")
+        special = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+        if int(meta.get(f"{arch}.rope.dimension_count") or head_dim) != head_dim:
+            raise ModelLoadError(f"partial rotary embedding ({arch}.rope.dimension_count "
+                                 f"{meta.get(f'{arch}.rope.dimension_count')} of head_dim {head_dim}) is not supported")
+        return cls(
+            vocab_size=int(meta.get(f"{arch}.vocab_size") or vocab_size), hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+            num_heads=heads, num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+            head_dim=head_dim, max_position_embeddings=int(get("context_length")),
+            rms_norm_eps=_float32(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=_float32(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=rope,
+            qk_norm=(arch == "qwen3"), model_type=GGUF_ARCHITECTURES[arch],
+            bos_token_id=None if bos in (None, NO_TOKEN) else int(bos),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in special if i not in (None, NO_TOKEN))))
+
+
+def _float32(value: Any) -> float:
+    """GGUF stores these as float32: 1e-5 reads back as 9.99999974e-06; take the shortest decimal
+    that rounds to the same float32, which is what the converter was given."""
+    import numpy as np
+    return float(str(np.float32(value)))

@@ -24,6 +24,7 @@ from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
+from .quant import BLOCK, QuantizedWeight, Weight, cat_rows, embedding_rows, linear, weight_bytes
 
 _cpu_ext: types.ModuleType | None
 try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
@@ -44,26 +45,31 @@ def cpu_extension_available() -> bool:
 class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
-    qkv_w: torch.Tensor                 # q, k, v projections stacked: one matmul
+    qkv_w: Weight                       # q, k, v projections stacked: one matmul
     qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
+    o_w: Weight
     o_b: torch.Tensor | None
     q_norm: torch.Tensor | None         # Qwen3
     k_norm: torch.Tensor | None
-    gate_up_w: torch.Tensor             # gate and up stacked: one matmul
-    down_w: torch.Tensor
+    gate_up_w: Weight                   # gate and up stacked: one matmul
+    down_w: Weight
 
 
 class LlamaModel:
-    """A pd.Model: `config`, `device`, `dtype` and forward(batch, kv_cache) -> logits (N, V)."""
+    """A pd.Model: `config`, `device`, `dtype` and forward(batch, kv_cache) -> logits (N, V).
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
+    Weights are float tensors or QuantizedWeight blocks (model/quant.py) as `weights` holds them;
+    `quantization` ("q8_0" / "q4_0") also quantizes every float layer weight whose input size is
+    a multiple of 32 (embedding, LM head and norms keep their type)."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", quantization: str | None = None) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.attention_backend = attention_backend
+        self.quantization = quantization
         c = config
 
         def take(name: str, required: bool = True) -> Any:
@@ -72,7 +78,15 @@ class LlamaModel:
                 if required:
                     raise KeyError(f"checkpoint has no tensor {name!r}")
                 return None
+            if isinstance(t, QuantizedWeight):
+                return t.to(self.device)
             return t.to(device=self.device, dtype=dtype).contiguous()
+
+        def stack(*names: str) -> Weight:
+            w = cat_rows([take(n) for n in names], dtype)
+            if quantization and isinstance(w, torch.Tensor) and w.shape[1] % BLOCK == 0:
+                return QuantizedWeight.quantize(w, quantization)
+            return w
 
         self.embed = take("model.embed_tokens.weight")
         lm = take("lm_head.weight", required=False)
@@ -89,13 +103,13 @@ class LlamaModel:
             biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
             self.layers.append(_Layer(
                 ln1=take(p + "input_layernorm.weight"), ln2=take(p + "post_attention_layernorm.weight"),
-                qkv_w=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0),
+                qkv_w=stack(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
                 qkv_b=torch.cat(biases, 0) if all(b is not None for b in biases) else None,
-                o_w=take(p + "self_attn.o_proj.weight"), o_b=take(p + "self_attn.o_proj.bias", required=False),
+                o_w=stack(p + "self_attn.o_proj.weight"), o_b=take(p + "self_attn.o_proj.bias", required=False),
                 q_norm=take(p + "self_attn.q_norm.weight", required=c.qk_norm),
                 k_norm=take(p + "self_attn.k_norm.weight", required=c.qk_norm),
-                gate_up_w=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0),
-                down_w=take(p + "mlp.down_proj.weight")))
+                gate_up_w=stack(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down_w=stack(p + "mlp.down_proj.weight")))
         scaling = c.rope_scaling
         inv = rope_inv_freq(c.head_dim, c.rope_theta, scaling)
         factor = 1.0
@@ -107,29 +121,33 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
+        self.quantized = any(isinstance(w, QuantizedWeight) for w in self._weights())
         # the one-call CPU forward (csrc/cpu_forward.cpp): float32 / bfloat16 Llama shapes, no q/k
-        # norm, not a tensor-parallel shard (which overrides _embed / _reduce / _logits)
+        # norm, float weights (no kernel over quantized blocks there yet), not a tensor-parallel
+        # shard (which overrides _embed / _reduce / _logits)
         self._fused_cpu = (_cpu_ext is not None and self.device.type == "cpu" and not c.qk_norm
-                           and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel)
+                           and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel
+                           and not self.quantized)
         if self._fused_cpu:
             assert _cpu_ext is not None
             if os.environ.get("PAGEDECODE_MALLOC") != "default":     # see keep_freed_memory in csrc/
                 _cpu_ext.keep_freed_memory()
             none = torch.empty(0, dtype=dtype)
 
-            def small_t(w: torch.Tensor) -> torch.Tensor:
+            def small_t(w: Weight) -> torch.Tensor:
                 """A small layer's weight transposed, for the compiled gemv over outputs (a 64-wide
                 layer spends most of a dot product per output in its horizontal sum)."""
+                assert isinstance(w, torch.Tensor)          # the compiled forward takes float weights
                 return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
 
             pack = (torch.backends.mkldnn.is_available() and os.environ.get("PAGEDECODE_CPU_MATMUL") != "aten"
                     and os.environ.get("PAGEDECODE_CPU_PACK") != "0")
 
-            def packed(w: torch.Tensor) -> torch.Tensor:
+            def packed(w: Weight) -> torch.Tensor:
                 """w in oneDNN's blocked layout, for the compiled forward's matmuls of more than a
                 few rows (given a plain weight, oneDNN re-blocks it on every call). A second copy
                 of the weights: PAGEDECODE_CPU_PACK=0 goes without it."""
-                if not pack:
+                if not pack or not isinstance(w, torch.Tensor):
                     return none
                 try:
                     return torch.ops.mkldnn._reorder_linear_weight(w, 64)
@@ -144,6 +162,32 @@ class LlamaModel:
             self._lm_head_t = small_t(self.lm_head)
             self._lm_head_packed = packed(self.lm_head)
             self._cos32, self._sin32 = cos.float().contiguous(), sin.float().contiguous()
+
+    def _weights(self) -> list[Weight]:
+        out: list[Weight] = [self.embed, self.final_norm]
+        if self.lm_head is not self.embed:
+            out.append(self.lm_head)
+        for L in self.layers:
+            out += [t for t in (L.ln1, L.ln2, L.qkv_w, L.qkv_b, L.o_w, L.o_b, L.q_norm, L.k_norm,
+                                L.gate_up_w, L.down_w) if t is not None]
+        return out
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in memory, as the forward holds them (quantized blocks at their
+        size; the compiled CPU forward's transposed and packed copies included)."""
+        seen: dict[int, int] = {}
+        extra = getattr(self, "_flat_layers", []) + [getattr(self, "_lm_head_t", None),
+                                                     getattr(self, "_lm_head_packed", None)]
+        for w in self._weights() + [t for t in extra if t is not None]:
+            if isinstance(w, QuantizedWeight):
+                key = id(w.blocks)
+            elif w.is_mkldnn:                    # oneDNN's packed copies have no plain storage
+                key = id(w)
+            else:
+                key = w.data_ptr() or id(w)      # the tied LM head is the embedding: counted once
+            seen[key] = weight_bytes(w)
+        return sum(seen.values())
 
     def uses_cpu_extension(self) -> bool:
         """True when forward runs the compiled CPU pass (attention_backend "auto" on CPU); "torch"
@@ -167,7 +211,7 @@ class LlamaModel:
         H, Hkv = c.num_heads, c.num_kv_heads
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = F.linear(x, L.qkv_w, L.qkv_b)                          # (T, (H + 2 Hkv) D)
+            qkv = linear(x, L.qkv_w, L.qkv_b)                            # (T, (H + 2 Hkv) D)
             v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, c.head_dim)
             if L.q_norm is None:     # rotate q and k in one go
                 qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, c.head_dim), cos, sin)
@@ -180,22 +224,22 @@ class LlamaModel:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend=self.attention_backend)
             attn = self._attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, heads, head_dim)
-            h = h + self._reduce(F.linear(attn.reshape(T, self._q_size), L.o_w, L.o_b))
+            h = h + self._reduce(linear(attn.reshape(T, self._q_size), L.o_w, L.o_b))
             x = rms_norm(h, L.ln2, c.rms_norm_eps)
-            gate, up = F.linear(x, L.gate_up_w).chunk(2, dim=-1)
-            h = h + self._reduce(F.linear(F.silu(gate) * up, L.down_w))
+            gate, up = linear(x, L.gate_up_w).chunk(2, dim=-1)
+            h = h + self._reduce(linear(F.silu(gate) * up, L.down_w))
         h = rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return self._logits(h)                                           # (N, vocab)
 
     # -- the three places tensor parallelism changes (model/parallel.py); identity at N = 1 --------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed[ids]
+        return embedding_rows(self.embed, ids, self.dtype)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On the torch path, the cache slots of every decode sequence's context, computed once per

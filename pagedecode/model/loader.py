@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory: config, generation config, safetensors, tokenizer."""
+"""Load a model: a Hugging Face directory (config, generation config, safetensors, tokenizer) or a
+GGUF file (model/gguf_file.py)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import torch
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
+from .gguf_file import is_gguf, read_gguf
+from .gguf_tokenizer import build_tokenizer
 from .llama import LlamaModel
 from .tokenizer import Tokenizer
 
@@ -73,20 +76,35 @@ def load_config(path: Path) -> ModelConfig:
     return config
 
 
-def load_model(path, device="cpu", dtype=None, attention_backend="auto"):
-    """(LlamaModel, Tokenizer) from a Hugging Face directory."""
+def load_model(path, device="cpu", dtype=None, attention_backend="auto", quantization=None, tokenizer=None):
+    """(LlamaModel, Tokenizer) from a Hugging Face directory or a GGUF file. `quantization`
+    ("q8_0" / "q4_0") keeps the layer weights quantized in memory (model/quant.py); `tokenizer`,
+    a folder holding tokenizer.json, replaces the model's own."""
+    from .quant import QUANTIZATIONS
     path = Path(path)
-    if not path.is_dir():
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
+    if is_gguf(path):
+        config, weights, meta = read_gguf(path)
+    elif path.is_dir():
+        config, weights, meta = load_config(path), None, None
+    elif path.is_file():
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a model directory")
+    else:
         raise ModelLoadError(f"model directory not found: {path}")
-    config = load_config(path)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, config, device)
-    tokenizer = Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
+    if tokenizer is not None:
+        tok = Tokenizer.from_dir(tokenizer, eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
+    elif meta is not None:
+        tok = build_tokenizer(meta)
+    else:
+        tok = Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
     if not config.eos_token_ids:
-        config.eos_token_ids = tokenizer.eos_token_ids
+        config.eos_token_ids = tok.eos_token_ids
     try:
-        model = LlamaModel(config, load_weights(path), device=device, dtype=torch_dtype,
-                           attention_backend=attention_backend)
+        model = LlamaModel(config, load_weights(path) if weights is None else weights, device=device,
+                           dtype=torch_dtype, attention_backend=attention_backend, quantization=quantization)
     except KeyError as e:
         raise ModelLoadError(f"{path}: {e.args[0]}") from None
-    return model, tokenizer
+    return model, tok

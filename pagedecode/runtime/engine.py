@@ -113,21 +113,27 @@ class Engine(ConsumerSide, RequestEndings):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: Any = None,
-                        tensor_parallel_size: int = 1, **engine_options: Any) -> "Engine":
-        """tensor_parallel_size N > 1 starts N - 1 worker processes (model/parallel.py); the
-        engine and every request stay in this one."""
+                        tensor_parallel_size: int = 1, quantization: str | None = None,
+                        tokenizer: str | Path | None = None, **engine_options: Any) -> "Engine":
+        """path: a Hugging Face directory or a GGUF file. quantization "q8_0" / "q4_0" keeps the
+        layer weights quantized in memory; tokenizer: a folder holding tokenizer.json to use
+        instead of the model's own. tensor_parallel_size N > 1 starts N - 1 worker processes
+        (model/parallel.py); the engine and every request stay in this one."""
         from ..model.loader import load_model
         config = EngineConfig(**{"model_name": str(path), **engine_options})
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if tensor_parallel_size == 1:
-            model, tokenizer = load_model(path, device=device, dtype=dtype,
+            model, tok = load_model(path, device=device, dtype=dtype, attention_backend=config.attention_backend,
+                                    quantization=quantization, tokenizer=tokenizer)
+            return cls(model, tok, config)
+        if quantization is not None or tokenizer is not None or Path(path).is_file():
+            raise ValueError("tensor_parallel_size > 1 takes a Hugging Face directory, without quantization "
+                             "or tokenizer")
+        from ..model.parallel import load_tensor_parallel
+        model, tok = load_tensor_parallel(path, tensor_parallel_size, device=device, dtype=dtype,
                                           attention_backend=config.attention_backend)
-        else:
-            from ..model.parallel import load_tensor_parallel
-            model, tokenizer = load_tensor_parallel(path, tensor_parallel_size, device=device, dtype=dtype,
-                                                    attention_backend=config.attention_backend)
-        return cls(model, tokenizer, config)
+        return cls(model, tok, config)
 
     @property
     def grammar(self) -> GrammarCompiler | None:
@@ -141,6 +147,12 @@ class Engine(ConsumerSide, RequestEndings):
     @property
     def tensor_parallel_size(self) -> int:
         return int(getattr(self.model, "world", 1))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights take in memory (this rank's), as its forward holds them:
+        quantized blocks at their size. 0 for a model that does not say (`weight_bytes`)."""
+        return int(getattr(self.model, "weight_bytes", 0))
 
     @property
     def bytes_per_token_total(self) -> int:

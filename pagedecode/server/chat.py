@@ -1,4 +1,5 @@
-"""Chat templates: tokenizer_config.json's `chat_template` (or chat_template.jinja), rendered in
+"""Chat templates: tokenizer_config.json's `chat_template` (or chat_template.jinja, or a GGUF's
+tokenizer.chat_template), rendered in
 jinja2's ImmutableSandboxedEnvironment with the variables transformers provides. A template
 never comes from a request."""
 from __future__ import annotations
@@ -12,10 +13,13 @@ from .protocol import ApiError
 
 
 def load_template(model_dir: str | Path | None, override: str | Path | None = None) -> tuple[str | None, dict[str, Any]]:
-    """(template source or None, special token strings) for a model directory."""
+    """(template source or None, special token strings) for a model directory or GGUF file."""
     specials: dict[str, Any] = {}
     source: str | None = None
-    if model_dir is not None:
+    if model_dir is not None and Path(model_dir).is_file():       # a GGUF: its metadata has both
+        from ..model.gguf_file import chat_template
+        source, specials = chat_template(Path(model_dir))
+    elif model_dir is not None:
         d = Path(model_dir)
         cfg_file = d / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}

@@ -21,7 +21,11 @@ FLUSH_S = 5.0     # after the drain: for cancels to take effect and clients to g
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in tiny Llama)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
+    p.add_argument("--quantization", default=None, choices=[None, "q8_0", "q4_0"],
+                   help="keep the layer weights quantized in memory (a GGUF's own Q8_0 / Q4_0 stay so anyway)")
+    p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     p.add_argument("--api-key", action="append", default=None,
@@ -35,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "repeatable")
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="chat content's special-token strings ('</s>') become the real tokens (unsafe)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name, or the GGUF file's without .gguf)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"], help="weights dtype")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -112,9 +116,10 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     from ..model.default_model import default_model_path
     model_dir = Path(args.model) if args.model else default_model_path()
     options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS}
-    name = args.served_model_name or model_dir.name
+    name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
     engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
-                                       tensor_parallel_size=args.tensor_parallel_size, **options)
+                                       tensor_parallel_size=args.tensor_parallel_size,
+                                       quantization=args.quantization, tokenizer=args.tokenizer, **options)
     try:
         source, specials = load_template(model_dir, args.chat_template)
         template = ChatTemplate(source, specials) if source else None

@@ -1,0 +1,146 @@
+"""Load a GGUF file (llama.cpp's format): hyperparameters, weights and tokenizer from one file.
+
+Read with the `gguf` package's GGUFReader. Tensor types: F32, F16, BF16 as float tensors; Q8_0
+and Q4_0 kept in their blocks (model/quant.py); Q4_K and Q6_K (the Q4_K_M mix) dequantized at
+load to bfloat16, with a warning; any other type fails to load naming it.
+
+llama.cpp's converters reorder the rows of every head of q_proj / k_proj for the "llama"
+architecture, so that its RoPE rotates adjacent pairs (0, 1), (2, 3), ...; pagedecode rotates
+dimension i with i + head_dim / 2 (Hugging Face's layout). Loading undoes that reordering.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ModelLoadError
+from .config import ModelConfig
+from .quant import QuantizedWeight, Weight
+
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+               "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+PERMUTED_ARCHITECTURES = ("llama", "mistral")
+NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+DEQUANTIZED_TYPES = ("Q4_K", "Q6_K")
+
+
+def is_gguf(path: str | Path) -> bool:
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _reader(path: Path) -> Any:
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - a core dependency
+        raise ModelLoadError("loading a GGUF file needs the `gguf` package (pip install gguf)") from None
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"{path} cannot be read as GGUF: {e}") from None
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """Every key-value field but the file's own header, as Python values."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face tensor name for a GGUF one (blk.3.attn_q.weight -> model.layers.3.
+    self_attn.q_proj.weight); None for tensors the forward does not use (rope_freqs, ...)."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def read_tensor(t: Any, dequantized: list[str]) -> Weight:
+    """One ReaderTensor as a float tensor or QuantizedWeight, in torch's (rows, columns) order."""
+    import gguf
+    kind = t.tensor_type.name
+    shape = tuple(int(n) for n in reversed(t.shape))     # GGUF lists the fastest dimension first
+    if kind == "F32":
+        return torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(shape))
+    if kind == "F16":
+        return torch.from_numpy(np.array(t.data, dtype=np.float16).reshape(shape))
+    if kind == "BF16":
+        return torch.from_numpy(np.array(t.data).view(np.int16).reshape(shape)).view(torch.bfloat16)
+    if kind in ("Q8_0", "Q4_0") and len(shape) == 2:
+        return QuantizedWeight(kind.lower(), torch.from_numpy(np.array(t.data)), (shape[0], shape[1]))
+    if kind in DEQUANTIZED_TYPES + ("Q8_0", "Q4_0"):
+        dequantized.append(t.name)
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(torch.bfloat16)
+    raise ModelLoadError(f"tensor {t.name} has type {kind}, which pagedecode cannot load (supported: "
+                         f"{', '.join(NATIVE_TYPES)}; {', '.join(DEQUANTIZED_TYPES)} dequantized at load)")
+
+
+def _unpermute(w: Weight, n_head: int) -> Weight:
+    """Undo llama.cpp's q/k row order. Within a head of d rows, GGUF row 2i + j (pair i, member
+    j) holds Hugging Face row j * d/2 + i; so HF row (j, i) takes GGUF row 2i + j."""
+    rows = w.shape[0]
+    index = torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+    if isinstance(w, QuantizedWeight):
+        return w.select_rows(index)
+    return w[index].contiguous()
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
+    """(config, weights under Hugging Face names, metadata) of a GGUF file."""
+    reader = _reader(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: no token_embd.weight tensor")
+    rope_factors = None
+    if "rope_freqs.weight" in tensors:
+        rope_factors = np.array(tensors["rope_freqs.weight"].data, dtype=np.float64).tolist()
+    vocab = int(tensors["token_embd.weight"].shape[1])
+    config = ModelConfig.from_gguf(meta, vocab_size=vocab, rope_factors=rope_factors)
+    dequantized: list[str] = []
+    weights: dict[str, Weight] = {}
+    for name, t in tensors.items():
+        target = hf_name(name)
+        if target is not None:
+            weights[target] = read_tensor(t, dequantized)
+    if dequantized:
+        warnings.warn(f"{path.name}: {len(dequantized)} tensors ({', '.join(dequantized[:3])}, ...) are "
+                      "dequantized to bfloat16 at load: pagedecode runs Q8_0 / Q4_0 blocks natively, not these",
+                      stacklevel=3)
+    if meta.get("general.architecture") in PERMUTED_ARCHITECTURES:
+        for i in range(config.num_layers):
+            for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+                for kind in ("weight", "bias"):
+                    key = f"model.layers.{i}.self_attn.{proj}.{kind}"
+                    if key in weights:
+                        weights[key] = _unpermute(weights[key], heads)
+    config.tie_word_embeddings = "lm_head.weight" not in weights
+    kinds = {t.tensor_type.name for t in tensors.values()}
+    config.dtype = "float32" if kinds <= {"F32"} else "float16" if "F16" in kinds and "BF16" not in kinds else "bfloat16"
+    return config, weights, meta
+
+
+def chat_template(path: Path) -> tuple[str | None, dict[str, Any]]:
+    """(tokenizer.chat_template or None, the special tokens' strings) of a GGUF file."""
+    meta = read_metadata(_reader(path))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    specials: dict[str, Any] = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        specials[name] = str(tokens[i]) if i is not None and 0 <= int(i) < len(tokens) else None
+    source = meta.get("tokenizer.chat_template")
+    return (str(source) if source else None), specials

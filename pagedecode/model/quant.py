@@ -1,0 +1,116 @@
+"""Weights kept quantized in memory: GGUF's Q8_0 and Q4_0 blocks.
+
+One layout for both sources, so one set of kernels serves them: a GGUF file's Q8_0 / Q4_0 tensors
+are kept as the file stores them, and `quantization="q8_0" | "q4_0"` quantizes a float
+checkpoint's layer weights into the same blocks at load (with the `gguf` package's quantizer).
+
+A weight (out_features, in_features) is `blocks` (out_features, in_features / 32 * block bytes)
+uint8; each row is its in_features / 32 blocks in order, each block 32 consecutive inputs:
+
+    Q8_0  34 bytes   fp16 scale d | 32 x int8 q                      w[j] = d * q[j]
+    Q4_0  18 bytes   fp16 scale d | 16 bytes, byte i = q[i] | q[i+16] << 4   w[j] = d * (q[j] - 8)
+
+The torch path dequantizes a layer's weight when it is used (activations stay in float: the
+only error is the weights' rounding); `linear` and `embedding_rows` are the two uses.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32
+BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
+QUANTIZATIONS = tuple(BLOCK_BYTES)
+
+
+class QuantizedWeight:
+    """A (out_features, in_features) weight in Q8_0 or Q4_0 blocks (see the module docstring)."""
+
+    def __init__(self, kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+        out_features, in_features = shape
+        if in_features % BLOCK or blocks.dtype != torch.uint8 or \
+                tuple(blocks.shape) != (out_features, in_features // BLOCK * BLOCK_BYTES[kind]):
+            raise ValueError(f"{kind} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a {shape} weight")
+        self.kind = kind
+        self.blocks = blocks.contiguous()
+        self.shape = (int(out_features), int(in_features))
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, kind: str) -> "QuantizedWeight":
+        """w (out, in) float, in a multiple of 32 -> blocks, by gguf's reference quantizer."""
+        import gguf
+        qtype = gguf.GGMLQuantizationType.Q8_0 if kind == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        data = gguf.quants.quantize(w.detach().float().cpu().numpy(), qtype)
+        return cls(kind, torch.from_numpy(np.ascontiguousarray(data)).to(w.device),
+                   (int(w.shape[0]), int(w.shape[1])))
+
+    @classmethod
+    def cat(cls, parts: Sequence["QuantizedWeight"]) -> "QuantizedWeight":
+        """Stack weights of one kind along the output rows (q, k, v -> qkv)."""
+        kind, in_features = parts[0].kind, parts[0].shape[1]
+        assert all(p.kind == kind and p.shape[1] == in_features for p in parts)
+        return cls(kind, torch.cat([p.blocks for p in parts]), (sum(p.shape[0] for p in parts), in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        return QuantizedWeight(self.kind, self.blocks.to(device), self.shape)
+
+    def select_rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        return QuantizedWeight(self.kind, self.blocks[index], (int(index.numel()), self.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight (out, in) in `dtype`, or only `rows` of it (len(rows), in)."""
+        blocks = self.blocks if rows is None else self.blocks[rows]
+        n = blocks.shape[0]
+        b = blocks.view(n, self.shape[1] // BLOCK, BLOCK_BYTES[self.kind])     # (n, in / 32, block bytes)
+        d = b[..., :2].contiguous().view(torch.float16).float()               # (n, in / 32, 1)
+        if self.kind == "q8_0":
+            q = b[..., 2:].contiguous().view(torch.int8).float()              # (n, in / 32, 32)
+        else:
+            packed = b[..., 2:].to(torch.int16)                                # (n, in / 32, 16)
+            q = (torch.cat([packed & 15, packed >> 4], dim=-1) - 8).float()   # low nibbles first
+        return (q * d).reshape(n, self.shape[1]).to(dtype)
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over a float or a quantized weight (dequantized for this call)."""
+    if isinstance(w, QuantizedWeight):
+        return F.linear(x, w.dequantize(x.dtype), b)
+    return F.linear(x, w, b)
+
+
+def embedding_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(table, QuantizedWeight):
+        return table.dequantize(dtype, rows=ids)
+    return table[ids]
+
+
+def cat_rows(parts: Sequence[Weight], dtype: torch.dtype) -> Weight:
+    """q, k, v (or gate, up) stacked: quantized when all share one kind, else in float."""
+    quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(quantized) == len(parts) and len({p.kind for p in quantized}) == 1:
+        return QuantizedWeight.cat(quantized)
+    return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts], 0)
+
+
+def weight_bytes(w: Weight | None) -> int:
+    if w is None:
+        return 0
+    if isinstance(w, QuantizedWeight):
+        return w.nbytes
+    return w.numel() * w.element_size()

@@ -1,0 +1,179 @@
+"""GGUF files: stories260K.gguf (llama.cpp's own file) against REFERENCE.md and the safetensors
+checkpoint; written files of every tensor type against the float weights they hold; the
+tokenizer rebuilt from metadata against tokenizer.json."""
+import random
+
+import pytest
+import torch
+
+import pagedecode as pd
+from pagedecode import cli
+from pagedecode.errors import ModelLoadError
+from pagedecode.model.config import ModelConfig
+from pagedecode.model.llama import LlamaModel
+from pagedecode.model.quant import QuantizedWeight
+from pagedecode.model.tokenizer import Tokenizer
+from pagedecode.testing import prefill_batch
+
+from .gguf_files import Q, bytelevel_tokenizer_meta, random_llama, write_gguf
+from .test_stories260k import BOS_ONLY_FIRST_60, REFERENCE, TOP5
+
+PIECES = ["Once upon a time", " there", "Lily", "  ", "\n", "\n\n", "\t", "😀", "👩‍👩‍👧", "日本語", "中文字符",
+          "한국어", "é", "ï", "naïve", "ß", "<s>", "</s>", "<unk>", "<0x0A>", "▁", "12345", "3.14", "!?", "'s", "…",
+          "\r\n", " ", "don't", "The cat sat.", "Ünïcödé", "a  b", "   ", "x"]
+
+
+def sample_strings(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = list(PIECES)
+    while len(out) < n:
+        out.append("".join(rng.choice(PIECES) for _ in range(rng.randint(1, 6))))
+    return out
+
+
+def logits_of(model, ids):
+    c = model.config
+    kv = pd.KVCache(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim, model.dtype)
+    return model.forward(prefill_batch(ids, pages=[0, 1, 2, 3], page_size=16, all_logits=True), kv)
+
+
+@pytest.fixture(scope="module")
+def stories_gguf(stories_path):
+    path = stories_path / "source" / "stories260K.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_engine(stories_gguf):
+    return pd.Engine.from_pretrained(stories_gguf)
+
+
+def test_stories_gguf_hyperparameters(gguf_engine, stories_path):
+    c, ref = gguf_engine.model.config, pd.Engine.from_pretrained(stories_path).model.config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "rms_norm_eps", "rope_theta", "bos_token_id", "eos_token_ids", "qk_norm"):
+        assert getattr(c, field) == getattr(ref, field), field
+    assert c.max_position_embeddings == 2048          # as the file states (llama2.c trained with 512)
+    assert gguf_engine.model.uses_cpu_extension() == pd.Engine.from_pretrained(stories_path).model.uses_cpu_extension()
+
+
+@pytest.mark.parametrize("prompt", list(REFERENCE))
+def test_stories_gguf_greedy_matches_reference(gguf_engine, prompt):
+    ids, new, text = REFERENCE[prompt]
+    out = gguf_engine.generate(prompt, pd.SamplingParams(max_tokens=32))[0]
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == new
+    assert out.text == text
+
+
+def test_stories_gguf_from_bos_and_against_safetensors(gguf_engine, stories_path):
+    out = gguf_engine.generate([[1]], pd.SamplingParams(max_tokens=60))[0]
+    assert out.token_ids == BOS_ONLY_FIRST_60
+    ref, gg = pd.Engine.from_pretrained(stories_path), gguf_engine
+    prompts = ["Tom had a big red ball and a small blue car. He", "Sue 😀\n日本"]
+    a = ref.generate(prompts, pd.SamplingParams(max_tokens=40))
+    b = gg.generate(prompts, pd.SamplingParams(max_tokens=40))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.text for o in a] == [o.text for o in b]
+    for prompt, top in TOP5.items():
+        ids = REFERENCE[prompt][0]
+        la, lb = logits_of(ref.model, ids), logits_of(gg.model, ids)
+        torch.testing.assert_close(lb, la, atol=1e-4, rtol=0)
+        assert lb[-1].topk(5).indices.tolist() == [t for t, _ in top]
+
+
+def test_stories_gguf_tokenizer_matches_tokenizer_json(gguf_engine, stories_path):
+    ref = Tokenizer.from_dir(stories_path)
+    tok = gguf_engine.tokenizer
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids, tok.special_ids, tok.kind) == \
+        (ref.vocab_size, ref.bos_token_id, ref.eos_token_ids, ref.special_ids, ref.kind)
+    for s in sample_strings(300):
+        ids = ref.encode(s)
+        assert tok.encode(s) == ids, s
+        assert tok.encode(s, add_special_tokens=False) == ref.encode(s, add_special_tokens=False), s
+        assert tok.decode(ids) == ref.decode(ids), s
+        assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False), s
+    rng = random.Random(1)
+    for _ in range(100):                      # any id sequence decodes alike, byte runs included
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 12))]
+        assert tok.decode(ids) == ref.decode(ids)
+        assert [tok.token_bytes(i, f) for i in ids for f in (True, False)] == \
+            [ref.token_bytes(i, f) for i in ids for f in (True, False)]
+
+
+def test_stories_gguf_with_tokenizer_dir(stories_gguf, stories_path):
+    engine = pd.Engine.from_pretrained(stories_gguf, tokenizer=stories_path)
+    out = engine.generate("Once upon a time", pd.SamplingParams(max_tokens=16))[0]
+    assert out.text == REFERENCE["Once upon a time"][2][:len(out.text)] and len(out.token_ids) == 16
+
+
+def test_cli_generate_on_a_gguf_file(stories_gguf, capsys):
+    assert cli.main(["generate", "--model", str(stories_gguf), "--prompt", "Once upon a time",
+                     "--max-tokens", "16"]) == 0
+    assert capsys.readouterr().out.strip() == ", there was a little girl named Lily. She loved to play"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from pagedecode.model.default_model import BOS, EOS, default_model_path
+    cfg, weights = random_llama(seed=3)
+    meta = bytelevel_tokenizer_meta(default_model_path() / "tokenizer.json", BOS, EOS)
+    return tmp_path_factory.mktemp("gguf"), cfg, weights, meta
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_written_gguf_of_each_type_runs_its_values(tiny, qtype):
+    """The loaded model computes with exactly the values the file holds (dequantized by gguf),
+    q/k rows unpermuted: logits against a float model built from those values."""
+    folder, cfg, weights, meta = tiny
+    path = folder / f"tiny-{qtype.name}.gguf"
+    expected = write_gguf(path, cfg, weights, meta, qtype=qtype)
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        with pytest.warns(UserWarning, match="dequantized to bfloat16"):
+            engine = pd.Engine.from_pretrained(path, attention_backend="torch")
+    else:
+        engine = pd.Engine.from_pretrained(path, attention_backend="torch")
+    model = engine.model
+    native = qtype in (Q.Q8_0, Q.Q4_0)
+    assert isinstance(model.layers[0].qkv_w, QuantizedWeight) == native
+    assert isinstance(model.embed, QuantizedWeight) == native and isinstance(model.lm_head, QuantizedWeight) == native
+    config = ModelConfig.from_hf(cfg)
+    ref = LlamaModel(config, expected, attention_backend="torch")
+    ids = list(range(5, 45))
+    torch.testing.assert_close(logits_of(model, ids), logits_of(ref, ids), atol=2e-4, rtol=1e-4)
+    if native:
+        float_bytes = sum(t.numel() * 4 for n, t in weights.items())
+        assert engine.weight_bytes < float_bytes * (0.3 if qtype == Q.Q8_0 else 0.17)
+
+
+def test_written_gguf_bytelevel_tokenizer_matches_tokenizer_json(tiny):
+    from pagedecode.model.default_model import default_model_path
+    folder, cfg, weights, meta = tiny
+    path = folder / "tok.gguf"
+    write_gguf(path, cfg, {k: v for k, v in weights.items()}, meta)
+    tok = pd.Engine.from_pretrained(path).tokenizer
+    ref = Tokenizer.from_dir(default_model_path())
+    assert tok.kind == ref.kind == "bytelevel"
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_ids) == (ref.vocab_size, ref.bos_token_id, ref.eos_token_ids)
+    for s in sample_strings(300, seed=2) + ["<|bos|>hi<|eos|>"]:
+        ids = ref.encode(s)
+        assert tok.encode(s) == ids, s
+        assert tok.decode(ids) == ref.decode(ids), s
+        assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False), s
+
+
+def test_unsupported_tensor_type_is_named(tiny):
+    folder, cfg, weights, meta = tiny
+    path = folder / "q5.gguf"
+    write_gguf(path, cfg, weights, meta, qtype=Q.Q5_0)
+    with pytest.raises(ModelLoadError, match="Q5_0"):
+        pd.Engine.from_pretrained(path)
+
+
+def test_not_a_gguf_file_is_named(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ModelLoadError, match="neither a GGUF file nor a model directory"):
+        pd.Engine.from_pretrained(bad)
