@@ -3,6 +3,8 @@ the byte-table fast paths (SentencePiece byte fallback, byte-level BPE, WordPiec
 and the generic window path (bare ByteFallback, Strip / Replace variants, BPEDecoder, CTC,
 no decoder, Sequences), with added and special tokens, skip_special_tokens on and off, and
 every split of the ids into prompt and output."""
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
@@ -113,12 +115,19 @@ def streams_for(tok):
 
 
 def check_every_split(tok, ids, skip):
+    """prompt text + stream == the batch decode; where the full decode extends the prompt's own
+    decode, the stream is exactly what it adds; text the prompt decoded to and the full decode
+    keeps is never sent again."""
     full = tok.decode(ids, skip)
     for make in streams_for(tok):
         for k in range(1, len(ids) + 1):
             d = make(ids[:k], skip)
             out = "".join(d.add(t) for t in ids[k:]) + d.flush("replace")
             assert d.prompt_text + out == full, (k, d.prompt_text, out, full)
+            prompt = tok.decode(ids[:k], skip)
+            if full.startswith(prompt):
+                assert out == full[len(prompt):], (k, prompt, out, full)
+            assert d.prompt_text.startswith(os.path.commonprefix([prompt, full])), (k, prompt, d.prompt_text, full)
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
@@ -128,7 +137,7 @@ def test_stream_equals_batch_decode_for_every_split(kinds, name, data, skip):
     """Random ids (byte tokens, specials, added tokens, invalid UTF-8 included), cut into prompt
     and output at every position: prompt text + stream + flush == the batch decode."""
     tok = kinds[name]
-    interesting = [tok._tok.token_to_id(f"<0x{b:02X}>") for b in "é€🐱".encode() + b"\xff\x41\x20"] + \
+    interesting = [tok._tok.token_to_id(f"<0x{b:02X}>") for b in "é€🐱".encode() + b"\xff\x41\x20\x80\xf0"] + \
         list(range(len(WORDS) + 1)) + list(range(tok.vocab_size - 4, tok.vocab_size))   # words, specials, added
     ids = st.one_of(st.sampled_from(sorted(set(interesting))), st.integers(0, tok.vocab_size - 1))
     check_every_split(tok, data.draw(st.lists(ids, min_size=1, max_size=10)), skip)
@@ -225,3 +234,142 @@ def test_window_slides_and_stays_exact(kinds):
     tok = kinds["ctc"]
     ids = [tok._tok.token_to_id(w) for w in ("a", "b", "a", "a", "|", "<pad>", "b")] * 40
     check_every_split(tok, ids[:300], True)
+
+
+# -- invalid bytes, and where the prompt's text ends ---------------------------------------------
+
+INVALID = [b"\xff", b"\x80", b"\xf0\x41", b"\xf0\xf0\xf0", b"\xc3\xa9\xff", b"\xffA\xe2\x82\xac",
+           b"\xe2\x82\xf0\x9f\x90\xb1\x80"]
+
+
+@pytest.mark.parametrize("data", INVALID, ids=lambda b: b.hex())
+def test_byte_fallback_output_ending_in_invalid_bytes_is_replacement_characters(real, kinds, data):
+    """Reproduction: an output ending in bytes that can never complete a character failed
+    ("output ends inside a UTF-8 character"); it is U+FFFD, as the tokenizer's decode says,
+    shown as soon as it is known invalid (a run that cannot be valid UTF-8 any more)."""
+    for tok in (real["sentencepiece"], kinds["bytefallback"], kinds["llama2"]):
+        prompt = tok.encode("Once", add_special_tokens=False)
+        out = [tok._tok.token_to_id(f"<0x{b:02X}>") for b in data]
+        want = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+        assert want.count("\ufffd") >= 1
+        for make in streams_for(tok):
+            d = make(prompt, True)
+            pieces = [d.add(t) for t in out]
+            assert "".join(pieces) + d.flush("strict") == want
+            known = next(i for i in range(1, len(data) + 1)       # the first byte that spoils the run
+                         if not pd.runtime.detokenizer._valid_prefix(data[:i]))
+            assert "".join(pieces[:known]) == "\ufffd" * known
+
+
+@pytest.mark.parametrize("data", [b"\xf0\x9f", b"\xc3\xa9\xe2\x82", b"\xe2"], ids=lambda b: b.hex())
+def test_output_ending_inside_a_valid_character_still_fails(real, kinds, data):
+    for tok in (real["sentencepiece"], kinds["bytefallback"]):
+        prompt = tok.encode("Once", add_special_tokens=False)
+        out = [tok._tok.token_to_id(f"<0x{b:02X}>") for b in data]
+        for make in streams_for(tok):
+            d = make(prompt, True)
+            assert [d.add(t) for t in out] == [""] * len(out)       # held: it may still be valid
+            with pytest.raises(Utf8TailError, match="output ends inside a UTF-8 character"):
+                d.flush("strict")
+            d = make(prompt, True)
+            assert "".join(d.add(t) for t in out) + d.flush("replace") == "\ufffd" * len(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.binary(min_size=0, max_size=6), output=st.binary(min_size=0, max_size=8))
+def test_plain_bytes_stream_like_python_replace(prompt, output):
+    """One token per byte (pd.testing.ByteVocabTokenizer): each maximal invalid subpart is U+FFFD
+    as soon as it is known invalid, the stream is what the decode adds after the prompt's, and a
+    strict flush fails exactly when the output's bytes end inside a valid but unfinished character."""
+    import codecs
+    tok = pd.testing.ByteVocabTokenizer({b + 1: bytes([b]) for b in range(256)})
+    ids = [b + 1 for b in prompt + output]
+    full = (prompt + output).decode("utf-8", "replace")
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    dec.decode(prompt + output)
+    unfinished = bool(output) and bool(dec.getstate()[0])
+    d = make_detokenizer(tok, ids[:len(prompt)], True)
+    streamed = "".join(d.add(t) for t in ids[len(prompt):])
+    if unfinished:
+        with pytest.raises(Utf8TailError):
+            d.flush("strict")
+        streamed += d.flush("replace")
+    else:
+        streamed += d.flush("strict")
+    assert d.prompt_text + streamed == full
+    prompt_text = prompt.decode("utf-8", "replace")
+    if full.startswith(prompt_text):
+        assert streamed == full[len(prompt_text):]
+
+
+def test_prompt_byte_run_is_not_streamed_again_by_a_bare_byte_fallback_decoder(kinds):
+    """Reproduction: a bare ByteFallback decoder, prompt <0x20>, output <0x20><0xC3><0xA9>:
+    the stream was "  é", the prompt's space again. It is " é"."""
+    tok = kinds["bytefallback"]
+    byte = {b: tok._tok.token_to_id(f"<0x{b:02X}>") for b in (0x20, 0xC3, 0xA9)}
+    for make in streams_for(tok):
+        d = make([byte[0x20]], True)
+        out = "".join(d.add(byte[b]) for b in (0x20, 0xC3, 0xA9)) + d.flush()
+        assert out == " é"
+        assert d.prompt_text == " "
+
+
+def test_byte_level_prompt_ending_inside_a_character_then_a_new_one(real):
+    """Reproduction: a byte-level prompt whose last token ends inside a character, then an output
+    that starts a new one: the output started with U+FFFD. The U+FFFD is the prompt's (its
+    character never completed); the output is what the full decode adds: "A" (vLLM's too)."""
+    tok = real["bytelevel"]
+    alphabet = {b: c for c, b in pd.model.tokenizer.byte_alphabet().items()}
+    first = tok._tok.token_to_id(alphabet["é".encode()[0]])
+    prompt = tok.encode("caf", add_special_tokens=False) + [first]
+    for output in ("A", "é", " x"):
+        out = tok.encode(output, add_special_tokens=False)
+        assert tok.decode(prompt + out) == "caf\ufffd" + output
+        for make in streams_for(tok):
+            d = make(prompt, True)
+            assert "".join(d.add(t) for t in out) + d.flush() == output
+            assert d.prompt_text == "caf\ufffd"
+        d = make_detokenizer(tok, prompt, True)
+        assert d.flush("strict") == "" and d.prompt_text == "caf\ufffd"    # no output: nothing unfinished
+
+
+@pytest.mark.parametrize("data", [b"\xff", b"\x80", b"\xf0\x41", b"\xf0\xf0\xf0"], ids=lambda b: b.hex())
+def test_engine_output_ending_in_invalid_bytes_finishes(real, data):
+    """The engine over the real stories260k tokenizer (SentencePiece byte fallback): an output
+    whose last bytes can never complete a character FINISHES with U+FFFD, its text the batch
+    decode's, streamed as soon as known invalid; one ending inside a valid character still fails."""
+    from pagedecode.testing import ScriptedModel
+    tok = real["sentencepiece"]
+    out = [3 + b for b in data]                            # <0xNN> is id 3 + NN
+    prompt = tok.encode("Once upon a time")
+    eng = pd.Engine(ScriptedModel(out, vocab_size=tok.vocab_size), tok, pd.EngineConfig(max_cache_tokens=256))
+    rid = eng.add_request(prompt, pd.SamplingParams(max_tokens=len(out)))
+    events = []
+    while eng.has_unfinished():
+        events += eng.step()
+    result = eng.result(rid)
+    assert result.state == pd.RequestState.FINISHED and result.error is None
+    assert result.text == tok.decode(prompt + out)[len(tok.decode(prompt)):] == "\ufffd" * len(data)
+    deltas = [e for e in events if isinstance(e, pd.DeltaEvent)]
+    assert "".join(e.text for e in deltas) == result.text
+    eng = pd.Engine(ScriptedModel([3 + 0xF0, 3 + 0x9F], vocab_size=tok.vocab_size), tok,
+                    pd.EngineConfig(max_cache_tokens=256))
+    failed = eng.generate([prompt], pd.SamplingParams(max_tokens=2))[0]
+    assert failed.state == pd.RequestState.FAILED and "output ends inside a UTF-8 character" in failed.error
+
+
+def test_engine_text_after_a_prompt_with_an_open_tail(kinds, real):
+    """(b) and (c) through the engine: a bare ByteFallback decoder (the window path) and a
+    byte-level BPE (the byte table), each with a prompt whose text the output could revisit."""
+    from pagedecode.testing import ScriptedModel
+    tok = kinds["bytefallback"]
+    byte = {b: tok._tok.token_to_id(f"<0x{b:02X}>") for b in (0x20, 0xC3, 0xA9)}
+    eng = pd.Engine(ScriptedModel([byte[0x20], byte[0xC3], byte[0xA9]], vocab_size=tok.vocab_size), tok,
+                    pd.EngineConfig(max_cache_tokens=256))
+    assert eng.generate([[byte[0x20]]], pd.SamplingParams(max_tokens=3))[0].text == " é"
+    tok = real["bytelevel"]
+    alphabet = {b: c for c, b in pd.model.tokenizer.byte_alphabet().items()}
+    prompt = tok.encode("caf", add_special_tokens=False) + [tok._tok.token_to_id(alphabet[0xC3])]
+    out = tok.encode("A cat", add_special_tokens=False)
+    eng = pd.Engine(ScriptedModel(out, vocab_size=tok.vocab_size), tok, pd.EngineConfig(max_cache_tokens=256))
+    assert eng.generate([prompt], pd.SamplingParams(max_tokens=len(out)))[0].text == "A cat"
