@@ -32,8 +32,27 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def unicode_error(s: str) -> str | None:
+    """Why s is not valid Unicode (a lone surrogate, which JSON's "\\ud800" can carry), or None."""
+    if s.isascii():
+        return None
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds a lone surrogate {s[e.start]!r} at character {e.start}, which is not valid Unicode"
+    return None
+
+
+def _show(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:                      # an int over sys.get_int_max_str_digits() digits
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def _bad(name: str, msg: str, value: Any) -> InvalidRequestError:
-    return InvalidRequestError(f"invalid SamplingParams.{name}: {msg}, got {value!r}")
+    return InvalidRequestError(f"invalid SamplingParams.{name}: {msg}, got {_show(value)}")
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> None:
@@ -42,7 +61,8 @@ def _int(name: str, v: Any, lo: int, hi: int) -> None:
 
 
 def _real(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> None:
-    if not _is_real(v) or not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+    # an int beyond float's range is out of range (math.isfinite would raise OverflowError on it)
+    if not _is_real(v) or (not _is_int(v) and not math.isfinite(v)) or v < lo or v > hi or (lo_open and v == lo):
         raise _bad(name, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]", v)
 
 
@@ -57,6 +77,9 @@ def _stop_strings(v: Any) -> tuple[str, ...]:
             raise _bad("stop", "an empty stop string would match everywhere", s)
         if len(s) > MAX_STOP_CHARS:
             raise _bad("stop", f"a stop string is longer than {MAX_STOP_CHARS} characters", s[:40] + "...")
+        why = unicode_error(s)
+        if why is not None:
+            raise _bad("stop", f"a stop string {why}", s)
     return tuple(stops)
 
 
@@ -136,8 +159,8 @@ class SamplingParams:
             _real("first_token_timeout_s", self.first_token_timeout_s, 0.0, 1e9, lo_open=True)
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise _bad("structured_output", "must be a pd.StructuredOutput", self.structured_output)
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise _bad("cache_salt", "must be a string", self.cache_salt)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or unicode_error(self.cache_salt)):
+            raise _bad("cache_salt", "must be a string of valid Unicode", self.cache_salt)
         if self.utf8_errors not in UTF8_POLICIES:
             raise _bad("utf8_errors", f"must be one of {UTF8_POLICIES}", self.utf8_errors)
         for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
@@ -152,7 +175,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: every id named must be inside its vocabulary."""
-        ids = list(self.logit_bias or ()) + [t for seq in self.stop_id_seqs for t in seq]
-        out = [t for t in ids if t >= vocab_size]
-        if out:
-            raise InvalidRequestError(f"token ids {out[:5]} are outside the vocabulary of {vocab_size}")
+        for name, ids in (("logit_bias", list(self.logit_bias or ())),
+                          ("stop_token_ids", [t for seq in self.stop_id_seqs for t in seq])):
+            out = [t for t in ids if t >= vocab_size]
+            if out:
+                raise _bad(name, f"token ids outside the vocabulary of {vocab_size}", out[:5])

@@ -8,10 +8,12 @@ import time
 
 from ..errors import InvalidRequestError
 from ..model.tokenizer import TokenizerLike
-from ..params import SamplingParams
+from ..params import SamplingParams, unicode_error
 from .output import OutputPipeline
 from .request import Request
 from .trace import Trace
+
+MAX_REQUEST_ID_CHARS = 256
 
 
 def prompt_ids(prompt: object, tokenizer: TokenizerLike, vocab_size: int, max_context: int) -> list[int]:
@@ -19,6 +21,9 @@ def prompt_ids(prompt: object, tokenizer: TokenizerLike, vocab_size: int, max_co
     if isinstance(prompt, str):
         if not prompt:
             raise bad("empty prompt")
+        why = unicode_error(prompt)
+        if why is not None:
+            raise bad(f"the prompt {why}")
         try:
             ids = list(tokenizer.encode(prompt))
         except Exception as e:
@@ -47,6 +52,12 @@ def make_request(prompt: object, params: SamplingParams | None, request_id: str,
         raise InvalidRequestError(f"params must be a pd.SamplingParams, got {type(params).__name__}")
     if not isinstance(request_id, str) or not request_id:
         raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(f"request_id is {len(request_id)} characters long; at most {MAX_REQUEST_ID_CHARS}"
+                                  f" (it is in every event, trace and log line)")
+    why = unicode_error(request_id)
+    if why is not None:
+        raise InvalidRequestError(f"request_id {why}")
     ids = prompt_ids(prompt, tokenizer, vocab_size, max_context)
     params.check_vocab(vocab_size)
     now = time.perf_counter()

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -36,6 +37,21 @@ def _stream_error(out: RequestOutput) -> bool:
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own answers (no such route 404, method not allowed 405, OPTIONS included:
+    there is no CORS) in OpenAI's error body."""
+    assert isinstance(exc, HTTPException)
+    what = {404: f"no route {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return _error(ApiError(exc.status_code, what, code=code, headers=exc.headers))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A bug, never an answer to input: still OpenAI's body (the traceback goes to the log)."""
+    return _error(ApiError(500, "internal server error", code="internal_error"))
 
 
 def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_template: ChatTemplate | None = None,
@@ -141,7 +157,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/requests/{request_id}/events", events), Route("/v1/requests/{request_id}/trace", trace),
-    ])
+    ], exception_handlers={HTTPException: _http_error, 500: _server_error})
     app.state.pagedecode = state
     return app
 

@@ -78,6 +78,9 @@ class ChatTemplate:
                                          **self._specials, **(extra or {}))
         except TemplateError as e:
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        except Exception as e:        # the template met a value it cannot handle (content: null + "...")
+            raise ApiError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
 
 
 def _escaped(value: Any, escape: Callable[[str], str]) -> Any:

@@ -6,8 +6,9 @@ field; the engine's own validation (InvalidRequestError) is mapped to the same 4
 from __future__ import annotations
 
 import math
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import InvalidRequestError
@@ -28,18 +29,27 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              405: "invalid_request_error",
                               409: "conflict_error", 413: "invalid_request_error",
                               429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _printable(text: str, limit: int = 1000) -> str:
+    """Error text as a client can always receive it: lone surrogates escaped (UTF-8 cannot carry
+    them), a value quoted from a huge request cut short."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -68,15 +78,23 @@ class Parsed:
     first_token_timeout: float | None
     on_disconnect: str | None
     top_logprobs: int = 0
+    fields: Mapping[str, str] = field(default_factory=dict)    # SamplingParams' names -> the request's
+
 
 
 def _number(body: Mapping[str, Any], name: str) -> float | None:
     v = body.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(name, f"must be a number, got {v!r}")
+    try:
+        f = float(v)
+    except OverflowError:                   # an integer beyond float's range
+        f = math.inf
+    if not math.isfinite(f):
         raise bad(name, f"must be a finite number, got {v!r}")
-    return float(v)
+    return f
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -88,13 +106,30 @@ def _int(body: Mapping[str, Any], name: str) -> int | None:
     return v
 
 
+def _bool(body: Mapping[str, Any], name: str, default: bool = False, within: str = "") -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(within + name, f"must be true or false, got {v!r}")
+    return v
+
+
+def _given(body: Mapping[str, Any], name: str, default: Any) -> Any:
+    v = body.get(name)
+    return default if v is None else v
+
+
 def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits) -> Parsed:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name, ok in (("echo", lambda v: not v), ("best_of", lambda v: v in (None, 1)), ("suffix", lambda v: not v),
-                     ("tools", lambda v: not v)):
+    if _bool(body, "echo"):
+        raise bad("echo", "is not supported by this server")
+    for name, ok in (("best_of", lambda v: v in (None, 1)), ("suffix", lambda v: not v), ("tools", lambda v: not v)):
         if name in body and not ok(body[name]):
             raise bad(name, "is not supported by this server")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user", "must be a string")
     if "chat_template" in body:
         raise bad("chat_template", "templates come from the model (or --chat-template), never from a request")
     if chat:
@@ -117,12 +152,12 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
             pass
         elif not isinstance(prompt, str) or not prompt:
             raise bad("prompt", "must be a non-empty string or a list of token ids (one prompt per request)")
-    max_tokens = _int(body, "max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
-        else _int(body, "max_tokens")
+    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, max_name)
     if max_tokens is None:
         max_tokens = min(limits.max_tokens, 16 if not chat else limits.max_tokens)
     if not 1 <= max_tokens <= limits.max_tokens:
-        raise bad("max_tokens", f"must be in [1, {limits.max_tokens}], got {max_tokens}")
+        raise bad(max_name, f"must be in [1, {limits.max_tokens}], got {max_tokens}")
     n = _int(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= 16:
@@ -152,10 +187,7 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     top_logprobs = 0
     logprobs: int | None = None
     if chat:
-        lp = body.get("logprobs")
-        if lp is not None and not isinstance(lp, bool):
-            raise bad("logprobs", "must be a boolean for chat completions")
-        if lp:
+        if _bool(body, "logprobs"):
             top_logprobs = _int(body, "top_logprobs") or 0
             if not 0 <= top_logprobs <= limits.max_top_logprobs:
                 raise bad("top_logprobs", f"must be in [0, {limits.max_top_logprobs}]")
@@ -171,9 +203,8 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "must be an object")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("stream", "must be a boolean")
+    include_usage = _bool(opts or {}, "include_usage", within="stream_options.")
+    stream = _bool(body, "stream")
     timeout = _number(body, "timeout")
     first = _number(body, "first_token_timeout")
     for name, v in (("timeout", timeout), ("first_token_timeout", first)):
@@ -197,19 +228,20 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     if sampling.get("top_k") == -1:
         sampling["top_k"] = 0                     # vLLM's "disabled"
     structured = structured_output(body)
+    fields = {"prompt": "messages" if chat else "prompt", "max_tokens": max_name, "deadline_s": "timeout",
+              "first_token_timeout_s": "first_token_timeout",
+              "structured_output": "structured_outputs" if body.get("response_format") is None else "response_format"}
     try:
         params = SamplingParams(structured_output=structured,
-            max_tokens=max_tokens, stop=stops, stop_token_ids=body.get("stop_token_ids") or (),
-            ignore_eos=body.get("ignore_eos", False), min_tokens=body.get("min_tokens", 0) or 0,
+            max_tokens=max_tokens, stop=stops, stop_token_ids=_given(body, "stop_token_ids", ()),
+            ignore_eos=_bool(body, "ignore_eos"), min_tokens=_int(body, "min_tokens") or 0,
             logit_bias=logit_bias, logprobs=logprobs, deadline_s=timeout, first_token_timeout_s=first,
-            skip_special_tokens=body.get("skip_special_tokens", True),
-            include_stop_str_in_output=body.get("include_stop_str_in_output", False), **sampling)
+            skip_special_tokens=_bool(body, "skip_special_tokens", True),
+            include_stop_str_in_output=_bool(body, "include_stop_str_in_output"), **sampling)
     except InvalidRequestError as e:
-        raise invalid(e) from None
-    except TypeError as e:
-        raise ApiError(400, str(e)) from None
-    return Parsed(prompt, messages, params, stream, bool((opts or {}).get("include_usage")), n, first,
-                  on_disconnect, top_logprobs)
+        raise invalid(e, fields) from None
+    return Parsed(prompt, messages, params, stream, include_usage, n, first,
+                  on_disconnect, top_logprobs, fields)
 
 
 def structured_output(body: Mapping[str, Any]) -> Any:
@@ -236,7 +268,10 @@ def structured_output(body: Mapping[str, Any]) -> Any:
                 raise bad("structured_outputs", "must be an object")
             names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
             given = {names[k]: v for k, v in so.items() if k in names and v is not None}
-            if so.get("json_object"):
+            if isinstance(given.get("json_schema"), str):     # a schema as JSON text is JSON: the body's checks
+                from .jsonbody import load
+                given["json_schema"] = load(given["json_schema"], "structured_outputs.json")
+            if _bool(so, "json_object", within="structured_outputs."):
                 given["json_object"] = True
             return StructuredOutput(**given)
     except InvalidRequestError as e:
@@ -247,14 +282,17 @@ def structured_output(body: Mapping[str, Any]) -> Any:
     return None
 
 
-def invalid(e: InvalidRequestError) -> ApiError:
-    """The engine's own validation as a 400 naming the field (`SamplingParams.<field>: ...`)."""
+def invalid(e: InvalidRequestError, fields: Mapping[str, str]) -> ApiError:
+    """The engine's own validation as a 400 naming the request's field (the engine says
+    `SamplingParams.<name>: ...`; `fields` maps its names to the request's where they differ)."""
     msg = str(e)
     param = None
     if "SamplingParams." in msg:
-        param = msg.split("SamplingParams.", 1)[1].split(":", 1)[0]
+        param = re.split(r"\W", msg.split("SamplingParams.", 1)[1], maxsplit=1)[0]
     elif "prompt" in msg:
         param = "prompt"
+    if param is not None:
+        param = fields.get(param, param)
     return ApiError(400, msg, param=param, code="invalid_value")
 
 

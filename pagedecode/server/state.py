@@ -29,6 +29,7 @@ from ..model.tokenizer import EscapesSpecialTokens
 from ..runtime.async_engine import AsyncEngine
 from ..runtime.events import DeltaEvent, Event, TerminalEvent
 from ..runtime.lifecycle import FinishReason
+from . import jsonbody
 from .chat import ChatTemplate
 from .metrics import Metrics
 from .protocol import ApiError, Limits, Parsed, invalid
@@ -107,7 +108,9 @@ class ServerState:
         otherwise. Every key is compared, each in constant time."""
         if not self._tenants:
             return ANONYMOUS
-        given = request.headers.get("authorization", "").encode()
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 7235: "bearer" is "Bearer")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
         found: str | None = None
         for expected, tenant in self._tenants:
             if hmac.compare_digest(given, expected):
@@ -139,10 +142,7 @@ class ServerState:
                     raise ApiError(413, f"request body over {self.o.max_body_bytes} bytes")
         except ClientDisconnect:        # gone, or cut off by the body timeout: nothing was queued
             raise ApiError(408, "the client went away before sending the whole body") from None
-        try:
-            return json.loads(bytes(data)), bytes(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"malformed JSON: {e}") from None
+        return jsonbody.load(bytes(data)), bytes(data)
 
     def admit(self) -> None:
         if self.draining or not self.ae.running:
@@ -177,7 +177,7 @@ class ServerState:
         except InvalidRequestError as e:
             for t in tracks:
                 self.engine.cancel(t.request_id)
-            raise invalid(e) from None
+            raise invalid(e, parsed.fields) from None
         return tracks
 
     def _track(self, t: Track) -> Track:
@@ -303,7 +303,7 @@ class ServerState:
 
 
 def tenants(options: ServerOptions) -> list[tuple[bytes, str]]:
-    """(the Authorization header a key makes, its tenant's name) for every key. A tenant is
+    """(a key's bytes, its tenant's name) for every key. A tenant is
     named by a digest of its key, so logs never hold a key."""
     keys = list(options.api_keys) + ([options.api_key] if options.api_key is not None else [])
     out: list[tuple[bytes, str]] = []
@@ -312,5 +312,5 @@ def tenants(options: ServerOptions) -> list[tuple[bytes, str]]:
             raise ValueError("an API key must be non-empty, without surrounding whitespace")
         name = "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
         if all(n != name for _, n in out):
-            out.append((f"Bearer {key}".encode(), name))
+            out.append((key.encode(), name))
     return out

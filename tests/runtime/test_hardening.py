@@ -246,7 +246,10 @@ def test_a_paused_consumer_does_not_block_admission_and_is_preempted_first():
     ("logit_bias", {"a": 1}), ("logit_bias", {1: math.nan}), ("logit_bias", {1: 1e300}),
     ("logit_bias", {-1: 1}), ("seed", -1), ("seed", 2**64), ("seed", "1"), ("min_tokens", -1),
     ("logprobs", 21), ("logprobs", True), ("deadline_s", 0), ("deadline_s", math.inf), ("utf8_errors", "x"),
-    ("ignore_eos", 1), ("skip_special_tokens", None),
+    ("ignore_eos", 1), ("skip_special_tokens", None), pytest.param("temperature", 10**400, id="temperature-1e400"),
+    pytest.param("top_p", -10**400, id="top_p-minus-1e400"),
+    pytest.param("seed", 10**5000, id="seed-5000-digits"), ("stop", "\ud800"), ("stop", ["ok", "a\udfff"]),
+    ("cache_salt", "\udbff"),
 ])
 def test_every_malformed_field_is_named(field, value):
     with pytest.raises(pd.InvalidRequestError, match=field):
@@ -259,6 +262,23 @@ def test_malformed_prompts_are_rejected_and_nothing_leaks(prompt):
     with pytest.raises(pd.InvalidRequestError):
         eng.add_request(prompt, pd.SamplingParams())
     assert not eng.has_unfinished() and eng.requests.num_finished == 0
+
+
+@pytest.mark.parametrize("request_id", ["r" * 257, "a\ud800b", "\udfff"])
+def test_request_ids_over_256_characters_or_not_unicode_are_refused(request_id):
+    eng = engine([101])
+    with pytest.raises(pd.InvalidRequestError, match="request_id"):
+        eng.add_request([5], pd.SamplingParams(max_tokens=1), request_id=request_id)
+    assert not eng.has_unfinished() and eng.requests.num_finished == 0
+    eng.add_request([5], pd.SamplingParams(max_tokens=1), request_id="r" * 256)      # the longest allowed
+    run(eng)
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_saying_so():
+    eng = engine([101])
+    with pytest.raises(pd.InvalidRequestError, match="lone surrogate"):
+        eng.add_request("ab\ud800", pd.SamplingParams())
+    assert not eng.has_unfinished()
 
 
 def test_automatic_ids_never_collide_with_chosen_ones():

@@ -1,9 +1,11 @@
 """No input makes the server answer 500 or hang; metering is one log line per request; the
 drain cancels what outlives the grace period, each request ending once; top logprobs."""
 import asyncio
+import copy
 import json
 import logging
 import random
+import re
 import time
 
 import httpx
@@ -13,6 +15,205 @@ from .conftest import start_server, stop_server
 
 openai = pytest.importorskip("openai")
 AUTH = {"Authorization": "Bearer sekret"}
+JSON = {"Content-Type": "application/json"}
+
+
+# -- hostile shapes, as JSON text (NaN, 100k-deep nesting and 5000-digit ints cannot be built by json.dumps)
+SHAPES = {
+    "objects_100k_deep": '{"a":' * 100_000 + "1" + "}" * 100_000, "arrays_5k_deep": "[" * 5000 + "]" * 5000,
+    "arrays_60_deep": "[" * 60 + "]" * 60, "int_5000_digits": "9" * 5000, "int_4000_digits": "-" + "9" * 4000,
+    "float_overflow": "1e400", "nan": "NaN", "infinity": "Infinity", "minus_infinity": "-Infinity",
+    "null": "null", "empty_string": '""', "huge_string": json.dumps("Once " * 20_000),
+    "lone_surrogate": '"\\ud800"', "surrogate_in_list": '["x", "a\\udfff"]', "surrogate_key": '{"\\udbff": 1}',
+    "negative": "-1", "zero": "0", "fraction": "1.5", "true": "true", "false": "false", "word": '"no"',
+    "object": "{}", "list": "[]", "ints": "[1, 2]",
+}
+MARK = "@@shape@@"
+# every field the parser reads (test_the_fuzzed_fields_are_all_the_parser_reads keeps this true); nested ones
+# are set inside a body that is otherwise valid
+COMMON = ["model", "echo", "best_of", "suffix", "tools", "user", "chat_template", "max_tokens", "n", "stop",
+          "logit_bias", "logprobs", "stream", "stream_options", "stream_options.include_usage", "timeout",
+          "first_token_timeout", "on_disconnect", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+          "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "ignore_eos", "min_tokens",
+          "skip_special_tokens", "include_stop_str_in_output", "response_format", "response_format.type",
+          "response_format.json_schema", "response_format.json_schema.schema", "structured_outputs",
+          "structured_outputs.json", "structured_outputs.regex", "structured_outputs.choice",
+          "structured_outputs.grammar", "structured_outputs.json_object"]
+FIELDS = {"/v1/completions": ["prompt"] + COMMON,
+          "/v1/chat/completions": ["messages", "messages[0]", "messages[0].role", "messages[0].content",
+                                   "max_completion_tokens", "top_logprobs"] + COMMON}
+# a chat template that concatenates, as many real ones do: content null is a TypeError inside it
+CONCAT = ("{% for m in messages %}{{ bos_token + m['role'] + ': ' + m['content'] }}{% endfor %}"
+          "{% if add_generation_prompt %} Answer:{% endif %}")
+
+
+HOLDERS = {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}, "stream_options": {},
+           "structured_outputs": {}}
+
+
+def wait_idle(engine, timeout=30):
+    end = time.monotonic() + timeout
+    while engine.has_unfinished() and time.monotonic() < end:
+        time.sleep(0.02)
+    assert not engine.has_unfinished()
+
+
+def fuzz_body(path, field, shape):
+    """A valid max_tokens-1 request with `field` (a dotted / indexed path) holding the shape's text."""
+    body = {"prompt": "Once"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Once"}]}
+    body["max_tokens"] = 1
+    keys = [int(k) if k.isdigit() else k for k in re.findall(r"[^.\[\]]+", field)]
+    if len(keys) > 1 and keys[0] in HOLDERS:
+        body[keys[0]] = copy.deepcopy(HOLDERS[keys[0]])
+    where = body
+    for k in keys[:-1]:
+        where = where[k]
+    where[keys[-1]] = MARK
+    return json.dumps(body).replace(json.dumps(MARK), shape)
+
+
+def names(param, field):
+    """param names the field, a part of it, or (for a nested field) the object holding it."""
+    if param is None:
+        return False
+    return any(a == b or a.startswith(b + ".") or a.startswith(b + "[") for a, b in ((param, field), (field, param)))
+
+
+@pytest.fixture(scope="module")
+def strict_server(stories_path):
+    s = start_server(stories_path, template=CONCAT)
+    yield s
+    stop_server(s)
+
+
+def test_every_field_with_every_hostile_shape(strict_server):
+    s = strict_server
+    with httpx.Client(timeout=60, headers=JSON) as c:
+        for path, fields in FIELDS.items():
+            for field in fields:
+                for shape_name, shape in SHAPES.items():
+                    r = c.post(s.url + path, content=fuzz_body(path, field, shape))
+                    what = (path, field, shape_name, r.status_code, r.text[:300])
+                    assert r.status_code < 500, what
+                    if r.status_code >= 400:
+                        err = r.json()["error"]
+                        assert set(err) == {"message", "type", "param", "code"}, what
+                        assert names(err["param"], field), what
+                    else:
+                        assert r.text.startswith("id:") or r.json()["choices"], what      # SSE or a body
+    wait_idle(s.engine)
+    s.engine.check_integrity()
+    sch = s.engine.scheduler
+    assert sch.pool.free_pages == sch.pool.num_pages and sch.slots.free_slots == sch.slots.num_slots
+    r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Once"}],
+                                                          "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+class Reading(dict):
+    """A body that remembers which of its fields (dotted paths) were read."""
+
+    def __init__(self, data, seen, prefix=""):
+        super().__init__({k: Reading(v, seen, f"{prefix}{k}.") if isinstance(v, dict) else
+                          [Reading(x, seen, f"{prefix}{k}[{i}].") if isinstance(x, dict) else x
+                           for i, x in enumerate(v)] if isinstance(v, list) else v for k, v in data.items()})
+        self.seen, self.prefix = seen, prefix
+
+    def _saw(self, k):
+        self.seen.add(self.prefix + k)
+
+    def get(self, k, default=None):
+        self._saw(k)
+        return super().get(k, default)
+
+    def __getitem__(self, k):
+        self._saw(k)
+        return super().__getitem__(k)
+
+    def __contains__(self, k):
+        self._saw(k)
+        return super().__contains__(k)
+
+
+def test_the_fuzzed_fields_are_all_the_parser_reads():
+    from pagedecode.server.protocol import ApiError, Limits, parse_request
+    for path, fields in FIELDS.items():
+        seen = set()
+        for field in fields:
+            for shape in ('"x"', "true", "1", "{}", "[]"):
+                try:
+                    body = json.loads(fuzz_body(path, field, shape))
+                    parse_request(Reading(body, seen), path.endswith("chat/completions"), {}, Limits())
+                except ApiError:
+                    pass
+        seen = {re.sub(r"\[\d+\]", "[0]", f) for f in seen} | {"model"}      # the app reads model
+        assert seen <= set(fields), seen - set(fields)
+
+
+NO_500 = [
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}", "stop"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": ' + b"[" * 5000 + b"]" * 5000 + b"}", "logit_bias"),
+    ("/v1/completions", b'{"prompt": "x", "seed": ' + b"9" * 4301 + b"}", "seed"),
+    ("/v1/completions", b'{"prompt": [1, -' + b"9" * 5000 + b"]}", "prompt[1]"),
+    ("/v1/completions", b'{"prompt": "x", "timeout": 1' + b"0" * 400 + b"}", "timeout"),      # float() overflows
+    ("/v1/completions", rb'{"prompt": "\ud800"}', "prompt"),
+    ("/v1/completions", rb'{"prompt": "x", "stop": ["a", "b\udc00"]}', "stop[1]"),
+    ("/v1/completions", rb'{"prompt": "x", "user": "\udbff\udbff"}', "user"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "\udfff", "content": "x"}]}', "messages[0].role"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": null}]}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+     "max_completion_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "stream": true, "stream_options": {"include_usage": "no"}}',
+     "stream_options.include_usage"),
+    ("/v1/completions", b'{"prompt": "x", "echo": 0}', "echo"),
+    ("/v1/completions", b'{"prompt": "x", "ignore_eos": "no"}', "ignore_eos"),
+    ("/v1/completions", b'{"prompt": "x", "min_tokens": false}', "min_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "stop_token_ids": 0}', "stop_token_ids"),
+    ("/v1/completions", b'{"prompt": "x", "skip_special_tokens": 1}', "skip_special_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logprobs": 1}', "logprobs"),
+    ("/v1/completions", b'{"prompt": "x", "structured_outputs": {"json_object": "yes"}}',
+     "structured_outputs.json_object"),
+    ("/v1/completions", b'{"prompt": "x", "structured_outputs": {"json": "' + b"[" * 100_000 + b'"}}',
+     "structured_outputs.json"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"99999": 1}}', "logit_bias"),
+    ("/v1/completions", b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": false}}}',
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize("path, raw, param", NO_500, ids=[f"{param}-{i}" for i, (_, _, param) in enumerate(NO_500)])
+def test_no_input_answers_500(strict_server, path, raw, param):
+    r = httpx.post(strict_server.url + path, content=raw, headers=JSON, timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], err
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/nothing", 404), ("POST", "/", 404), ("GET", "/v1/completions", 405),
+    ("OPTIONS", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405)])
+def test_unknown_routes_and_methods_answer_openai_errors(strict_server, method, path, status):
+    r = httpx.request(method, strict_server.url + path)
+    assert r.status_code == status
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    if status == 405:
+        assert r.headers["allow"]                  # what is allowed there, as Starlette says
+
+
+@pytest.mark.parametrize("authorization, status", [
+    ("bearer sekret", 200), ("BEARER sekret", 200), ("Bearer   sekret", 200), ("Bearer sekret", 200),
+    ("Basic sekret", 401), ("Bearersekret", 401), ("bearer wrong", 401), ("sekret", 401)])
+def test_the_bearer_scheme_is_case_insensitive(server, authorization, status):
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": authorization},
+                   json={"prompt": "Once", "max_tokens": 1})
+    assert r.status_code == status
+    if status == 401:
+        assert r.json()["error"]["code"] == "invalid_api_key"
 
 
 def random_value(rng, depth=0):
@@ -25,31 +226,26 @@ def random_value(rng, depth=0):
             "big": lambda: 10 ** rng.randint(10, 400), "neg": lambda: -(10 ** rng.randint(1, 30))}[k]()
 
 
-FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop",
-          "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "top_logprobs", "stream", "stream_options",
-          "n", "timeout", "first_token_timeout", "on_disconnect", "user", "model"]
-
-
 def test_random_bodies_never_500(server):
     rng = random.Random(1)
+    top = sorted({f.split(".")[0].split("[")[0] for fs in FIELDS.values() for f in fs})
     with httpx.Client(timeout=30, headers={**AUTH, "Content-Type": "application/json"}) as c:
         for i in range(150):
-            body = {f: random_value(rng) for f in rng.sample(FIELDS, rng.randint(1, 8))}
+            body = {f: random_value(rng) for f in rng.sample(top, rng.randint(1, 8))}
             if rng.random() < 0.5:
                 body["prompt"] = "Once"
             if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:
                 body["max_tokens"] = 8
             path = "/v1/chat/completions" if i % 3 == 0 else "/v1/completions"
-            r = c.post(server.url + path, content=json.dumps(body))
-            assert r.status_code < 500, (body, r.text)
+            text = json.dumps(body)
+            if rng.random() < 0.3:            # one value becomes a hostile shape
+                text = text.replace("null", rng.choice(list(SHAPES.values())), 1)
+            r = c.post(server.url + path, content=text)
+            assert r.status_code < 500, (text[:300], r.text)
             if r.status_code != 200:
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    for _ in range(100):
-        if not server.engine.has_unfinished():
-            break
-        asyncio.run(asyncio.sleep(0.05))
-    assert not server.engine.has_unfinished()
+    wait_idle(server.engine)
+    server.engine.check_integrity()
 
 
 def test_one_log_line_per_request_without_text(server, caplog):
