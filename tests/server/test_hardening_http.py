@@ -198,7 +198,7 @@ def test_no_input_answers_500(strict_server, path, raw, param):
     ("GET", "/v1/nothing", 404), ("POST", "/", 404), ("GET", "/v1/completions", 405),
     ("OPTIONS", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405)])
 def test_unknown_routes_and_methods_answer_openai_errors(strict_server, method, path, status):
-    r = httpx.request(method, strict_server.url + path)
+    r = httpx.request(method, strict_server.url + path, headers=JSON)
     assert r.status_code == status
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     if status == 405:
