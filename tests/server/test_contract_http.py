@@ -205,3 +205,23 @@ def test_streamed_first_token_timeout_is_an_error_chunk(server):
     assert errors[0]["message"] == plain["pagedecode_error"]
     assert errors[0]["code"] == "deadline_exceeded"
     assert not any(d.get("choices") for _, d in items[:-1])       # no finish chunk besides the error
+
+
+def test_output_ending_in_an_invalid_byte_is_a_replacement_character(server):
+    """Reproduction over HTTP: stories260k forced (logit_bias) to end its output with the byte
+    token <0xFF>: it failed with "output ends inside a UTF-8 character"; FF can never complete a
+    character, so the text ends in U+FFFD, as the tokenizer decodes it, and the request finishes.
+    Forced to end inside a real character (<0xE2>), it still fails, saying so."""
+    tok = server.engine.tokenizer
+    ff, e2 = (tok._tok.token_to_id(f"<0x{b:02X}>") for b in (0xFF, 0xE2))
+    body = {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0, "logit_bias": {str(ff): 100}}
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=30).json()
+    assert r["choices"][0]["text"] == "\ufffd\ufffd" and r["choices"][0]["finish_reason"] == "length"
+    assert "pagedecode_error" not in r
+    with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, json={**body, "stream": True},
+                      timeout=30) as s:
+        items = sse([ln for ln in s.iter_lines() if ln])
+    assert texts(items) == "\ufffd\ufffd" and not any("error" in d for _, d in items[:-1])
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=30,
+                   json={**body, "max_tokens": 1, "logit_bias": {str(e2): 100}}).json()
+    assert "output ends inside a UTF-8 character" in r["pagedecode_error"]
