@@ -36,15 +36,18 @@ def _int_or_huge(s: str) -> int | _HugeInt:
 def load(raw: bytes | str, field: str = "") -> Any:
     """The request body (or, named by `field`, a JSON text inside it) parsed and checked."""
     try:
-        body = json.loads(raw)
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+                raise
+            body = json.loads(raw, parse_int=_int_or_huge)   # an integer over the conversion limit: find where
     except RecursionError:
         raise _too_deep(field or _deep_field(raw.encode() if isinstance(raw, str) else raw)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         if field:
             raise _field(field, f"malformed JSON: {e}") from None
         raise ApiError(400, f"malformed JSON: {e}", code="invalid_json") from None
-    except ValueError:          # an integer over the conversion limit: parse again to find where
-        body = json.loads(raw, parse_int=_int_or_huge)
     check(body, field)
     return body
 

@@ -156,6 +156,9 @@ NO_500 = [
     ("/v1/completions", b'{"prompt": "x", "logit_bias": ' + b"[" * 5000 + b"]" * 5000 + b"}", "logit_bias"),
     ("/v1/completions", b'{"prompt": "x", "seed": ' + b"9" * 4301 + b"}", "seed"),
     ("/v1/completions", b'{"prompt": [1, -' + b"9" * 5000 + b"]}", "prompt[1]"),
+    ("/v1/completions", b'{"seed": ' + b"9" * 5000 + b', "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "prompt"),                                 # the second parse, which finds the long int, meets the depth
+    ("/v1/completions", b'{"seed": ' + b"9" * 5000 + b', "prompt": "x}', None),
     ("/v1/completions", b'{"prompt": "x", "timeout": 1' + b"0" * 400 + b"}", "timeout"),      # float() overflows
     ("/v1/completions", rb'{"prompt": "\ud800"}', "prompt"),
     ("/v1/completions", rb'{"prompt": "x", "stop": ["a", "b\udc00"]}', "stop[1]"),
