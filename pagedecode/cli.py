@@ -18,6 +18,17 @@ DEMO_PROMPTS = ["The lighthouse keeper", "In the village below,", "A small river
 EXIT_INTERRUPTED = 130
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default shown once: appended, unless the help already says it or there is
+    nothing to say (None, whose meaning the help gives, and an off flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is None or (action.nargs == 0 and action.default is False):
+            return text
+        return super()._get_help_string(action)
+
+
 class CliError(Exception):
     """A bad option or environment: one line on stderr, exit 2."""
 
@@ -187,19 +198,19 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--version", action="version", version=f"pagedecode {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, what in (("generate", "stream one completion to stdout"),
                        ("demo", "several concurrent requests with a progress display and a latency table")):
-        p = sub.add_parser(name, help=what, description=what, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=what, description=what, formatter_class=HelpFormatter)
         p.add_argument("--model", default=None,
                        help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
-        p.add_argument("--quantization", default=None, choices=[None, "q8_0", "q4_0"],
+        p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0"],
                        help="keep the layer weights quantized in memory (a GGUF's own Q8_0 / Q4_0 stay so anyway)")
         p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
         p.add_argument("--device", default="cpu", help="cpu or cuda")
-        p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"],
+        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                        help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")
         p.add_argument("--tensor-parallel-size", type=_positive, default=1,
                        help="ranks the model is sharded over (processes started by the engine)")
@@ -222,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--requests", type=_positive, default=8, help="number of concurrent requests")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pagedecode[server])",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     from .server.serve import add_arguments
     add_arguments(s)
     return ap

@@ -133,3 +133,16 @@ def test_serve_takes_several_api_keys_hosts_and_switches(tmp_path, capsys):
     keys.write_text("# nobody\n\n")
     assert cli.main(["serve", "--api-keys-file", str(keys)]) == 2           # never an open server by mistake
     assert "holds no key" in capsys.readouterr().err
+
+
+def test_help_shows_each_default_once_and_real_dtype_choices():
+    import re
+    for cmd in ("generate", "demo", "serve"):
+        h = run_cli(cmd, "--help").stdout
+        options = re.split(r"\n  (?=-)", h.split("options:", 1)[1])
+        assert len(options) > 15
+        for text in options:
+            assert text.count("(default") <= 1, text
+        assert "--dtype {float32,bfloat16,float16}" in h and "None," not in h
+    r = run_cli("generate", "--dtype", "None", "--prompt", "x")
+    assert r.returncode == 2 and "invalid choice" in r.stderr

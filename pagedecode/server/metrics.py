@@ -5,6 +5,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..runtime.lifecycle import FinishReason
+
+# a request that ended as asked: its text complete (a stop, EOS, the grammar) or its length
+# reached; every other reason (cancelled, deadline_exceeded, content_interrupted, model_error,
+# transport_error) is a failure
+SUCCESSES = frozenset({FinishReason.EOS, FinishReason.STOP_SEQUENCE, FinishReason.GRAMMAR_COMPLETE,
+                       FinishReason.MAX_OUTPUT_TOKENS, FinishReason.CONTEXT_LIMIT})
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -26,8 +33,10 @@ class Metrics:
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV pages in use", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens returned to clients", registry=r)
-        self.success = Counter(p + "request_success", "Finished requests by finish reason", ["finished_reason"],
-                               registry=r)
+        self.success = Counter(p + "request_success", "Requests that ended normally, by finish reason",
+                               ["finished_reason"], registry=r)
+        self.failure = Counter(p + "request_failure", "Requests cancelled, timed out or failed, by finish reason",
+                               ["reason"], registry=r)
         self.preemptions = Counter(p + "num_preemptions", "Requests preempted", registry=r)
         self.disconnects = Counter(p + "disconnects", "Clients that went away before the end", registry=r)
         self.replays = Counter(p + "idempotent_replays", "Retries served from an existing request", registry=r)
@@ -35,6 +44,13 @@ class Metrics:
                                       registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens served from the prefix cache",
                                    registry=r)
+
+    def ended(self, reason: FinishReason | None) -> None:
+        """Count a request's ending: a success when it ended as asked (see SUCCESSES)."""
+        if reason in SUCCESSES:
+            self.success.labels(finished_reason=reason.value).inc()
+        else:
+            self.failure.labels(reason=reason.value if reason is not None else "none").inc()
 
     def refresh(self, engine: Any) -> None:
         self.running.set(len(engine.scheduler.running))

@@ -23,7 +23,7 @@ FLUSH_S = 5.0     # after the drain: for cancels to take effect and clients to g
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
-    p.add_argument("--quantization", default=None, choices=[None, "q8_0", "q4_0"],
+    p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0"],
                    help="keep the layer weights quantized in memory (a GGUF's own Q8_0 / Q4_0 stay so anyway)")
     p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat content's special-token strings ('</s>') become the real tokens (unsafe)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name, or the GGUF file's without .gguf)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the model is sharded over (processes started by the engine)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     from .protocol import Limits
     from .transport import BACKLOG, ConnectionLimits, DrainingServer, GuardedH11Protocol, default_max_connections
     if parsed is None:
-        ap = argparse.ArgumentParser(prog="pagedecode serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        from ..cli import HelpFormatter
+        ap = argparse.ArgumentParser(prog="pagedecode serve", formatter_class=HelpFormatter)
         add_arguments(ap)
         parsed = ap.parse_args(argv)
     args = parsed

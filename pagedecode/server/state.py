@@ -268,7 +268,7 @@ class ServerState:
         u = out.usage
         m.prompt_tokens.inc(u.prompt_tokens)
         m.generation_tokens.inc(u.returned_tokens)
-        m.success.labels(finished_reason=out.finish_reason.value if out.finish_reason else "none").inc()
+        m.ended(out.finish_reason)
         m.e2e.observe(time.perf_counter() - track.arrival)
         m.queue.observe(out.timings.queue_s)
         m.prefill.observe(out.timings.prefill_s)

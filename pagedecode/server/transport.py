@@ -10,6 +10,7 @@ file-descriptor limit):
                      handler sees a disconnect (a body is read whole before a request is queued,
                      so a slow client never holds a model slot)
     keep-alive       uvicorn's timeout_keep_alive: idle between requests
+    closed           nothing is written to a connection once it is closing (see _Transport)
     max connections  at the cap a new connection closes the connection idle the longest (no
                      request running: waiting for headers or kept alive); when every connection
                      has a request running, the new one gets a 503 (OpenAI error body,
@@ -24,7 +25,7 @@ import json
 import resource
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from uvicorn import server as uvicorn_server
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -66,6 +67,23 @@ def _plain_response(status: str, message: str, code: str) -> bytes:
     return head + body
 
 
+class _Transport:
+    """A transport that drops writes once it is closing. When a client goes away, the failed
+    send closes the transport at once but the protocol hears of it (connection_lost) only on a
+    later loop iteration; a stream writes its buffered chunks meanwhile, and asyncio logs
+    'socket.send() raised exception.' for each write past the fifth."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def write(self, data: bytes) -> None:
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the header and body timeouts and the connection cap."""
 
@@ -80,7 +98,7 @@ class GuardedH11Protocol(H11Protocol):
         self._body_cycle: Any = None          # the request whose body the body timer is for
         self._refused = False
         self.idle_since = self.loop.time()
-        super().connection_made(transport)
+        super().connection_made(cast(asyncio.Transport, _Transport(transport)))
         if len(self.connections) > self.limits.max_connections and not self._make_room():
             self._refuse()
             return

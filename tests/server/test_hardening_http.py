@@ -286,6 +286,16 @@ def test_request_templates_are_refused(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
 
 
+def test_an_over_long_prompt_names_its_field(server):
+    long = "Once upon a time " * 200                       # > 512 tokens, stories260k's context
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH,
+                   json={"messages": [{"role": "user", "content": long}], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "context" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, json={"prompt": long, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_drain_cancels_what_outlives_the_grace(stories_path):
     from pagedecode.server.serve import drain
     s = start_server(stories_path, template=None)

@@ -98,7 +98,10 @@ def test_two_hundred_streaming_clients(stories_path):
         for r in results.values():
             by_reason[r.finish_reason.value] = by_reason.get(r.finish_reason.value, 0) + 1
         for reason, count in by_reason.items():
-            assert m[f'pagedecode:request_success_total{{finished_reason="{reason}"}}'] == count
+            if reason in ("eos", "stop_sequence", "max_output_tokens", "context_limit"):
+                assert m[f'pagedecode:request_success_total{{finished_reason="{reason}"}}'] == count
+            else:
+                assert m[f'pagedecode:request_failure_total{{reason="{reason}"}}'] == count
         assert m["pagedecode:disconnects_total"] >= len(left)
         # the same seed, not streamed and alone, gives the same text
         for i in completed[:12]:

@@ -137,6 +137,16 @@ def test_metrics_agree_with_what_clients_saw(client, server):
         r.usage.completion_tokens
     key = 'pagedecode:request_success_total{finished_reason="max_output_tokens"}'
     assert after[key] - before.get(key, 0) == 1
+    # a request that ends otherwise is a failure, by its reason, and no success
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "timeout": 0.02})
+    assert r.json()["choices"][0]["finish_reason"] == "deadline_exceeded"
+    later = scrape()
+    key = 'pagedecode:request_failure_total{reason="deadline_exceeded"}'
+    assert later[key] - after.get(key, 0) == 1
+    assert not any(k.startswith("pagedecode:request_success_total") and "deadline" in k for k in later)
+    assert sum(v for k, v in later.items() if k.startswith("pagedecode:request_success_total")) == \
+        sum(v for k, v in after.items() if k.startswith("pagedecode:request_success_total"))
     assert "pagedecode:time_to_first_token_seconds_bucket" in httpx.get(server.url + "/metrics", headers=AUTH).text
 
 
