@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from .errors import InvalidRequestError
@@ -31,29 +32,45 @@ def _bad(msg: str) -> InvalidRequestError:
     return InvalidRequestError(f"invalid SamplingParams.structured_output: {msg}")
 
 
-def check_schema(schema: Any, where: str = "#") -> None:
-    """Refuse keywords the grammar cannot enforce (it would accept output that breaks them)."""
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise _bad(f"schema at {where} must be an object or a boolean, got {type(schema).__name__}")
-    for key, value in schema.items():
-        if key not in SCHEMA_KEYWORDS:
-            raise _bad(f"JSON-schema keyword {key!r} at {where} is not supported (it cannot be enforced)")
-        if key == "format" and value not in FORMATS:
-            raise _bad(f"JSON-schema format {value!r} at {where} is not supported")
-        if key in MAP_KEYWORDS:
-            if not isinstance(value, dict):
-                raise _bad(f"{key} at {where} must be an object")
-            for name, sub in value.items():
-                check_schema(sub, f"{where}/{key}/{name}")
-        elif key in LIST_KEYWORDS:
-            if not isinstance(value, list) or not value:
-                raise _bad(f"{key} at {where} must be a non-empty list")
-            for i, sub in enumerate(value):
-                check_schema(sub, f"{where}/{key}/{i}")
-        elif key in ("items", "additionalProperties") and not isinstance(value, bool):
-            check_schema(value, f"{where}/{key}")
+def nesting_depth(value: Any) -> int:
+    """How deeply JSON objects and arrays nest in value (a scalar is 0, {} is 1); iterative, so a
+    hostile document cannot exhaust the interpreter's stack."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
+
+
+def check_schema(schema: Any) -> None:
+    """Refuse keywords the grammar cannot enforce (it would accept output that breaks them).
+    Iterative (a deep schema is refused by its depth limit, never by a RecursionError)."""
+    stack: list[tuple[Any, str]] = [(schema, "#")]
+    while stack:
+        sch, where = stack.pop()
+        if isinstance(sch, bool):
+            continue
+        if not isinstance(sch, dict):
+            raise _bad(f"schema at {where} must be an object or a boolean, got {type(sch).__name__}")
+        for key, value in sch.items():
+            if key not in SCHEMA_KEYWORDS:
+                raise _bad(f"JSON-schema keyword {key!r} at {where} is not supported (it cannot be enforced)")
+            if key == "format" and value not in FORMATS:
+                raise _bad(f"JSON-schema format {value!r} at {where} is not supported")
+            if key in MAP_KEYWORDS:
+                if not isinstance(value, dict):
+                    raise _bad(f"{key} at {where} must be an object")
+                stack.extend((sub, f"{where}/{key}/{name}") for name, sub in value.items())
+            elif key in LIST_KEYWORDS:
+                if not isinstance(value, list) or not value:
+                    raise _bad(f"{key} at {where} must be a non-empty list")
+                stack.extend((sub, f"{where}/{key}/{i}") for i, sub in enumerate(value))
+            elif key in ("items", "additionalProperties") and not isinstance(value, bool):
+                stack.append((value, f"{where}/{key}"))
 
 
 @dataclass(frozen=True)
@@ -63,7 +80,8 @@ class StructuredOutput:
     ebnf: str | None = None                           # a GBNF/EBNF grammar with a `root` rule
     choice: tuple[str, ...] | list[str] | None = None  # the output is exactly one of these
     json_object: bool = False                         # any JSON object
-    key: str = field(init=False, repr=False, compare=False)   # canonical form, for the compile cache
+    kind: str = field(init=False, repr=False, compare=False)  # which one of the five is given
+    depth: int = field(init=False, repr=False, compare=False)  # JSON nesting depth (json_schema; else 0)
 
     def __post_init__(self) -> None:
         given = [n for n in ("json_schema", "regex", "ebnf", "choice") if getattr(self, n) is not None]
@@ -79,27 +97,42 @@ class StructuredOutput:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise _bad(f"json_schema is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise _bad("json_schema nests too deeply to be read") from None
+            object.__setattr__(self, "depth", nesting_depth(schema))
             check_schema(schema)
             object.__setattr__(self, "json_schema", schema)
-            key = json.dumps(schema, sort_keys=True)
         elif kind in ("regex", "ebnf"):
             value = getattr(self, kind)
             if not isinstance(value, str) or not value:
                 raise _bad(f"{kind} must be a non-empty string")
-            key = value
         elif kind == "choice":
             choices = self.choice
             if (not isinstance(choices, (list, tuple)) or not choices
                     or not all(isinstance(c, str) and c for c in choices)):
                 raise _bad("choice must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(choices))
-            key = json.dumps(list(choices))
-        else:
-            if self.json_object is not True:
-                raise _bad("json_object must be a bool")
-            key = ""
-        object.__setattr__(self, "key", f"{kind}:{key}")
+        elif self.json_object is not True:
+            raise _bad("json_object must be a bool")
+        object.__setattr__(self, "kind", kind)
+        if kind != "json_schema":
+            object.__setattr__(self, "depth", 0)
+
+    @cached_property
+    def key(self) -> str:
+        """The canonical form, for the compile cache. A JSON schema is serialised here, not at
+        construction: the engine checks its depth first (the encoder recurses)."""
+        if self.kind == "json_schema":
+            try:
+                return "json_schema:" + json.dumps(self.json_schema, sort_keys=True)
+            except RecursionError:
+                raise _bad("json_schema nests too deeply to be serialised") from None
+        if self.kind == "choice":
+            return "choice:" + json.dumps(list(self.choice or ()))
+        return f"{self.kind}:{getattr(self, self.kind) if self.kind != 'json_object' else ''}"
 
     @property
-    def kind(self) -> str:
-        return self.key.split(":", 1)[0]
+    def size(self) -> int:
+        """Bytes of the constraint as given to the grammar: the schema's JSON, the regex or EBNF
+        text, the choices as a JSON list."""
+        return len(self.key.encode()) - len(self.kind) - 1

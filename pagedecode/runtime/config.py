@@ -32,8 +32,11 @@ class EngineConfig:
                                              # trace keeps (see runtime/trace.py)
     model_name: str | None = None            # shown in start events
     enable_prefix_caching: bool = True       # share full prompt / output pages between requests
-    grammar_compile_timeout_s: float = 60.0  # a structured-output compile longer than this fails its request
-    grammar_cache_size: int = 64             # compiled grammars kept, by constraint
+    grammar_compile_timeout_s: float = 60.0  # a structured-output parse + compile longer than this fails its request
+    grammar_cache_size: int = 64             # compiled grammars kept, by constraint, LRU
+    grammar_cache_bytes: int = 256 << 20     # ... and at most this many bytes of them (xgrammar's own count)
+    max_schema_depth: int = 64               # JSON nesting depth of a json_schema constraint (deeper: refused)
+    max_schema_bytes: int = 32 << 10         # size of any constraint: schema JSON, regex, EBNF, choices
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -45,7 +48,8 @@ class EngineConfig:
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         for name in ("max_batch_size", "max_tokens_per_step", "stream_max_events", "stream_max_bytes",
-                     "max_finished_kept"):
+                     "max_finished_kept", "grammar_cache_size", "grammar_cache_bytes", "max_schema_depth",
+                     "max_schema_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.backpressure not in BACKPRESSURE_POLICIES:

@@ -28,7 +28,7 @@ from .batching import build_batch
 from .config import DEFAULT_CACHE_TOKENS, EngineConfig
 from .consumer import ConsumerSide
 from .endings import check_ending, is_eos
-from .grammar import Constraints, GrammarCompiler, TokenBitmask
+from .grammar import CompileJob, Constraints, GrammarCompiler, TokenBitmask
 from .events import Event, RequestOutput, StartEvent
 from .intake import make_request
 from .lifecycle import FinishReason, RequestState
@@ -106,7 +106,10 @@ class Engine(ConsumerSide, RequestEndings):
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
         self.idle = True            # the last step found nothing to run (all waiting or paused)
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids, config.max_batch_size,
-                                       self.device, config.grammar_cache_size, config.grammar_compile_timeout_s)
+                                       self.device, cache_size=config.grammar_cache_size,
+                                       cache_bytes=config.grammar_cache_bytes,
+                                       timeout_s=config.grammar_compile_timeout_s,
+                                       max_depth=config.max_schema_depth, max_bytes=config.max_schema_bytes)
         self.stats = EngineStats()
         # perf_counter microseconds + wall_offset_us = wall-clock microseconds (traces line up with logs)
         self.wall_offset_us = time.time() * 1e6 - now_us()
@@ -136,12 +139,12 @@ class Engine(ConsumerSide, RequestEndings):
         return cls(model, tok, config)
 
     @property
-    def grammar(self) -> GrammarCompiler | None:
-        """The structured-output compiler, once a constrained request made it."""
+    def grammar(self) -> GrammarCompiler:
+        """The structured-output compiler (its worker starts with the first constrained request)."""
         return self.constraints.compiler
 
     @property
-    def bitmask(self) -> TokenBitmask | None:
+    def bitmask(self) -> TokenBitmask:
         return self.constraints.bitmask
 
     @property
@@ -162,6 +165,7 @@ class Engine(ConsumerSide, RequestEndings):
     def close(self) -> None:
         """End every live request, then stop the model's worker processes, if it has any."""
         self.shutdown()
+        self.constraints.compiler.shutdown()
         close = getattr(self.model, "close", None)
         if callable(close):
             close()
@@ -178,22 +182,38 @@ class Engine(ConsumerSide, RequestEndings):
         if failure is not None:
             from ..model.parallel import ModelUnavailableError
             raise ModelUnavailableError(f"the engine serves no more requests: {failure}")
+        job = self._prepare_grammar(params)          # outside the lock: the step loop goes on
         with self._lock:
-            req = self._make_request(prompt, params, request_id, stream)
+            req = self._make_request(prompt, params, request_id, stream, job)
             if acked:
                 req.acked_seq, req.max_unacked = -1, self.config.stream_max_events
             self._enqueue(req)
         return req.request_id
 
+    def prepare_grammar(self, params: SamplingParams | None) -> CompileJob | None:
+        """Start a constrained request's parse and compile in the grammar worker; cheap, any
+        thread. A constraint over the schema limits raises InvalidRequestError. `add_request`
+        then waits for `job.parsed` (outside the engine's lock); a server awaits it first, off
+        its event loop, so add_request does not wait."""
+        so = getattr(params, "structured_output", None)
+        return None if so is None else self.constraints.prepare(so)
+
+    def _prepare_grammar(self, params: SamplingParams | None) -> CompileJob | None:
+        job = self.prepare_grammar(params)
+        if job is not None:
+            self.constraints.wait_parsed(job)
+        return job
+
     def _make_request(self, prompt: object, params: SamplingParams | None, request_id: str | None,
-                      stream: bool) -> Request:
+                      stream: bool, job: CompileJob | None) -> Request:
         if request_id is None:
             request_id = self.requests.new_id()
         req = make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                            max_context=self.max_context, rng=self._rng, trace_level=self.config.trace)
         req.cache_namespace = self._namespace(req.params.cache_salt)
         if req.params.structured_output is not None:
-            req.grammar = self.constraints.attach(req.params.structured_output)
+            assert job is not None, "a constrained request's grammar is prepared before the lock"
+            req.grammar = self.constraints.attach(req.params.structured_output, job)
         if stream:
             req.buffer = EventBuffer(self.config.stream_max_events, self.config.stream_max_bytes)
             req.buffer.on_pop = self._wake
@@ -389,11 +409,12 @@ class Engine(ConsumerSide, RequestEndings):
                                               else [params] * len(prompts))  # type: ignore[list-item]
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        jobs = [self._prepare_grammar(sp) for sp in plist]
         with self._lock:
             reqs: list[Request] = []
             try:
-                for p, sp in zip(prompts, plist):
-                    reqs.append(self._make_request(p, sp, None, False))
+                for p, sp, job in zip(prompts, plist, jobs):
+                    reqs.append(self._make_request(p, sp, None, False, job))
                     self.requests.live[reqs[-1].request_id] = reqs[-1]   # reserve its id meanwhile
             finally:
                 for req in reqs:

@@ -2,8 +2,10 @@
 matcher per request, a per-slot token bitmask.
 
 Life of a constrained request:
-    add_request   the grammar is parsed (an invalid one raises InvalidRequestError) and its
-                  compile is submitted to a worker thread (or found in the bounded cache)
+    add_request   its size and depth are checked against the limits, its parse and compile are
+                  submitted to the worker thread (or found in the bounded cache), and the caller
+                  waits, outside the engine's lock, for the parse: an invalid grammar raises
+                  InvalidRequestError (the server awaits the parse off its event loop first)
     QUEUED        not schedulable until the compile is done (cancels and deadlines still apply);
                   a failed or timed-out compile fails the request
     each step     its slot's bitmask row is filled (at most once per token) and applied to its
@@ -15,6 +17,8 @@ Life of a constrained request:
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +42,24 @@ def xgrammar() -> Any:
     return xgr
 
 
+def check_installed() -> None:
+    """Cheap (no import): a constrained request without xgrammar is refused at once."""
+    if importlib.util.find_spec("xgrammar") is None:
+        raise InvalidRequestError(INSTALL_HINT)
+
+
+def check_limits(so: StructuredOutput, max_depth: int, max_bytes: int) -> None:
+    """Refuse a constraint whose grammar would take seconds to parse or compile: parsing a JSON
+    schema nested 400 deep took 3-5 s (the grammar grows with the square of the depth), a wide
+    object of 2,000 properties compiled for 27 s (EngineConfig.max_schema_depth / _bytes)."""
+    if so.depth > max_depth:
+        raise InvalidRequestError(f"invalid SamplingParams.structured_output: the JSON schema nests {so.depth} "
+                                  f"deep, over the limit max_schema_depth={max_depth}")
+    if so.size > max_bytes:
+        raise InvalidRequestError(f"invalid SamplingParams.structured_output: the {so.kind} constraint is "
+                                  f"{so.size} bytes, over the limit max_schema_bytes={max_bytes}")
+
+
 def token_bytes_table(tokenizer: TokenizerLike, vocab_size: int) -> list[bytes]:
     """Each id's exact bytes as it reads inside a text (empty for specials and padded ids)."""
     out = []
@@ -56,11 +78,16 @@ def token_bytes_table(tokenizer: TokenizerLike, vocab_size: int) -> list[bytes]:
     return out
 
 
+def ebnf_literal(text: str) -> str:
+    """text as an EBNF string literal: JSON's escapes, which xgrammar reads (not ASCII-only, so no
+    surrogate pairs)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def parse(xgr: Any, so: StructuredOutput) -> Any:
     """The xgrammar Grammar of a constraint; InvalidRequestError naming the problem."""
     try:
         if so.kind == "json_schema":
-            import json
             return xgr.Grammar.from_json_schema(json.dumps(so.json_schema), any_whitespace=False,
                                                 strict_mode=True)
         if so.kind == "json_object":             # any object, whitespace as bounded as for a schema
@@ -69,9 +96,8 @@ def parse(xgr: Any, so: StructuredOutput) -> Any:
             return xgr.Grammar.from_regex(so.regex)
         if so.kind == "ebnf":
             return xgr.Grammar.from_ebnf(so.ebnf)
-        assert so.choice is not None
-        import re
-        return xgr.Grammar.from_regex("|".join(f"(?:{re.escape(c)})" for c in so.choice))
+        assert so.choice is not None             # alternatives of literals (a regex of re.escape()d
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(ebnf_literal, so.choice)))   # text warns per escape)
     except InvalidRequestError:
         raise
     except Exception as e:
@@ -80,60 +106,126 @@ def parse(xgr: Any, so: StructuredOutput) -> Any:
         raise InvalidRequestError(f"invalid SamplingParams.structured_output ({so.kind}): {msg}") from None
 
 
+class CompileJob:
+    """One constraint's work in the worker: `parsed` resolves once its grammar is parsed (raises
+    InvalidRequestError for an invalid one), `compiled` with the compiled grammar."""
+
+    def __init__(self) -> None:
+        self.parsed: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.compiled: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.nbytes = 0                          # the compiled grammar's memory, once known
+
+    def failed(self) -> bool:
+        return self.compiled.done() and (self.compiled.cancelled() or self.compiled.exception() is not None)
+
+
 class GrammarCompiler:
-    """One per engine: the tokenizer's exact bytes, the model's padded vocabulary, the engine's
-    EOS ids as stop tokens; compiles in a worker thread with a bounded cache keyed by the
-    constraint."""
+    """One per engine: parses constraints in one worker thread and compiles them in another,
+    never on the caller's (compiles wait behind each other; a parse never waits behind one). The first job imports xgrammar and builds the tokenizer's table there (the
+    tokenizer's exact bytes, the model's padded vocabulary, the engine's EOS ids as stop tokens).
+    xgrammar releases the GIL while it parses and compiles (measured: a 1.3 s parse and a 39 s
+    compile left another thread's 1 ms sleeps at most 6 ms late), so a long compile stalls no
+    other request. Compiled grammars are cached by constraint, LRU, bounded in count and in bytes
+    (CompiledGrammar.memory_size_bytes: a 20,000-option choice keeps 55-130 MB)."""
 
     def __init__(self, tokenizer: TokenizerLike, vocab_size: int, stop_ids: frozenset[int],
-                 cache_size: int = 64, compile_delay_s: float = 0.0) -> None:
-        self.xgr = xgrammar()
+                 cache_size: int = 64, cache_bytes: int = 256 << 20, compile_delay_s: float = 0.0) -> None:
+        self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
-        info = self.xgr.TokenizerInfo(token_bytes_table(tokenizer, vocab_size), self.xgr.VocabType.RAW,
-                                      vocab_size=vocab_size, stop_token_ids=self.stop_ids)
-        self._compiler = self.xgr.GrammarCompiler(info, max_threads=1)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedecode-grammar")
-        self._cache: OrderedDict[str, concurrent.futures.Future[Any]] = OrderedDict()
+        self.xgr: Any = None                     # set in the worker by the first job
+        self._compiler: Any = None
+        self._parse_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedecode-grammar-parse")
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedecode-grammar")
+        self._cache: OrderedDict[str, CompileJob] = OrderedDict()
         self._lock = threading.Lock()
-        self.cache_size = cache_size
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
         self.compile_delay_s = compile_delay_s      # tests: a deliberately slow compile
         self.compile_s: list[float] = []
 
-    def submit(self, so: StructuredOutput) -> concurrent.futures.Future[Any]:
-        grammar = parse(self.xgr, so)               # raises now for an invalid constraint
+    def submit(self, so: StructuredOutput) -> CompileJob:
+        """The constraint's job: cached, or queued for the worker now. Never blocks."""
         with self._lock:
-            fut = self._cache.get(so.key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            job = self._cache.get(so.key)
+            if job is not None and not job.failed():
                 self._cache.move_to_end(so.key)
-                return fut
-            fut = self._pool.submit(self._compile, grammar)
-            self._cache[so.key] = fut
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            return fut
+                return job
+            job = self._cache[so.key] = CompileJob()
+            self._evict()
+        self._parse_pool.submit(self._parse, so, job)
+        return job
 
-    def _compile(self, grammar: Any) -> Any:
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(j.nbytes for j in self._cache.values())
+
+    def _evict(self) -> None:
+        """Oldest first, until the count and the bytes fit (a job in flight weighs nothing yet)."""
+        total = sum(j.nbytes for j in self._cache.values())
+        while self._cache and (len(self._cache) > self.cache_size or total > self.cache_bytes):
+            _, old = self._cache.popitem(last=False)
+            total -= old.nbytes
+
+    def warm(self) -> concurrent.futures.Future[None] | None:
+        """Import xgrammar and build the tokenizer's table in the parse worker now (None without
+        xgrammar). The import takes ~2 s (it imports transformers) and holds the GIL for up to
+        ~300 ms at a time, in any thread: a server does it at start, before it serves."""
+        if importlib.util.find_spec("xgrammar") is None:
+            return None
+        return self._parse_pool.submit(self._backend)
+
+    def _backend(self) -> None:
+        if self._compiler is None:
+            self.xgr = xgrammar()
+            info = self.xgr.TokenizerInfo(token_bytes_table(self._tokenizer, self.vocab_size), self.xgr.VocabType.RAW,
+                                          vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
+            self._compiler = self.xgr.GrammarCompiler(info, max_threads=1)
+
+    def _parse(self, so: StructuredOutput, job: CompileJob) -> None:
+        """In the parse worker: a parse waits behind other parses (fast under the schema
+        limits), never behind a long compile."""
+        if not (job.parsed.set_running_or_notify_cancel() and job.compiled.set_running_or_notify_cancel()):
+            return                              # only at shutdown: nothing waits for it
+        try:
+            self._backend()
+            grammar = parse(self.xgr, so)
+        except Exception as e:
+            job.parsed.set_exception(e)
+            job.compiled.set_exception(e)
+            return
+        job.parsed.set_result(None)
+        self._compile_pool.submit(self._compile, grammar, job)
+
+    def _compile(self, grammar: Any, job: CompileJob) -> None:
         t = time.perf_counter()
-        if self.compile_delay_s:
-            time.sleep(self.compile_delay_s)
-        compiled = self._compiler.compile_grammar(grammar)
+        try:
+            if self.compile_delay_s:
+                time.sleep(self.compile_delay_s)
+            compiled = self._compiler.compile_grammar(grammar)
+        except Exception as e:
+            job.compiled.set_exception(e)
+            return
         self.compile_s.append(time.perf_counter() - t)
-        return compiled
+        with self._lock:
+            job.nbytes = int(getattr(compiled, "memory_size_bytes", 0))
+            self._evict()
+        job.compiled.set_result(compiled)
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class GrammarState:
-    """A request's constraint: its compile, then its matcher."""
+    """A request's constraint: its compile job, then its matcher."""
 
-    def __init__(self, so: StructuredOutput, future: concurrent.futures.Future[Any], timeout_s: float) -> None:
+    def __init__(self, so: StructuredOutput, job: CompileJob, timeout_s: float) -> None:
         self.spec = so
-        self.future = future
+        self.future = job.compiled
         self.deadline = time.perf_counter() + timeout_s
         self.timeout_s = timeout_s
         self.matcher: Any = None
@@ -142,20 +234,21 @@ class GrammarState:
     def ready(self, make_matcher: Callable[[Any], Any]) -> bool:
         if self.matcher is not None:
             return True
-        if not self.future.done():
+        if not self.future.done() or self.future.exception() is not None:
             return False
         self.matcher = make_matcher(self.future.result())
         return True
 
     def failure(self) -> str | None:
-        """Why the compile can never be used (None while it may still finish)."""
+        """Why the compile can never be used (None while it may still finish). A compile past
+        its time is left to finish in the worker (another request may share it; xgrammar
+        cannot be interrupted), bounded by the schema limits."""
         if self.matcher is not None:
             return None
         if self.future.done():
             exc = self.future.exception()
             return None if exc is None else f"grammar compilation failed: {exc}"
         if time.perf_counter() > self.deadline:
-            self.future.cancel()
             return f"grammar compilation took longer than {self.timeout_s}s"
         return None
 
@@ -163,10 +256,9 @@ class GrammarState:
 class TokenBitmask:
     """A bitmask row per batch slot (pinned host memory on CUDA), applied to logits rows."""
 
-    def __init__(self, xgr: Any, num_slots: int, vocab_size: int, device: torch.device) -> None:
-        self.xgr = xgr
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
-        self.host = xgr.allocate_token_bitmask(num_slots, vocab_size)        # (slots, ceil(V / 32)) int32
+        self.host = torch.full((num_slots, -(-vocab_size // 32)), -1, dtype=torch.int32)   # (slots, ceil(V / 32))
         if device.type == "cuda":
             self.host = self.host.pin_memory()
         self.device = device
@@ -193,35 +285,45 @@ class TokenBitmask:
 
 
 class Constraints:
-    """The engine's structured-output side, made on the first constrained request: the
-    compiler, the per-slot bitmask, and what a step does with a request's matcher."""
+    """The engine's structured-output side: the compiler (its worker starts with the first
+    constrained request), the per-slot bitmask, and what a step does with a request's matcher."""
 
     def __init__(self, tokenizer: TokenizerLike, vocab_size: int, eos_ids: frozenset[int], num_slots: int,
-                 device: torch.device, cache_size: int, timeout_s: float) -> None:
-        self._tokenizer, self._vocab_size, self._num_slots, self._device = tokenizer, vocab_size, num_slots, device
+                 device: torch.device, *, cache_size: int, cache_bytes: int, timeout_s: float,
+                 max_depth: int, max_bytes: int) -> None:
         self.eos_ids = sorted(eos_ids)
-        self._stop_set = eos_ids
-        self.cache_size, self.timeout_s = cache_size, timeout_s
-        self.compiler: GrammarCompiler | None = None
-        self.bitmask: TokenBitmask | None = None
+        self.timeout_s, self.max_depth, self.max_bytes = timeout_s, max_depth, max_bytes
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, cache_size=cache_size, cache_bytes=cache_bytes)
+        self.bitmask = TokenBitmask(num_slots, vocab_size, device)
 
-    def attach(self, so: StructuredOutput) -> GrammarState:
-        """A new request's constraint: parsed now (InvalidRequestError), compiled off the loop."""
-        if self.compiler is None:
-            self.compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._stop_set,
-                                            cache_size=self.cache_size)
-            self.bitmask = TokenBitmask(self.compiler.xgr, self._num_slots, self._vocab_size, self._device)
-        return GrammarState(so, self.compiler.submit(so), self.timeout_s)
+    def prepare(self, so: StructuredOutput) -> CompileJob:
+        """Check the constraint's limits (InvalidRequestError naming them) and start its parse and
+        compile in the worker; cheap and thread-safe, never under the engine's lock by need."""
+        check_installed()
+        check_limits(so, self.max_depth, self.max_bytes)
+        return self.compiler.submit(so)
+
+    def wait_parsed(self, job: CompileJob) -> None:
+        """Block the calling thread (not the step loop) until the grammar is parsed: an invalid
+        one raises InvalidRequestError here, a parse over grammar_compile_timeout_s too."""
+        try:
+            job.parsed.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise InvalidRequestError(f"invalid SamplingParams.structured_output: parsing the grammar took longer "
+                                      f"than grammar_compile_timeout_s={self.timeout_s}s") from None
+
+    def attach(self, so: StructuredOutput, job: CompileJob) -> GrammarState:
+        """A new request's constraint (its job prepared): the request waits for the compile in QUEUED."""
+        return GrammarState(so, job, self.timeout_s)
 
     def ready(self, g: GrammarState) -> bool:
-        assert self.compiler is not None
         return g.ready(self.compiler.matcher)
 
     def rows(self, grammars: list[GrammarState | None], slots: list[int | None], lengths: list[int]
              ) -> torch.Tensor | None:
         """This step's bitmask rows (all allowed for unconstrained rows); a slot's row is filled
         at most once per token (must_end may have filled it already)."""
-        if self.bitmask is None or all(g is None for g in grammars):
+        if all(g is None for g in grammars):
             return None
         for g, slot, n in zip(grammars, slots, lengths):
             if g is not None:
@@ -241,7 +343,6 @@ class Constraints:
     def must_end(self, g: GrammarState, slot: int, n_tokens: int) -> bool:
         """Fill the next mask now (the next step reuses it): nothing but stop tokens allowed
         means the grammar is complete, without another forward pass."""
-        assert self.bitmask is not None
         self.bitmask.fill(g.matcher, slot)
         g.mask_for = (slot, n_tokens)
         return self.bitmask.only_stop_tokens(slot, self.eos_ids)

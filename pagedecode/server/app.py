@@ -94,6 +94,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
                 raise ApiError(404, f"model {body.get('model')!r} is not served here (try {state.o.model_name!r})",
                                param="model", code="model_not_found")
             parsed = parse_request(body, chat, state.o.generation_defaults, state.o.limits)
+            await state.prepare_grammar(parsed, body)
             if parsed.stream and parsed.n > 1:
                 raise ApiError(400, "n > 1 is served without streaming only", param="n")
             header = request.headers.get("idempotency-key")

@@ -198,6 +198,12 @@ def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
 def lifespan(ae: Any, app: Any, grace_s: float) -> Any:
     @contextlib.asynccontextmanager
     async def run(_: Any) -> AsyncIterator[None]:
+        warming = ae.engine.grammar.warm()      # the first constrained request then stalls nobody
+        if warming is not None:
+            try:
+                await asyncio.wrap_future(warming)
+            except Exception:       # a broken xgrammar fails constrained requests, not the server
+                logging.getLogger("pagedecode.server").exception("structured output is unavailable")
         ae.start()
         try:
             yield

@@ -144,6 +144,24 @@ class ServerState:
             raise ApiError(408, "the client went away before sending the whole body") from None
         return jsonbody.load(bytes(data)), bytes(data)
 
+    async def prepare_grammar(self, parsed: Parsed, body: Mapping[str, Any]) -> None:
+        """A constrained request's limits are checked and its grammar parsed in the engine's
+        grammar worker, awaited here: the event loop and the step loop go on meanwhile, and an
+        invalid grammar is still a 400 naming the field."""
+        if parsed.params.structured_output is None:
+            return
+        param = "response_format" if body.get("response_format") is not None else "structured_outputs"
+        timeout = self.engine.config.grammar_compile_timeout_s
+        try:
+            job = self.engine.prepare_grammar(parsed.params)
+            assert job is not None
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.parsed)), timeout)
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), param=param, code="invalid_value") from None
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"parsing the grammar took longer than grammar_compile_timeout_s={timeout}s",
+                           param=param, code="invalid_value") from None
+
     def admit(self) -> None:
         if self.draining or not self.ae.running:
             raise ApiError(503, "the server is starting or shutting down", headers={"Retry-After": "1"})

@@ -208,3 +208,52 @@ def test_a_grammar_whose_tokens_logit_bias_bans_fails_that_request_only(stories_
     assert out.state == S.FAILED and out.finish_reason == R.MODEL_ERROR and out.selected_token_ids == []
     assert "logit_bias and the grammar" in out.error
     assert biased.state == plain.state == S.FINISHED
+
+
+def nested_schema(depth):
+    schema = {"const": 1}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
+    return schema
+
+
+def test_schema_limits_refuse_at_add_request_naming_them(stories_engine_factory):
+    """A schema nested 400 deep took 3-5 s to parse; 5,000 deep ran out of stack (issue 19)."""
+    eng = stories_engine_factory(max_schema_bytes=4096)
+    for depth in (65, 400, 5000):
+        with pytest.raises(pd.InvalidRequestError, match=f"nests {depth + 1} deep.*max_schema_depth=64"):
+            eng.add_request("x", pd.SamplingParams(structured_output=pd.StructuredOutput(json_schema=nested_schema(depth))))
+    with pytest.raises(pd.InvalidRequestError, match="choice constraint is .* bytes.*max_schema_bytes=4096"):
+        eng.add_request("x", pd.SamplingParams(structured_output=pd.StructuredOutput(
+            choice=[f"option {i}" for i in range(1000)])))
+    assert not eng.has_unfinished()
+    out = eng.generate("x", pd.SamplingParams(max_tokens=200, structured_output=pd.StructuredOutput(
+        json_schema=nested_schema(10))))[0]
+    assert out.finish_reason == R.GRAMMAR_COMPLETE and json.loads(out.text) == json.loads("[" * 10 + "1" + "]" * 10)
+    with pytest.raises(ValueError, match="max_schema_depth"):
+        pd.EngineConfig(max_schema_depth=0)
+
+
+def test_the_compiled_grammar_cache_is_bounded_in_bytes(stories_engine_factory):
+    eng = stories_engine_factory(grammar_cache_bytes=70_000)
+    sizes = []
+    for n in range(4):
+        so = pd.StructuredOutput(choice=[f"word{i}x{n}" for i in range(300)])
+        out = eng.generate("x", pd.SamplingParams(max_tokens=8, structured_output=so))[0]
+        assert out.finish_reason == R.GRAMMAR_COMPLETE and out.text in so.choice
+        sizes.append(eng.grammar.cached_bytes)
+    assert max(sizes) <= 70_000 and sizes[0] > 20_000, sizes      # each ~29 KB: the oldest go
+    assert len(eng.grammar._cache) == 2
+
+
+def test_choices_with_quotes_backslashes_and_non_ascii_are_exact(stories_engine_factory, capfd):
+    """choice was a regex of re.escape()d options: xgrammar warned once per escaped space."""
+    eng = stories_engine_factory()
+    options = ['say "hi" now', "a\\b c", "é😀 x", "tab\there"]
+    for i in range(len(options)):
+        so = pd.StructuredOutput(choice=options[i:] + options[:i])
+        outs = eng.generate(["Once", "Lily"], [pd.SamplingParams(max_tokens=30, structured_output=so),
+                                               pd.SamplingParams(max_tokens=30, temperature=1.0, seed=i,
+                                                                 structured_output=so)])
+        assert all(o.finish_reason == R.GRAMMAR_COMPLETE and o.text in options for o in outs), [o.text for o in outs]
+    assert "Warning" not in capfd.readouterr().err

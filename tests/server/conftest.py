@@ -23,13 +23,14 @@ class Running:
         return self.ae.engine
 
 
-def start_server(stories_path, *, api_key=None, template=TEMPLATE, **build_options):
+def start_server(stories_path, *, api_key=None, template=TEMPLATE, engine_options=None, **build_options):
     import uvicorn
 
     from pagedecode.server import build_app
     from pagedecode.server.chat import ChatTemplate, load_template
     from pagedecode.server.serve import generation_defaults, lifespan
-    engine = pd.Engine.from_pretrained(stories_path, model_name="stories260k", max_batch_size=32)
+    engine = pd.Engine.from_pretrained(stories_path, **{"model_name": "stories260k", "max_batch_size": 32,
+                                                        **(engine_options or {})})
     _, specials = load_template(stories_path)
     ae = pd.AsyncEngine(engine)
     app = build_app(ae, model_name="stories260k", api_key=api_key,
