@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <numeric>
 #include <optional>
@@ -799,8 +800,12 @@ bool keep_freed_memory() {
 
 }  // namespace
 
+#include "quant_matmul.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp)");
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
+  m.def("quant_linear", &quant_linear,
+        "x (T, K) float32 @ W^T, W (N, K) in GGUF Q8_0 / Q4_0 blocks, activations int8 per block (csrc/quant_matmul.h)");
 }

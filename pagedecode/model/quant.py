@@ -10,12 +10,15 @@ uint8; each row is its in_features / 32 blocks in order, each block 32 consecuti
     Q8_0  34 bytes   fp16 scale d | 32 x int8 q                      w[j] = d * q[j]
     Q4_0  18 bytes   fp16 scale d | 16 bytes, byte i = q[i] | q[i+16] << 4   w[j] = d * (q[j] - 8)
 
-The torch path dequantizes a layer's weight when it is used (activations stay in float: the
-only error is the weights' rounding); `linear` and `embedding_rows` are the two uses.
+Two ways to multiply (`linear`): on CPU with the compiled extension, csrc/quant_matmul.h's
+kernel quantizes the activations per block of 32 to int8 as llama.cpp does and runs integer dot
+products (AVX-512 VNNI); otherwise (attention_backend="torch", CUDA, no extension) the weight
+is dequantized for the call and the activations stay float, so the only error is the weights'.
+The embedding's rows are dequantized where they are looked up (`embedding_rows`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -87,11 +90,20 @@ class QuantizedWeight:
 Weight = torch.Tensor | QuantizedWeight
 
 
-def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear over a float or a quantized weight (dequantized for this call)."""
-    if isinstance(w, QuantizedWeight):
+QuantKernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: QuantKernel | None = None) -> torch.Tensor:
+    """F.linear over a float or a quantized weight. A quantized weight goes to `kernel`
+    (pagedecode._cpu.quant_linear: int8 activations, csrc/quant_matmul.h) when given, else it is
+    dequantized for this call (float activations: the reference)."""
+    if not isinstance(w, QuantizedWeight):
+        return F.linear(x, w, b)
+    if kernel is None:
         return F.linear(x, w.dequantize(x.dtype), b)
-    return F.linear(x, w, b)
+    y = kernel(x.reshape(-1, w.shape[1]).float().contiguous(), w.blocks, w.shape[0])    # (T, out) float32
+    y = y.view(*x.shape[:-1], w.shape[0]).to(x.dtype)
+    return y if b is None else y + b
 
 
 def embedding_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,142 @@
+// y = x W^T over weights in GGUF's Q8_0 / Q4_0 blocks (pagedecode/model/quant.py has the layout):
+// the gemv of a decode step and the gemm of a prefill chunk, one loop nest for both.
+//
+// Activations are quantized per block of 32 to int8 with one float scale, as llama.cpp does
+// (d = max |x| / 127, q = round(x / d)), so that each block is an integer dot product:
+//
+//     y[t, n] = sum over blocks b of  dw[n, b] * dx[t, b] * sum_j qw[n, b, j] * qx[t, b, j]
+//
+// The int8 dot of a block is one vpdpbusd with AVX-512 VNNI (vpdpbusd multiplies unsigned by
+// signed bytes: |qw| times qx carrying qw's sign, llama.cpp's trick), vpmaddubsw + vpmaddwd with
+// AVX2, a plain loop otherwise. Q4_0's nibbles are unpacked to q - 8 in registers first. Lanes
+// accumulate in float (scale products broadcast); one horizontal sum per output.
+//
+// Work: rows of W are split over threads; each thread walks its rows and, for each row, every
+// token, so a row's blocks are read from memory once per call and stay in L1 across the tokens.
+
+#pragma once
+
+namespace quant {
+
+constexpr int64_t kBlock = 32;
+
+inline float fp16_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// x (T, K) float -> qx (T, K) int8 and dx (T, K / 32) float
+inline void quantize_rows(const float* x, int8_t* qx, float* dx, int64_t T, int64_t K) {
+  const int64_t nb = K / kBlock;
+  at::parallel_for(0, T * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = x + i * kBlock;
+      float amax = 0.f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      for (int j = 0; j < kBlock; ++j) qx[i * kBlock + j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+      dx[i] = d;
+    }
+  });
+}
+
+// the 32 signed weights of block `blk` (Q8_0: as stored; Q4_0: nibble - 8), scalar form
+inline void unpack_scalar(const uint8_t* blk, bool q4, int8_t* w) {
+  if (!q4) {
+    std::memcpy(w, blk + 2, kBlock);
+    return;
+  }
+  for (int j = 0; j < 16; ++j) {
+    w[j] = static_cast<int8_t>((blk[2 + j] & 15) - 8);
+    w[j + 16] = static_cast<int8_t>((blk[2 + j] >> 4) - 8);
+  }
+}
+
+#if defined(__AVX2__)
+inline __m256i unpack_avx2(const uint8_t* blk, bool q4) {
+  if (!q4) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+  const __m128i low = _mm_set1_epi8(15);
+  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+  return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+}
+
+// 8 int32 lanes summing to the dot product of 32 signed bytes w and x
+inline __m256i dot_block(__m256i w, __m256i x) {
+  const __m256i w_abs = _mm256_sign_epi8(w, w);
+  const __m256i x_signed = _mm256_sign_epi8(x, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, x_signed);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x_signed), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// out (T, N) float = x (T, K) @ W^T, W (N, K) in blocks of `block_bytes` (34: Q8_0, 18: Q4_0)
+inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int64_t K, int64_t N,
+                   int64_t block_bytes) {
+  const int64_t nb = K / kBlock;
+  const bool q4 = block_bytes == 2 + kBlock / 2;
+  std::vector<int8_t> qx(T * K);
+  std::vector<float> dx(T * nb);
+  quantize_rows(x, qx.data(), dx.data(), T, K);
+  const int64_t row_bytes = nb * block_bytes;
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * T)), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (int64_t t = 0; t < T; ++t) {
+        const int8_t* xq = qx.data() + t * K;
+        const float* xd = dx.data() + t * nb;
+#if defined(__AVX2__)
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = row + b * block_bytes;
+          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+          const __m256i lanes = dot_block(unpack_avx2(blk, q4), xb);
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(fp16_to_float(blk) * xd[b]), acc);
+        }
+        out[t * N + n] = hsum(acc);
+#else
+        float acc = 0.f;
+        int8_t wq[kBlock];
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = row + b * block_bytes;
+          unpack_scalar(blk, q4, wq);
+          int32_t dot = 0;
+          for (int j = 0; j < kBlock; ++j) dot += int32_t(wq[j]) * int32_t(xq[b * kBlock + j]);
+          acc += fp16_to_float(blk) * xd[b] * static_cast<float>(dot);
+        }
+        out[t * N + n] = acc;
+#endif
+      }
+    }
+  });
+}
+
+}  // namespace quant
+
+// pagedecode._cpu.quant_linear(x (T, K) float32, blocks (N, K / 32 * block bytes) uint8, N) -> (T, N) float32
+inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x must be (T, K) float32");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(0) == n_out,
+              "quant_linear: blocks must be (N, K / 32 * block bytes) uint8");
+  const int64_t T = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % quant::kBlock == 0, "quant_linear: K must be a multiple of 32");
+  const int64_t block_bytes = blocks.size(1) / (K / quant::kBlock);
+  TORCH_CHECK((block_bytes == 34 || block_bytes == 18) && block_bytes * (K / quant::kBlock) == blocks.size(1),
+              "quant_linear: blocks are neither Q8_0 (34 bytes) nor Q4_0 (18 bytes) for this K");
+  at::Tensor out = at::empty({T, n_out}, x.options());
+  if (T > 0 && n_out > 0)
+    quant::matmul(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), T, K, n_out, block_bytes);
+  return out;
+}
