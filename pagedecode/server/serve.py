@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when every connection has a request running (default: 2048, less to fit the open-file limit)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds from connecting (or a kept-alive connection's next byte) to complete request headers")
-    p.add_argument("--body-timeout", type=float, default=30.0,
+    p.add_argument("--body-timeout", type=float, default=20.0,
                    help="seconds from the request headers to the body's last byte (408 and closed beyond)")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0,
                    help="seconds an idle connection is kept open between requests")

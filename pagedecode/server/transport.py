@@ -48,7 +48,7 @@ def default_max_connections() -> int:
 class ConnectionLimits:
     max_connections: int = MAX_CONNECTIONS_CEILING   # open connections at once (see the module doc)
     header_timeout_s: float = 10.0                    # connect (or next request's first byte) -> headers
-    body_timeout_s: float = 30.0                      # headers -> the body's last byte
+    body_timeout_s: float = 20.0                      # headers -> the body's last byte
     keep_alive_timeout_s: float = 5.0                 # idle between two requests on one connection
 
     def __post_init__(self) -> None:
