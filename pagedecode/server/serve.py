@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
         pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level="info",
-                                http=GuardedH11Protocol.configured(limits),
+                                http=GuardedH11Protocol.configured(limits), ws="none",
                                 timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
                                 timeout_graceful_shutdown=int(FLUSH_S), backlog=BACKLOG)
         state = app.state.pagedecode
