@@ -135,14 +135,19 @@ def test_serve_takes_several_api_keys_hosts_and_switches(tmp_path, capsys):
     assert "holds no key" in capsys.readouterr().err
 
 
-def test_help_shows_each_default_once_and_real_dtype_choices():
+def test_help_shows_each_default_once_and_real_dtype_choices(capsys):
     import re
+
+    import pytest
     for cmd in ("generate", "demo", "serve"):
-        h = run_cli(cmd, "--help").stdout
+        with pytest.raises(SystemExit):
+            cli.main([cmd, "--help"])
+        h = capsys.readouterr().out
         options = re.split(r"\n  (?=-)", h.split("options:", 1)[1])
         assert len(options) > 15
         for text in options:
             assert text.count("(default") <= 1, text
         assert "--dtype {float32,bfloat16,float16}" in h and "None," not in h
-    r = run_cli("generate", "--dtype", "None", "--prompt", "x")
-    assert r.returncode == 2 and "invalid choice" in r.stderr
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--dtype", "None", "--prompt", "x"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
