@@ -20,13 +20,13 @@ from .test_contract_http import sse
 class Serve:
     """`python -m pagedecode.cli serve ...` with its output collected by a thread."""
 
-    def __init__(self, stories_path, *args, fd_limit=None):
+    def __init__(self, stories_path, *args, fd_limit=None, session=False):
         def limit():
             if fd_limit is not None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
         self.p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "serve", "--model", str(stories_path),
                                    "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, preexec_fn=limit)
+                                  text=True, preexec_fn=limit, start_new_session=session)
         self.lines = []
         self.port = None
         started = threading.Event()
@@ -152,6 +152,32 @@ def test_sigterm_drains_every_client_and_exits_0(serve):
     assert "Traceback" not in s.output and "nanobind" not in s.output
 
 
+def test_a_second_signal_ends_the_grace_at_once(serve):
+    s = serve("--grace-seconds", "600", "--max-batch-size", "1")
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    ends = []
+
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            ends.append(sse([ln for ln in r.iter_lines() if ln])[-2:])
+    clients = [threading.Thread(target=stream) for _ in range(12)]
+    for t in clients:
+        t.start()
+    end = time.time() + 60
+    while live(s) < 12:
+        assert time.time() < end
+        time.sleep(0.05)
+    s.p.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    start = time.time()
+    s.p.send_signal(signal.SIGINT)
+    assert s.p.wait(timeout=60) == 0 and time.time() - start < 20
+    for t in clients:
+        t.join(10)
+    assert len(ends) == 12 and all(last == (None, "[DONE]") for _, last in ends)
+    assert "cancelled" in [final[1]["choices"][0]["finish_reason"] for final, _ in ends]
+
+
 # -- connections -----------------------------------------------------------------------------------
 
 def test_idle_and_slow_connections_are_closed_and_never_reach_the_engine(serve):
@@ -267,12 +293,15 @@ def children(pid):
 
 
 def test_sigterm_at_two_ranks_stops_the_workers_without_a_traceback(serve):
-    s = serve("--tensor-parallel-size", "2", "--grace-seconds", "2")
+    """SIGTERM to the whole process group (as systemd sends it; a terminal's Ctrl-C reaches the
+    group too): the workers leave stopping to rank 0, which drains and tells them to stop."""
+    s = serve("--tensor-parallel-size", "2", "--grace-seconds", "2", session=True)
     workers = [c for c in children(s.p.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
     assert len(workers) == 1
     r = httpx.post(s.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 16}, timeout=60)
     assert r.json()["choices"][0]["text"] == ", there was a little girl named Lily. She loved to play"
-    assert s.stop() == 0
+    os.killpg(s.p.pid, signal.SIGTERM)
+    assert s.p.wait(timeout=60) == 0
     end = time.time() + 1
     while any(os.path.exists(f"/proc/{w}") for w in workers) and time.time() < end:
         time.sleep(0.05)
