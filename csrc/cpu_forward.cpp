@@ -37,6 +37,8 @@
 #include <limits>
 #include <vector>
 
+#include "quant_matmul.h"
+
 namespace {
 
 using at::Tensor;
@@ -685,6 +687,11 @@ template <typename T>
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& wt, const Tensor& packed,
               Tensor& buf) {
   const bool bias = b.defined() && b.numel() > 0;
+  if (w.scalar_type() == at::kByte) {        // Q8_0 / Q4_0 blocks: quant_matmul.h, in float
+    Tensor y = quant_linear(x.to(at::kFloat).contiguous(), w, w.size(0));
+    if (bias) y.add_(b.to(at::kFloat));
+    return std::is_same_v<T, float> ? y : y.to(x.scalar_type());
+  }
   const int64_t rows = x.size(0), n_out = w.size(0);
   if (rows <= kGemvRows<T> && x.is_contiguous()) {
     if (!buf.defined()) buf = at::empty({rows, n_out}, x.options());
@@ -701,7 +708,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
   return bias ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
 }
 
-// layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w, then the
+// layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (each weight
+// in the model's dtype or uint8 Q8_0 / Q4_0 blocks, which linear() sends to quant_matmul.h), then the
 // four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), then the
 // same four packed for oneDNN; an empty tensor for an absent bias, a layer without its transposed
 // copy, or a weight not packed; lm_head_t and lm_head_packed likewise.
@@ -728,7 +736,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   const std::vector<Chunk> chunks = matmul_chunks(page_table.data_ptr<int32_t>(), page_table.size(1),
                                                   seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S,
                                                   page_size);
-  const int64_t I = layers[7].size(1);
+  const int64_t I = layers[6].size(0) / 2;                              // gate_up: (2 I, hidden)
   Tensor act = at::empty({T_, I}, opts);
   Tensor buf_qkv, buf_o, buf_gate_up, buf_down, buf_logits;            // the gemv outputs, per forward
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
@@ -799,8 +807,6 @@ bool keep_freed_memory() {
 }
 
 }  // namespace
-
-#include "quant_matmul.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp)");

@@ -60,7 +60,8 @@ class LlamaModel:
 
     Weights are float tensors or QuantizedWeight blocks (model/quant.py) as `weights` holds them;
     `quantization` ("q8_0" / "q4_0") also quantizes every float layer weight whose input size is
-    a multiple of 32 (embedding, LM head and norms keep their type)."""
+    a multiple of 32, and the LM head to Q8_0 (as llama.cpp keeps the output above the layers'
+    type); the embedding (a tied head's table too) and the norms keep their type."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -95,6 +96,8 @@ class LlamaModel:
                 # some checkpoints tie without saying so; use the embedding as HF would then
                 pass
             lm = self.embed
+        if quantization and isinstance(lm, torch.Tensor) and lm.shape[1] % BLOCK == 0:
+            lm = QuantizedWeight.quantize(lm, "q8_0")      # the head in Q8_0 whatever the layers take
         self.lm_head = lm
         self.final_norm = take("model.norm.weight")
         self.layers = []
@@ -127,21 +130,27 @@ class LlamaModel:
         self._quant_kernel = (getattr(_cpu_ext, "quant_linear", None)       # None: an older build
                               if self.device.type == "cpu" and attention_backend == "auto" else None)
         # the one-call CPU forward (csrc/cpu_forward.cpp): float32 / bfloat16 Llama shapes, no q/k
-        # norm, float weights (no kernel over quantized blocks there yet), not a tensor-parallel
-        # shard (which overrides _embed / _reduce / _logits)
+        # norm, a float embedding, quantized layers only with a build that has their kernel, not a
+        # tensor-parallel shard (which overrides _embed / _reduce / _logits)
         self._fused_cpu = (_cpu_ext is not None and self.device.type == "cpu" and not c.qk_norm
                            and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel
-                           and not self.quantized)
+                           and isinstance(self.embed, torch.Tensor)
+                           and (not self.quantized or hasattr(_cpu_ext, "quant_linear")))
         if self._fused_cpu:
             assert _cpu_ext is not None
             if os.environ.get("PAGEDECODE_MALLOC") != "default":     # see keep_freed_memory in csrc/
                 _cpu_ext.keep_freed_memory()
             none = torch.empty(0, dtype=dtype)
 
+            def plain(w: Weight) -> torch.Tensor:
+                """What the compiled forward takes: a float weight, or a quantized one's blocks."""
+                return w.blocks if isinstance(w, QuantizedWeight) else w
+
             def small_t(w: Weight) -> torch.Tensor:
                 """A small layer's weight transposed, for the compiled gemv over outputs (a 64-wide
                 layer spends most of a dot product per output in its horizontal sum)."""
-                assert isinstance(w, torch.Tensor)          # the compiled forward takes float weights
+                if isinstance(w, QuantizedWeight):
+                    return none
                 return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
 
             pack = (torch.backends.mkldnn.is_available() and os.environ.get("PAGEDECODE_CPU_MATMUL") != "aten"
@@ -159,10 +168,11 @@ class LlamaModel:
                     return none
 
             self._flat_layers = [t for L in self.layers for t in (
-                L.ln1, L.qkv_w, none if L.qkv_b is None else L.qkv_b, L.o_w, none if L.o_b is None else L.o_b,
-                L.ln2, L.gate_up_w, L.down_w,
+                L.ln1, plain(L.qkv_w), none if L.qkv_b is None else L.qkv_b, plain(L.o_w),
+                none if L.o_b is None else L.o_b, L.ln2, plain(L.gate_up_w), plain(L.down_w),
                 small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w),
                 packed(L.qkv_w), packed(L.o_w), packed(L.gate_up_w), packed(L.down_w))]
+            self._lm_head_plain = plain(self.lm_head)
             self._lm_head_t = small_t(self.lm_head)
             self._lm_head_packed = packed(self.lm_head)
             self._cos32, self._sin32 = cos.float().contiguous(), sin.float().contiguous()
@@ -185,7 +195,7 @@ class LlamaModel:
                                                      getattr(self, "_lm_head_packed", None)]
         for w in self._weights() + [t for t in extra if t is not None]:
             if isinstance(w, QuantizedWeight):
-                key = id(w.blocks)
+                key = w.blocks.data_ptr()            # the compiled forward's list holds the same blocks
             elif w.is_mkldnn:                    # oneDNN's packed copies have no plain storage
                 key = id(w)
             else:
@@ -205,7 +215,7 @@ class LlamaModel:
             assert _cpu_ext is not None
             b = batch
             return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
-                                    b.logits_indices, self.embed, self.final_norm, self.lm_head, self._lm_head_t,
+                                    b.logits_indices, self.embed, self.final_norm, self._lm_head_plain, self._lm_head_t,
                                     self._lm_head_packed, self._cos32, self._sin32, self._flat_layers, kv.k, kv.v,
                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
         T = batch.num_tokens

@@ -76,32 +76,44 @@ def test_bad_blocks_and_kind_are_refused():
         pd.Engine.from_pretrained("unused", quantization="int8")
 
 
-# max |logit - float logit| over a 32-token story (logits reach ~22), measured: q8_0 0.196 with
-# float activations, 0.272 with the int8 kernel; q4_0 6.9 either way
+# max |logit - float logit| over a 32-token story (logits reach ~22), measured: q8_0 0.21 with
+# float activations, 0.29 with the int8 kernel; q4_0 6.9 either way (the head in Q8_0 both times)
 @pytest.mark.parametrize("kind, max_error, same_greedy", [("q8_0", 0.4, True), ("q4_0", 10.0, False)])
 def test_stories_quantized_logits_and_memory(stories_path, kind, max_error, same_greedy):
     dense = pd.Engine.from_pretrained(stories_path, attention_backend="torch")
     engine = pd.Engine.from_pretrained(stories_path, quantization=kind)
     model = engine.model
-    assert model.quantized and not model.uses_cpu_extension()      # the torch path until a kernel exists
+    assert model.quantized and model.uses_cpu_extension() == (_cpu is not None)   # the one-call forward
     assert isinstance(model.layers[0].qkv_w, QuantizedWeight) and model.layers[0].qkv_w.kind == kind
     assert isinstance(model.layers[0].down_w, torch.Tensor)        # 172 inputs: not a multiple of 32
-    assert isinstance(model.embed, torch.Tensor)                   # embedding and head keep their type
+    assert isinstance(model.embed, torch.Tensor)                   # the embedding keeps its type,
+    assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.kind == "q8_0"   # the head: Q8_0
     ids = engine.tokenizer.encode(STORY)
     error = (logits_of(model, ids) - logits_of(dense.model, ids)).abs().max().item()
     assert 0 < error < max_error
     reference = pd.Engine.from_pretrained(stories_path, quantization=kind, attention_backend="torch").model
     kernel_vs_reference = (logits_of(model, ids) - logits_of(reference, ids)).abs().max().item()
-    assert kernel_vs_reference < 0.25 and (kernel_vs_reference > 0) == (_cpu is not None)   # int8 activations
+    assert kernel_vs_reference < 0.4 and (kernel_vs_reference > 0) == (_cpu is not None)   # int8 activations
     out = engine.generate("Once upon a time", pd.SamplingParams(max_tokens=16))[0]
     assert out.text.startswith(", there was a little girl") and len(out.token_ids) == 16
     if same_greedy:
         assert out.token_ids == dense.generate("Once upon a time", pd.SamplingParams(max_tokens=16))[0].token_ids
-    layer_floats = sum(w.numel() for L in dense.model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w))
-    saved = layer_floats * 4 - layer_floats // 32 * (34 if kind == "q8_0" else 18)
+    assert engine.weight_bytes < 0.5 * dense.weight_bytes       # both with the compiled forward's copies
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_weight_bytes_count_blocks_at_their_size(stories_path, kind, monkeypatch):
     from safetensors.torch import load_file
-    checkpoint_bytes = sum(t.numel() * 4 for t in load_file(str(stories_path / "model.safetensors")).values())
-    assert engine.weight_bytes == checkpoint_bytes - saved
+
+    from pagedecode.model import llama
+    monkeypatch.setattr(llama, "_cpu_ext", None)                 # no compiled forward: no derived copies
+    engine = pd.Engine.from_pretrained(stories_path, quantization=kind)
+    checkpoint = load_file(str(stories_path / "model.safetensors"))
+    layer_floats = sum(t.numel() for n, t in checkpoint.items() if n.endswith("proj.weight") and "down" not in n)
+    saved = layer_floats * 4 - layer_floats // 32 * (34 if kind == "q8_0" else 18)
+    head_blocks = 512 * 64 // 32 * 34                               # the tied head, now apart in Q8_0
+    assert engine.weight_bytes == sum(t.numel() * 4 for t in checkpoint.values()) - saved + head_blocks
+    assert pd.Engine.from_pretrained(stories_path).weight_bytes == sum(t.numel() * 4 for t in checkpoint.values())
 
 
 @pytest.mark.parametrize("kind, max_error", [("q8_0", 0.05), ("q4_0", 0.5)])
@@ -127,3 +139,16 @@ def test_quantized_weights_survive_a_bfloat16_model(stories_path):
     engine = pd.Engine.from_pretrained(stories_path, quantization="q8_0", dtype="bfloat16")
     out = engine.generate("Once upon a time", pd.SamplingParams(max_tokens=8))[0]
     assert len(out.token_ids) == 8 and np.isfinite(out.token_ids).all()
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_quantized_tokens_do_not_depend_on_the_batch(stories_path, kind):
+    """Each row's activations are quantized on their own: a request alone, in a batch, and in
+    chunked prefill picks the same greedy tokens (the gemv and the gemm paths)."""
+    alone = pd.Engine.from_pretrained(stories_path, quantization=kind)
+    batched = pd.Engine.from_pretrained(stories_path, quantization=kind, max_tokens_per_step=7, page_size=8)
+    prompts = ["Once upon a time", "Lily and Tom", "Tom had a big red ball and a small blue car. He", "Sue"]
+    params = pd.SamplingParams(max_tokens=24)
+    together = batched.generate(prompts, params)
+    for prompt, out in zip(prompts, together):
+        assert out.token_ids == alone.generate(prompt, params)[0].token_ids
