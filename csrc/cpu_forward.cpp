@@ -723,10 +723,12 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
                     const Tensor& k_cache, const Tensor& v_cache,
                     int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d) {
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
-  const int64_t T_ = ids.size(0), hidden = embed.size(1), S = seq_lens.size(0);
+  const int64_t T_ = ids.size(0), hidden = final_norm.size(0), S = seq_lens.size(0);
   const int64_t page_size = k_cache.size(2), per_layer = k_cache[0].numel();
-  const auto opts = embed.options();
-  Tensor h = embed.index_select(0, ids);                                  // (T, hidden)
+  const auto opts = final_norm.options();
+  Tensor h = embed.scalar_type() == at::kByte                              // (T, hidden)
+                 ? quant_embedding_rows(embed, ids, hidden).to(final_norm.scalar_type())
+                 : embed.index_select(0, ids);
   Tensor x = at::empty({T_, hidden}, opts);
   Tensor attn = at::empty({T_, H * D}, opts);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -776,15 +778,15 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
         "page_table, seq_lens, cu_q must be int32");
   check(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat, "rope tables must be float32");
   check(k_cache.is_contiguous() && v_cache.is_contiguous() && page_table.is_contiguous(), "caches must be contiguous");
-  check(k_cache.dtype() == embed.dtype(), "cache and weights must share a dtype");
+  check(k_cache.dtype() == final_norm.dtype(), "cache and weights must share a dtype");
   check(D % 2 == 0 && H % Hkv == 0, "head_dim must be even and heads a multiple of kv heads");
   for (const auto& t : layers)
     check(t.is_mkldnn() || t.numel() == 0 || t.is_contiguous(), "weights must be contiguous");
-  if (embed.scalar_type() == at::kFloat)
+  if (final_norm.scalar_type() == at::kFloat)
     return forward_impl<float>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices, embed,
                                final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache,
                                H, Hkv, D, eps, scale);
-  check(embed.scalar_type() == at::kBFloat16, "weights must be float32 or bfloat16");
+  check(final_norm.scalar_type() == at::kBFloat16, "weights must be float32 or bfloat16");
   return forward_impl<at::BFloat16>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices,
                                     embed, final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers,
                                     k_cache, v_cache, H, Hkv, D, eps, scale);
@@ -812,6 +814,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp)");
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
+  m.def("quant_embedding_rows", &quant_embedding_rows,
+        "rows of an embedding table in Q8_0 / Q4_0 blocks, dequantized to float32 (csrc/quant_matmul.h)");
   m.def("quant_linear", &quant_linear,
         "x (T, K) float32 @ W^T, W (N, K) in GGUF Q8_0 / Q4_0 blocks, activations int8 per block (csrc/quant_matmul.h)");
 }

@@ -140,3 +140,25 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, in
     quant::matmul(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), T, K, n_out, block_bytes);
   return out;
 }
+
+// rows `ids` of an embedding table (V, K) in Q8_0 / Q4_0 blocks, dequantized: (len(ids), K) float32
+inline at::Tensor quant_embedding_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t K) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && K % quant::kBlock == 0 &&
+                  ids.scalar_type() == at::kLong, "quant_embedding_rows: uint8 blocks, int64 ids, K a multiple of 32");
+  const int64_t nb = K / quant::kBlock, block_bytes = blocks.size(1) / nb, T = ids.size(0), V = blocks.size(0);
+  TORCH_CHECK(block_bytes == 34 || block_bytes == 18, "quant_embedding_rows: neither Q8_0 nor Q4_0 blocks");
+  at::Tensor out = at::empty({T, K}, at::kFloat);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < V, "quant_embedding_rows: token id out of range");
+    const uint8_t* row = blocks.data_ptr<uint8_t>() + id[t] * blocks.size(1);
+    float* o = out.data_ptr<float>() + t * K;
+    int8_t w[quant::kBlock];
+    for (int64_t b = 0; b < nb; ++b) {
+      quant::unpack_scalar(row + b * block_bytes, block_bytes == 18, w);
+      const float d = quant::fp16_to_float(row + b * block_bytes);
+      for (int j = 0; j < quant::kBlock; ++j) o[b * quant::kBlock + j] = d * static_cast<float>(w[j]);
+    }
+  }
+  return out;
+}

@@ -130,12 +130,11 @@ class LlamaModel:
         self._quant_kernel = (getattr(_cpu_ext, "quant_linear", None)       # None: an older build
                               if self.device.type == "cpu" and attention_backend == "auto" else None)
         # the one-call CPU forward (csrc/cpu_forward.cpp): float32 / bfloat16 Llama shapes, no q/k
-        # norm, a float embedding, quantized layers only with a build that has their kernel, not a
-        # tensor-parallel shard (which overrides _embed / _reduce / _logits)
+        # norm, quantized weights only with a build that has their kernel, not a tensor-parallel
+        # shard (which overrides _embed / _reduce / _logits)
         self._fused_cpu = (_cpu_ext is not None and self.device.type == "cpu" and not c.qk_norm
                            and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel
-                           and isinstance(self.embed, torch.Tensor)
-                           and (not self.quantized or hasattr(_cpu_ext, "quant_linear")))
+                           and (not self.quantized or hasattr(_cpu_ext, "quant_embedding_rows")))
         if self._fused_cpu:
             assert _cpu_ext is not None
             if os.environ.get("PAGEDECODE_MALLOC") != "default":     # see keep_freed_memory in csrc/
@@ -172,6 +171,7 @@ class LlamaModel:
                 none if L.o_b is None else L.o_b, L.ln2, plain(L.gate_up_w), plain(L.down_w),
                 small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w),
                 packed(L.qkv_w), packed(L.o_w), packed(L.gate_up_w), packed(L.down_w))]
+            self._embed_plain = plain(self.embed)
             self._lm_head_plain = plain(self.lm_head)
             self._lm_head_t = small_t(self.lm_head)
             self._lm_head_packed = packed(self.lm_head)
@@ -215,7 +215,8 @@ class LlamaModel:
             assert _cpu_ext is not None
             b = batch
             return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
-                                    b.logits_indices, self.embed, self.final_norm, self._lm_head_plain, self._lm_head_t,
+                                    b.logits_indices, self._embed_plain, self.final_norm, self._lm_head_plain,
+                                    self._lm_head_t,
                                     self._lm_head_packed, self._cos32, self._sin32, self._flat_layers, kv.k, kv.v,
                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
         T = batch.num_tokens

@@ -177,3 +177,26 @@ def test_not_a_gguf_file_is_named(tmp_path):
     bad.write_bytes(b"not a model")
     with pytest.raises(ModelLoadError, match="neither a GGUF file nor a model directory"):
         pd.Engine.from_pretrained(bad)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_written_quantized_gguf_in_the_compiled_forward(tiny, qtype):
+    """Every weight in blocks, the embedding and head included: the one-call compiled forward
+    (int8 activations) against the dequantizing torch path, and the same tokens alone or batched."""
+    folder, cfg, weights, meta = tiny
+    path = folder / f"compiled-{qtype.name}.gguf"
+    write_gguf(path, cfg, weights, meta, qtype=qtype)
+    from pagedecode.model.llama import cpu_extension_available
+    if not cpu_extension_available():
+        pytest.skip("pagedecode._cpu not built")
+    engine = pd.Engine.from_pretrained(path)
+    assert engine.model.uses_cpu_extension()
+    reference = pd.Engine.from_pretrained(path, attention_backend="torch").model
+    ids = list(range(5, 45))
+    ref = logits_of(reference, ids)
+    assert (logits_of(engine.model, ids) - ref).abs().max() < 0.03 * ref.abs().max()
+    prompts = [[1, 5, 9, 200], [1, 7], list(range(3, 40))]
+    together = engine.generate(prompts, pd.SamplingParams(max_tokens=12, ignore_eos=True))
+    for p, out in zip(prompts, together):
+        alone = engine.generate([p], pd.SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        assert out.token_ids == alone.token_ids
