@@ -3,7 +3,13 @@
 Events reach a stream through its request's bounded buffer, so a slow reader pauses only its
 own request (backpressure). A stream closed or dropped before its terminal event cancels the
 request as transport_error (on_disconnect="cancel", the default) or lets it run to the end
-unread ("continue"). Leaving the `async with` block ends every live request exactly once.
+unread ("continue"); so does a stream whose pending `__anext__` is cancelled (as an async
+generator's is) or whose iterating task ends cancelled, and leaving `async with stream:`.
+Leaving the AsyncEngine's `async with` block ends every live request exactly once.
+
+`follow` reads a request's history instead: each follower arms its own future before it looks,
+and the step thread resolves the futures of every request a step gave events to, so no
+follower can miss a wake-up.
 """
 from __future__ import annotations
 
@@ -37,6 +43,28 @@ class RequestStream:
         self._pending: deque[Event] = deque()
         self.done = False
         self._closed = False
+        self._task: weakref.ref[asyncio.Task[object]] | None = None   # the task reading it, watched
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._disconnect()
+
+    def _watch_task(self) -> None:
+        """A task that ends cancelled while reading this stream closes it at once (its traceback
+        would otherwise keep the stream, and the request paused, until the task is collected)."""
+        task = asyncio.current_task()
+        if task is None or (self._task is not None and self._task() is task):
+            return
+        self._task = weakref.ref(task)
+        ref = weakref.ref(self)
+
+        def done(t: asyncio.Task[object]) -> None:
+            stream = ref()
+            if stream is not None and t.cancelled():
+                stream._disconnect()
+        task.add_done_callback(done)
 
     def _notify(self) -> None:
         """On the event loop: wake the consumer if it is waiting."""
@@ -48,6 +76,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Event:
+        self._watch_task()
         while not self._pending:
             if self.done or self._closed:
                 raise StopAsyncIteration
@@ -58,7 +87,11 @@ class RequestStream:
                 self.armed = True
                 events = self._buffer.pop()
                 if not events:
-                    await self._waiter
+                    try:
+                        await self._waiter
+                    except asyncio.CancelledError:       # as an async generator's: the stream ends
+                        self._disconnect()
+                        raise
                     continue
                 self.armed = False
                 self._waiter = None
@@ -121,8 +154,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._to_wake: list[RequestStream] = []    # woken once per step, in one loop callback
-        self._stepped: asyncio.Event | None = None  # set after steps while someone follows a request
-        self.followers = 0
+        # follow(): request id -> the futures its followers wait on, one per follower (loop thread)
+        self._followers: dict[str, set[asyncio.Future[None]]] = {}
         self.stream_interval_s = stream_interval_s
         self._last_wake = 0.0
 
@@ -151,9 +184,11 @@ class AsyncEngine:
                 self._work.clear()
                 continue
             try:
-                self.engine.step()
+                events = self.engine.step()
             except Exception:
                 log.exception("engine step failed")
+                events = None
+            self._wake_followers(events)
             self._wake_streams(force=self.engine.idle or not self.engine.has_unfinished())
             if self.engine.idle:     # everything paused or waiting: sleep until work arrives
                 self._work.wait(self.idle_wait_s)
@@ -162,8 +197,6 @@ class AsyncEngine:
     def _wake_streams(self, force: bool = False) -> None:
         """One hop to the event loop for all the streams that got events, at most every
         stream_interval_s (each hop costs the step thread two GIL hand-offs)."""
-        if self.followers and self._loop is not None and self._stepped is not None:
-            self._loop.call_soon_threadsafe(self._stepped.set)
         if not self._to_wake or self._loop is None:
             return
         now = time.perf_counter()
@@ -172,6 +205,31 @@ class AsyncEngine:
         self._last_wake = now
         streams, self._to_wake = self._to_wake, []
         self._loop.call_soon_threadsafe(_notify_all, streams)
+
+    def _wake_followers(self, events: list[Event] | None) -> None:
+        """On the step thread: wake the followers of every request these events belong to (None:
+        the step failed, wake them all). A follower arms its future before it reads the history,
+        so events it did not see always come with a wake-up."""
+        followed = self._followers
+        if not followed or self._loop is None:
+            return
+        rids = None if events is None else {ev.request_id for ev in events if ev.request_id in followed}
+        if rids is None or rids:
+            self._loop.call_soon_threadsafe(self._resolve_followers, rids)
+
+    def _resolve_followers(self, rids: set[str] | None = None) -> None:
+        """On the loop: resolve the futures waiting on these requests (None: all of them)."""
+        for rid in list(self._followers) if rids is None else rids:
+            for waiter in self._followers.pop(rid, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def _unfollow(self, request_id: str, waiter: asyncio.Future[None]) -> None:
+        waiters = self._followers.get(request_id)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._followers[request_id]
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
                ) -> RequestStream:
@@ -203,26 +261,31 @@ class AsyncEngine:
 
     async def follow(self, request_id: str, after_seq: int = -1) -> AsyncIterator[Event]:
         """Every event of a request with seq > after_seq, then its live events until the terminal
-        one: for a client that reconnects (dedupe by (request id, seq)). Raises KeyError for an
-        unknown or forgotten request."""
-        if self._stepped is None:
-            self._stepped = asyncio.Event()
-        self.followers += 1
-        try:
-            while True:
-                self._stepped.clear()
+        one: for a client that reconnects (dedupe by (request id, seq)). after_seq equal to the
+        terminal event's seq (a client that has seen everything) ends at once. Raises ValueError
+        when after_seq is beyond the request's newest event, KeyError for an unknown or forgotten
+        request."""
+        newest, ended = self.engine.newest_event(request_id)
+        if after_seq > newest:
+            raise ValueError(f"after_seq {after_seq} is beyond request {request_id!r}'s newest event ({newest})")
+        if ended and after_seq == newest:
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._followers.setdefault(request_id, set()).add(waiter)    # arm, then look
+            try:
                 events = self.engine.replay(request_id, after_seq)
-                for ev in events:
-                    yield ev
-                    after_seq = ev.seq
-                    if isinstance(ev, TerminalEvent):
-                        return
-                try:
-                    await asyncio.wait_for(self._stepped.wait(), timeout=self.idle_wait_s * 4)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            self.followers -= 1
+                if not events:
+                    await waiter
+                    continue
+            finally:
+                self._unfollow(request_id, waiter)
+            for ev in events:
+                yield ev
+                after_seq = ev.seq
+                if isinstance(ev, TerminalEvent):
+                    return
 
     @property
     def running(self) -> bool:
@@ -234,7 +297,8 @@ class AsyncEngine:
         self._work.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self.engine.shutdown()
+        self.engine.end_all()
+        self._resolve_followers()          # their terminal events are in the history now
         self.engine.wakeup = None
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)

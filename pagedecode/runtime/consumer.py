@@ -43,12 +43,23 @@ class ConsumerSide:
 
     def replay(self, request_id: str, after_seq: int = -1) -> list[Event]:
         """Every event of the request with seq > after_seq, in order (for a reconnecting client).
-        A request forgotten to bound memory raises ForgottenRequestError (a KeyError) saying so."""
+        A request forgotten to bound memory raises ForgottenRequestError (a KeyError) saying so;
+        after_seq beyond the request's newest event raises ValueError (no client has seen it)."""
         with self._lock:
-            history = self._get(request_id).history
+            req = self._get(request_id)
+            if after_seq >= req.next_seq:
+                raise ValueError(f"after_seq {after_seq} is beyond request {request_id!r}'s newest event "
+                                 f"({req.next_seq - 1})")
+            history = req.history
             if isinstance(history, list):          # live: seq n is history[n]
                 return history[max(after_seq + 1, 0):]
             return [e for e in history if e.seq > after_seq]
+
+    def newest_event(self, request_id: str) -> tuple[int, bool]:
+        """The seq of the request's newest event, and whether that is its terminal event."""
+        with self._lock:
+            req = self._get(request_id)
+            return req.next_seq - 1, req.state.terminal
 
     def has_unfinished(self) -> bool:
         return bool(self.requests.live)

@@ -162,13 +162,20 @@ class Engine(ConsumerSide, RequestEndings):
         """KV bytes per token over every rank (bytes_per_token is this rank's)."""
         return self.bytes_per_token * self.tensor_parallel_size
 
-    def close(self) -> None:
-        """End every live request, then stop the model's worker processes, if it has any."""
-        self.shutdown()
+    def shutdown(self) -> list[Event]:
+        """Stop everything: end every live request (cancelled, each exactly once), then stop the
+        model's worker processes, if it has any (idempotent). Returns the requests' last events.
+        To end the requests and keep the engine serving, use end_all()."""
+        events = self.end_all()
         self.constraints.compiler.shutdown()
         close = getattr(self.model, "close", None)
         if callable(close):
             close()
+        return events
+
+    def close(self) -> None:
+        """The same as shutdown()."""
+        self.shutdown()
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -425,8 +432,9 @@ class Engine(ConsumerSide, RequestEndings):
             self.step()
         return [r.to_output() for r in reqs]
 
-    def shutdown(self) -> list[Event]:
-        """End every live request (cancelled) at once, each exactly once; returns the events."""
+    def end_all(self) -> list[Event]:
+        """End every live request (cancelled) now, each exactly once, and keep serving; returns
+        the events (cancel_all() only asks, for the step loop's next safe point)."""
         with self._lock:
             events, self._outbox = self._outbox, []
             self.cancel_all()

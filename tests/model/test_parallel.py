@@ -185,3 +185,18 @@ def test_ctrl_c_of_generate_at_two_ranks_ends_at_once(stories_path):
     assert p.returncode == 130
     assert b"[interrupted" in err and b"Traceback" not in err and b"gloo" not in err, err.decode()[-2000:]
     assert took < 15, took                             # ~2.5 s on a loaded 2-core machine
+
+def test_shutdown_ends_requests_and_stops_the_workers(stories_tp):
+    """One verb for "stop everything": shutdown() (as close()) ends the requests and the ranks."""
+    eng = stories_tp
+    procs = list(eng.model._procs)
+    assert procs and all(p.is_alive() for p in procs)
+    rid = eng.add_request("Once upon a time", pd.SamplingParams(max_tokens=10_000))
+    eng.step()
+    events = eng.shutdown()
+    assert [e.state for e in events if isinstance(e, pd.TerminalEvent)] == [pd.RequestState.CANCELLED]
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(ModelUnavailableError, match="closed"):
+        eng.add_request("Once", pd.SamplingParams(max_tokens=2))
+    eng.close()                                           # the other name: the same, idempotent
+    assert eng.result(rid).state == pd.RequestState.CANCELLED

@@ -140,3 +140,114 @@ def test_shutdown_ends_every_live_request_exactly_once():
         assert sum(isinstance(e, pd.TerminalEvent) for e in history) == 1
         assert eng.result(s.request_id).state == S.CANCELLED
     assert not eng.has_unfinished() and eng.pool.free_pages == eng.pool.num_pages
+
+
+@pytest.mark.parametrize("where", ["in_anext", "in_body"])
+def test_cancelling_the_reading_task_ends_the_request_at_once(where):
+    """The cancelled task keeps its traceback (and the stream in it) until it is collected: the
+    request must not wait for that. gc is off and the task stays referenced throughout."""
+    async def main():
+        eng = slow_engine(stream_max_events=2)
+        async with pd.AsyncEngine(eng) as ae:
+            stream = ae.submit([5], pd.SamplingParams(max_tokens=10_000))
+            rid, got = stream.request_id, []
+
+            async def read(stream):
+                async for e in stream:
+                    got.append(e)
+                    if where == "in_body":
+                        await asyncio.sleep(3600)
+            task = asyncio.create_task(read(stream))
+            del stream
+            for _ in range(1000):
+                if len(got) >= (2 if where == "in_anext" else 1) or task.done():
+                    break
+                await asyncio.sleep(0.005)
+            if where == "in_anext":
+                await asyncio.sleep(0.05)          # the buffer fills: the reader waits in __anext__
+            task.cancel()
+            await asyncio.wait([task])
+            at_cancel = eng._step_no
+            await until_terminal(eng, rid)
+            steps = eng._step_no - at_cancel
+            eng.check_integrity()
+            return eng, rid, task, steps
+    gc.disable()
+    try:
+        eng, rid, task, steps = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert task.cancelled()
+    out = eng.result(rid)
+    assert out.state == S.CANCELLED and out.finish_reason == R.TRANSPORT_ERROR
+    assert steps <= 1                                    # ended at the safe point of the step in flight
+    assert eng.pool.free_pages == eng.pool.num_pages and eng.slots.free_slots == eng.slots.num_slots
+
+
+def test_stream_as_async_context_manager():
+    async def main():
+        eng = slow_engine()
+        async with pd.AsyncEngine(eng) as ae:
+            async with ae.submit([5], pd.SamplingParams(max_tokens=10_000)) as stream:
+                rid = stream.request_id
+                async for e in stream:
+                    if isinstance(e, pd.DeltaEvent):
+                        break
+            await until_terminal(eng, rid)
+            async with ae.submit([5], pd.SamplingParams(max_tokens=3)) as whole:
+                events = [e async for e in whole]
+        return eng, rid, events
+    eng, rid, events = asyncio.run(main())
+    assert eng.result(rid).finish_reason == R.TRANSPORT_ERROR        # left early: a disconnect
+    assert events[-1].state == S.FINISHED                             # read to the end: untouched
+
+
+def test_every_follower_is_woken_for_its_events():
+    """Two followers of each request, one slow: each must get the terminal event when it is
+    emitted (a shared asyncio.Event that each cleared lost ~1 wake-up in 40: 0.2 s late)."""
+    trials, at_once = 1000, 25
+
+    async def follower(ae, rid, delay):
+        async for ev in ae.follow(rid):
+            if delay:
+                await asyncio.sleep(delay)
+            if isinstance(ev, pd.TerminalEvent):
+                return time.perf_counter_ns() / 1000.0
+
+    async def main():
+        eng = engine([101, 102, 103], on_forward=lambda info: time.sleep(0.0005), trace="lifecycle")
+        late = []
+        async with pd.AsyncEngine(eng, stream_interval_s=0) as ae:
+            for _ in range(trials // at_once):
+                rids = [eng.add_request([5], pd.SamplingParams(max_tokens=3)) for _ in range(at_once)]
+                got = await asyncio.gather(*(follower(ae, r, d) for r in rids for d in (0, 0.002)))
+                for rid, (fast, slow) in zip(rids, zip(got[::2], got[1::2])):
+                    finish = next(r["t_us"] for r in eng.trace(rid) if r["kind"] == "finish")
+                    late += [t - finish for t in (fast, slow) if t - finish > 150_000]
+        return late
+    assert asyncio.run(main()) == []
+
+
+def test_follow_at_or_past_the_end():
+    async def main():
+        eng = slow_engine()
+        async with pd.AsyncEngine(eng) as ae:
+            rid = eng.add_request([5], pd.SamplingParams(max_tokens=3))
+            events = [e async for e in ae.follow(rid)]
+            last = events[-1].seq
+            at_end = await asyncio.wait_for(_collect(ae.follow(rid, last)), 5)
+            middle = await asyncio.wait_for(_collect(ae.follow(rid, 1)), 5)
+            with pytest.raises(ValueError, match=f"after_seq {last + 1}"):
+                await asyncio.wait_for(_collect(ae.follow(rid, last + 1)), 5)
+            live = eng.add_request([5], pd.SamplingParams(max_tokens=10_000))
+            with pytest.raises(ValueError, match="beyond"):
+                await asyncio.wait_for(_collect(ae.follow(live, 10**6)), 5)
+        return events, at_end, middle
+    events, at_end, middle = asyncio.run(main())
+    assert at_end == [] and middle == events[2:]
+    assert isinstance(events[-1], pd.TerminalEvent)
+
+
+async def _collect(aiter):
+    return [e async for e in aiter]
+
