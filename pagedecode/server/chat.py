@@ -1,7 +1,6 @@
 """Chat templates: tokenizer_config.json's `chat_template` (or chat_template.jinja, or a GGUF's
-tokenizer.chat_template), rendered in
-jinja2's ImmutableSandboxedEnvironment with the variables transformers provides. A template
-never comes from a request."""
+tokenizer.chat_template), rendered in jinja2's ImmutableSandboxedEnvironment with the variables
+transformers provides. A template never comes from a request."""
 from __future__ import annotations
 
 import json

@@ -200,3 +200,28 @@ def test_written_quantized_gguf_in_the_compiled_forward(tiny, qtype):
     for p, out in zip(prompts, together):
         alone = engine.generate([p], pd.SamplingParams(max_tokens=12, ignore_eos=True))[0]
         assert out.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_written_qwen_gguf(tiny, arch):
+    """qwen2 (q/k/v biases) and qwen3 (q/k norms, head_dim from key_length): no q/k permutation."""
+    folder, cfg, weights, meta = tiny
+    cfg = dict(cfg, model_type=arch)
+    weights = dict(weights)
+    g = torch.Generator().manual_seed(7)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        if arch == "qwen2":
+            for n, rows in (("q", 256), ("k", 128), ("v", 128)):
+                weights[p + f"{n}_proj.bias"] = torch.randn(rows, generator=g)
+        else:
+            cfg["head_dim"] = 64
+            for n in "qk":
+                weights[p + f"{n}_norm.weight"] = 1 + 0.1 * torch.randn(64, generator=g)
+    path = folder / f"{arch}.gguf"
+    expected = write_gguf(path, cfg, weights, meta, arch=arch)
+    model = pd.Engine.from_pretrained(path, attention_backend="torch").model
+    assert model.config.model_type == arch and model.config.qk_norm == (arch == "qwen3")
+    ref = LlamaModel(ModelConfig.from_hf(cfg), expected, attention_backend="torch")
+    ids = list(range(5, 30))
+    torch.testing.assert_close(logits_of(model, ids), logits_of(ref, ids), atol=1e-4, rtol=1e-4)
