@@ -7,6 +7,7 @@ the step loop. Both raise InvalidRequestError naming the problem.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -120,16 +121,19 @@ class StructuredOutput:
 
     @cached_property
     def key(self) -> str:
-        """The canonical form, for the compile cache. A JSON schema is serialised here, not at
-        construction: the engine checks its depth first (the encoder recurses)."""
+        """kind:digest of the canonical form, for the compile cache (a digest, not the text: the
+        cache keeps its keys, and a schema can be megabytes). A JSON schema is serialised here,
+        not at construction: the engine checks its depth first (the encoder recurses)."""
         if self.kind == "json_schema":
             try:
-                return "json_schema:" + json.dumps(self.json_schema, sort_keys=True)
+                text = json.dumps(self.json_schema, sort_keys=True)
             except RecursionError:
                 raise _bad("json_schema nests too deeply to be serialised") from None
-        if self.kind == "choice":
-            return "choice:" + json.dumps(list(self.choice or ()))
-        return f"{self.kind}:{getattr(self, self.kind) if self.kind != 'json_object' else ''}"
+        elif self.kind == "choice":
+            text = json.dumps(list(self.choice or ()))
+        else:
+            text = getattr(self, self.kind) if self.kind != "json_object" else ""
+        return f"{self.kind}:{hashlib.sha256(text.encode()).hexdigest()}"
 
     @property
     def size(self) -> int:

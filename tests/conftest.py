@@ -11,6 +11,19 @@ SHARED = Path(os.environ.get("PAGEDECODE_SHARED", Path(__file__).resolve().paren
 STORIES = SHARED / "models" / "stories260k"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a long soak, skipped unless PAGEDECODE_SLOW=1 or -m slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PAGEDECODE_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="a long soak: PAGEDECODE_SLOW=1 or -m slow runs it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def stories_path():
     if not (STORIES / "model.safetensors").is_file():

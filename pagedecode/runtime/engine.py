@@ -35,7 +35,7 @@ from .lifecycle import FinishReason, RequestState
 from .page_pool import PagePool
 from .prefix_cache import namespace, register as register_pages
 from .registry import RequestRegistry
-from .request import Request
+from .request import Attachment, Request
 from .scheduler import Scheduler, SchedulerOutput
 from .selector import Selection, TokenSelector, TopLogprobs
 from .slots import SlotTable
@@ -179,12 +179,15 @@ class Engine(ConsumerSide, RequestEndings):
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False, acked: bool = False) -> str:
+                    request_id: str | None = None, stream: bool = False, acked: bool = False,
+                    attachment: Attachment | None = None) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError (nothing queued) when the
         request can never be served. stream=True keeps its events in a bounded buffer for
         `read_events`; acked=True lets a consumer read the history (`replay`) and `ack` what it
         has sent instead. Either way backpressure applies (stream_max_events unread events
-        pause the request); otherwise `step()`'s return is the delivery."""
+        pause the request); otherwise `step()`'s return is the delivery. `attachment` (anything
+        with `kept_bytes()`, such as the server's Track) is kept with the request, as long as the
+        engine keeps it, and counts against the finished budget."""
         failure = getattr(self.model, "failure", None)
         if failure is not None:
             from ..model.parallel import ModelUnavailableError
@@ -192,6 +195,7 @@ class Engine(ConsumerSide, RequestEndings):
         job = self._prepare_grammar(params)          # outside the lock: the step loop goes on
         with self._lock:
             req = self._make_request(prompt, params, request_id, stream, job)
+            req.attachment = attachment
             if acked:
                 req.acked_seq, req.max_unacked = -1, self.config.stream_max_events
             self._enqueue(req)

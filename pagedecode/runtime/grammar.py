@@ -21,7 +21,7 @@ import importlib.util
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable
 
 import torch
@@ -141,7 +141,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.cache_size, self.cache_bytes = cache_size, cache_bytes
         self.compile_delay_s = compile_delay_s      # tests: a deliberately slow compile
-        self.compile_s: list[float] = []
+        self.compile_s: deque[float] = deque(maxlen=1024)     # the latest compiles' durations
 
     def submit(self, so: StructuredOutput) -> CompileJob:
         """The constraint's job: cached, or queued for the worker now. Never blocks."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
@@ -27,6 +27,13 @@ from .stream import EventBuffer
 from .trace import Trace
 
 RESOURCES = ("pages", "slot", "rng", "stream", "trace", "grammar")
+
+
+class Attachment(Protocol):
+    """What a caller keeps with a request (the server's Track): it lives exactly as long as the
+    engine keeps the request, and its bytes count against the finished budget."""
+
+    def kept_bytes(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -64,6 +71,7 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     first_scheduled: float | None = None
     released: set[str] = field(default_factory=set)
+    attachment: Attachment | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,11 +97,15 @@ class Request:
         return [e for e in self.history if isinstance(e, DeltaEvent)]
 
     def compact(self) -> None:
-        """The request ended: keep only what results and replay need, compactly."""
+        """The request ended: keep only what results and replay need, compactly. Its params
+        lose the constraint (a JSON schema can be megabytes) and the logit bias (up to a vocabulary
+        of entries): nothing reads them once it ended."""
         if isinstance(self.history, list):
             self.history = CompactHistory(self.history)
         self.pipeline = None
         self.page_keys = []
+        if self.params.structured_output is not None or self.params.logit_bias is not None:
+            self.params = replace(self.params, structured_output=None, logit_bias=None)
 
     def usage(self) -> Usage:
         if isinstance(self.history, CompactHistory) and self.history.terminal is not None:
@@ -160,11 +172,20 @@ class Request:
         self.released.add(resource)
 
     def kept_bytes(self) -> int:
-        """An estimate of the memory a finished request keeps: its ids, compact history and
-        trace records (calibrated with tracemalloc in tests/runtime/test_memory.py)."""
+        """An estimate of the memory a finished request keeps: its ids, compact history, trace
+        records, stop strings, error and what its caller attached (calibrated with tracemalloc in
+        tests/runtime/test_memory.py and tests/server/test_memory_http.py)."""
         history = self.history.kept_bytes() if isinstance(self.history, CompactHistory) else 230 * len(self.history)
-        ids = 8 * (len(self.prompt_ids) + len(self.output_ids))
-        return BASE_BYTES + ids + history + RECORD_BYTES * len(self.trace.records)
+        ids = ids_bytes(self.prompt_ids) + ids_bytes(self.output_ids)
+        texts = sum(len(s) for s in self.params.stop_strings) + len(self.error or "")
+        attached = 0 if self.attachment is None else self.attachment.kept_bytes()
+        return BASE_BYTES + ids + history + RECORD_BYTES * len(self.trace.records) + texts + attached
+
+
+def ids_bytes(ids: list[int]) -> int:
+    """A list of ids: a pointer each, and an int object (32 bytes) for each id above 256
+    (Python shares the small ones)."""
+    return 8 * len(ids) + 32 * sum(1 for t in ids if t > 256)
 
 
 BASE_BYTES = 4700      # the Request, its params, timings, trace and id strings

@@ -26,6 +26,7 @@ from .protocol import ApiError, chat_choice, completion_choice, finish_reason, n
 from .responses import chunk_body, logprobs_body, sse, sum_usage
 from .state import ServerOptions, ServerState, Track
 
+MAX_IDEMPOTENCY_KEY_CHARS = 255
 FAILURES = (FinishReason.MODEL_ERROR, FinishReason.CONTENT_INTERRUPTED, FinishReason.TRANSPORT_ERROR)
 
 
@@ -98,10 +99,13 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
             if parsed.stream and parsed.n > 1:
                 raise ApiError(400, "n > 1 is served without streaming only", param="n")
             header = request.headers.get("idempotency-key")
+            if header is not None and len(header) > MAX_IDEMPOTENCY_KEY_CHARS:      # kept for its TTL: bounded
+                raise ApiError(400, f"Idempotency-Key: at most {MAX_IDEMPOTENCY_KEY_CHARS} characters",
+                               param="Idempotency-Key", code="invalid_value")
             key = None if header is None else (tenant, "chat" if chat else "completions", header)
             entry = state.idempotent(key, raw)
             if entry is not None:
-                tracks = [state.tracks[r] for r in entry.request_ids if r in state.tracks]
+                tracks = [t for t in map(state.tracks.get, entry.request_ids) if t is not None]
                 if len(tracks) != len(entry.request_ids):
                     raise ApiError(409, "this Idempotency-Key's request is no longer kept", code="idempotency_expired")
                 for t in tracks:
@@ -200,11 +204,10 @@ async def _complete(state: ServerState, request: Request, tracks: list[Track], h
     if gone:
         return Response(status_code=499)
     outs = [state.engine.result(t.request_id) for t in tracks]
-    chat = tracks[0].chat
-    parsed = tracks[0].parsed
+    chat, reply = tracks[0].chat, tracks[0].reply
     choices = []
     for i, out in enumerate(outs):
-        lps = logprobs_body(state, out, chat, parsed.top_logprobs) if parsed.params.logprobs is not None else None
+        lps = logprobs_body(state, out, chat, reply.top_logprobs) if reply.logprobs else None
         choices.append((chat_choice if chat else completion_choice)(i, out, out.text, lps))
     body: dict[str, Any] = {"id": tracks[0].request_id, "object": "chat.completion" if chat else "text_completion",
                             "created": now(), "model": state.o.model_name, "choices": choices,
@@ -240,7 +243,7 @@ async def _sse_stream(state: ServerState, track: Track, after: int) -> AsyncIter
             if isinstance(ev, DeltaEvent):
                 chunk = chunk_body(rid, obj, created, model, chat, ev.text)
                 if ev.logprobs is not None:
-                    chunk["choices"][0]["logprobs"] = logprobs_body(state, ev, chat, track.parsed.top_logprobs,
+                    chunk["choices"][0]["logprobs"] = logprobs_body(state, ev, chat, track.reply.top_logprobs,
                                                                      sent_chars)
                 sent_chars += len(ev.text)
                 yield sse(chunk, ev.seq)
@@ -265,7 +268,7 @@ async def _sse_stream(state: ServerState, track: Track, after: int) -> AsyncIter
                               "code": out.finish_reason.value if out.finish_reason else None}}, terminal.seq)
     else:
         yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [fin]}, terminal.seq)
-    if track.parsed.include_usage:
+    if track.reply.include_usage:
         yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                     "usage": usage_body(out.usage)})
     yield "data: [DONE]\n\n"

@@ -6,9 +6,12 @@ A tenant is who holds one API key (without keys: the one anonymous tenant). A re
 trace and Idempotency-Keys belong to its tenant: another tenant is told they do not exist
 (404, never 403), and Idempotency-Keys live apart per (tenant, endpoint).
 
-Every request the server starts has a Track. It is metered (metrics + one log line) exactly
-once, when its terminal event is first seen, whoever sees it: the client's handler, a resumed
-stream, or the watcher that follows a detached request to its end.
+Every request the server starts has a Track, kept with the engine's record of the request (its
+attachment) and dropped with it: `tracks` maps ids to Tracks weakly, so the server keeps a Track
+exactly as long as the engine keeps the request (within max_finished_kept / max_finished_bytes,
+which count it), and never the request's body or messages. It is metered (metrics + one log
+line) exactly once, when its terminal event is first seen, whoever sees it: the client's
+handler, a resumed stream, or the watcher that follows a detached request to its end.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import hmac
 import json
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -40,12 +44,27 @@ log = logging.getLogger("pagedecode.server")
 ANONYMOUS = "anonymous"             # the tenant of a server without API keys
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What answering and metering a request needs from its body: never its messages, prompt or
+    constraint (a body may be a megabyte)."""
+    include_usage: bool
+    logprobs: bool                    # the choices carry logprobs
+    top_logprobs: int
+    on_disconnect: str | None
+
+    @classmethod
+    def of(cls, parsed: Parsed) -> "Reply":
+        return cls(parsed.include_usage, parsed.params.logprobs is not None, parsed.top_logprobs,
+                   parsed.on_disconnect)
+
+
 @dataclass
 class Track:
     request_id: str
     arrival: float
     chat: bool
-    parsed: Parsed
+    reply: Reply
     tenant: str
     first_token: float | None = None
     last_delta: float | None = None
@@ -55,6 +74,13 @@ class Track:
     disconnects: int = 0
     metered: bool = False
     grace_task: asyncio.Task[None] | None = None
+
+    def kept_bytes(self) -> int:
+        """What a Track adds to its finished request (tests/server/test_memory_http.py measures it)."""
+        return TRACK_BYTES
+
+
+TRACK_BYTES = 500          # the Track (~320 bytes) and its entry in `tracks`
 
 
 @dataclass
@@ -81,7 +107,6 @@ class ServerOptions:
     on_disconnect: str = "cancel"
     idempotency_ttl_s: float = 600.0
     idempotency_max_keys: int = 10_000
-    max_tracked: int = 100_000
 
 
 class ServerState:
@@ -92,7 +117,7 @@ class ServerState:
         self.o = options
         self.metrics = Metrics()
         self.draining = False
-        self.tracks: OrderedDict[str, Track] = OrderedDict()
+        self.tracks: weakref.WeakValueDictionary[str, Track] = weakref.WeakValueDictionary()
         self.keys: OrderedDict[tuple[str, str, str], IdempotencyEntry] = OrderedDict()  # (tenant, endpoint, key)
         self._tenants = tenants(options)
         tok = self.engine.tokenizer
@@ -185,24 +210,21 @@ class ServerState:
     def start(self, prompt: str | list[int], parsed: Parsed, chat: bool, tenant: str) -> list[Track]:
         """n independent requests (seeded seed, seed + 1, ...), each with its Track."""
         tracks: list[Track] = []
+        reply = Reply.of(parsed)
         try:
             for i in range(parsed.n):
                 params = parsed.params
                 if parsed.n > 1 and params.seed is not None:
                     params = replace(params, seed=params.seed + i)
-                rid = self.engine.add_request(prompt, params, acked=True)
-                tracks.append(self._track(Track(rid, time.perf_counter(), chat, parsed, tenant)))
+                track = Track("", time.perf_counter(), chat, reply, tenant)
+                track.request_id = self.engine.add_request(prompt, params, acked=True, attachment=track)
+                self.tracks[track.request_id] = track
+                tracks.append(track)
         except InvalidRequestError as e:
             for t in tracks:
                 self.engine.cancel(t.request_id)
             raise invalid(e, parsed.fields) from None
         return tracks
-
-    def _track(self, t: Track) -> Track:
-        self.tracks[t.request_id] = t
-        while len(self.tracks) > self.o.max_tracked:
-            self.tracks.popitem(last=False)
-        return t
 
     # -- idempotency -------------------------------------------------------------------------
     def idempotent(self, key: tuple[str, str, str] | None, raw: bytes) -> IdempotencyEntry | None:
@@ -244,7 +266,7 @@ class ServerState:
         track.disconnects += 1
         if track.attached > 0:
             return
-        policy = policy or track.parsed.on_disconnect or self.o.on_disconnect
+        policy = policy or track.reply.on_disconnect or self.o.on_disconnect
         if policy == "continue":
             self._watch(track)
             return

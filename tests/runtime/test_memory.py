@@ -58,3 +58,46 @@ def test_trace_levels():
         assert level != "off" or not got
     with pytest.raises(ValueError, match="trace"):
         pd.EngineConfig(trace="verbose")
+
+
+def test_a_finished_request_keeps_neither_its_schema_nor_its_bias(stories_engine_factory):
+    """A 900 KB schema description was kept twice (the schema and the cache key) by every
+    finished request, uncounted; a logit bias up to a vocabulary of entries likewise."""
+    pytest.importorskip("xgrammar")
+    eng = stories_engine_factory(trace="lifecycle")
+
+    def constrained(i):
+        schema = {"type": "object", "description": "d" * 900_000 + str(i), "properties": {"a": {"type": "integer"}}}
+        return pd.SamplingParams(max_tokens=2, logit_bias={t: 0.5 for t in range(300, 500)},
+                                 structured_output=pd.StructuredOutput(json_schema=schema))
+    eng.generate(["Once"], constrained(0))
+    gc.collect()
+    tracemalloc.start()
+    before, kept_before = tracemalloc.get_traced_memory()[0], eng.requests.finished_bytes
+    for i in range(1, 9):
+        eng.generate(["Once"], constrained(i))
+    gc.collect()
+    used = (tracemalloc.get_traced_memory()[0] - before) / 8
+    tracemalloc.stop()
+    estimated = (eng.requests.finished_bytes - kept_before) / 8
+    assert used < 30_000, used
+    assert 0.7 < estimated / used < 1.4, (estimated, used)
+    req = eng._get(next(reversed(eng.requests._finished)))
+    assert req.params.structured_output is None and req.params.logit_bias is None and req.params.max_tokens == 2
+    assert all(len(k) < 80 for k in eng.grammar._cache)          # the compile cache keys by a digest
+
+
+def test_ids_above_256_are_counted_as_the_objects_they_are():
+    eng = engine(lambda p, o: 4000 + len(o), vocab_size=5000, trace="off", max_cache_tokens=20_000,
+                 enable_prefix_caching=False)           # its page registry is the pool's, bounded by it
+    eng.generate([[5]], pd.SamplingParams(max_tokens=4))
+    gc.collect()
+    tracemalloc.start()
+    before, kept_before = tracemalloc.get_traced_memory()[0], eng.requests.finished_bytes
+    eng.generate([[1000 + (7 * t + k) % 3000 for t in range(2000)] for k in range(4)],   # fresh int objects
+                 pd.SamplingParams(max_tokens=200))
+    gc.collect()
+    used = (tracemalloc.get_traced_memory()[0] - before) / 4
+    tracemalloc.stop()
+    estimated = (eng.requests.finished_bytes - kept_before) / 4
+    assert 0.75 < estimated / used < 1.33, (estimated, used)
