@@ -120,10 +120,9 @@ class StructuredOutput:
             object.__setattr__(self, "depth", 0)
 
     @cached_property
-    def key(self) -> str:
-        """kind:digest of the canonical form, for the compile cache (a digest, not the text: the
-        cache keeps its keys, and a schema can be megabytes). A JSON schema is serialised here,
-        not at construction: the engine checks its depth first (the encoder recurses)."""
+    def _canonical(self) -> tuple[str, int]:
+        """(digest, size) of the canonical form. A JSON schema is serialised here, not at
+        construction: the engine checks its depth first (the encoder recurses)."""
         if self.kind == "json_schema":
             try:
                 text = json.dumps(self.json_schema, sort_keys=True)
@@ -133,10 +132,17 @@ class StructuredOutput:
             text = json.dumps(list(self.choice or ()))
         else:
             text = getattr(self, self.kind) if self.kind != "json_object" else ""
-        return f"{self.kind}:{hashlib.sha256(text.encode()).hexdigest()}"
+        data = text.encode()
+        return hashlib.sha256(data).hexdigest(), len(data)
+
+    @property
+    def key(self) -> str:
+        """kind:digest of the canonical form, for the compile cache (a digest, not the text: the
+        cache keeps its keys, and a schema can be megabytes)."""
+        return f"{self.kind}:{self._canonical[0]}"
 
     @property
     def size(self) -> int:
         """Bytes of the constraint as given to the grammar: the schema's JSON, the regex or EBNF
         text, the choices as a JSON list."""
-        return len(self.key.encode()) - len(self.kind) - 1
+        return self._canonical[1]
