@@ -11,8 +11,9 @@
 // AVX2, a plain loop otherwise. Q4_0's nibbles are unpacked to q - 8 in registers first. Lanes
 // accumulate in float (scale products broadcast); one horizontal sum per output.
 //
-// Work: rows of W are split over threads; each thread walks its rows and, for each row, every
-// token, so a row's blocks are read from memory once per call and stay in L1 across the tokens.
+// Work: rows of W are split over threads; each thread walks its rows and, for each row, the
+// tokens four at a time (a block unpacked once serves four), so a row's blocks are read from
+// memory once per call and stay in L1 across the tokens.
 
 #pragma once
 
@@ -23,7 +24,11 @@ constexpr int64_t kBlock = 32;
 inline float fp16_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
 }
 
 // x (T, K) float -> qx (T, K) int8 and dx (T, K / 32) float
@@ -63,9 +68,8 @@ inline __m256i unpack_avx2(const uint8_t* blk, bool q4) {
   return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
 }
 
-// 8 int32 lanes summing to the dot product of 32 signed bytes w and x
-inline __m256i dot_block(__m256i w, __m256i x) {
-  const __m256i w_abs = _mm256_sign_epi8(w, w);
+// 8 int32 lanes summing to the dot product of 32 signed bytes w and x, given w_abs = |w|
+inline __m256i dot_block(__m256i w, __m256i w_abs, __m256i x) {
   const __m256i x_signed = _mm256_sign_epi8(x, w);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, x_signed);
@@ -80,7 +84,30 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// out[r * N] for R tokens (qx, dx at the first, rows K / nb apart) against one weight row: each
+// block is unpacked once and used for all R tokens, each token keeping its own accumulator
+template <int R>
+inline void row_tile(const uint8_t* row, int64_t nb, int64_t block_bytes, bool q4, const int8_t* qx,
+                     const float* dx, int64_t K, float* out, int64_t N) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * block_bytes;
+    const __m256i w = unpack_avx2(blk, q4);
+    const __m256i w_abs = _mm256_sign_epi8(w, w);
+    const float dw = fp16_to_float(blk);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
+      const __m256i lanes = dot_block(w, w_abs, xb);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * dx[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = hsum(acc[r]);
+}
 #endif
+
+constexpr int kTile = 4;        // tokens per weight-block load
 
 // out (T, N) float = x (T, K) @ W^T, W (N, K) in blocks of `block_bytes` (34: Q8_0, 18: Q4_0)
 inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int64_t K, int64_t N,
@@ -94,19 +121,16 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * T)), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w + n * row_bytes;
+#if defined(__AVX2__)
+      int64_t t = 0;
+      for (; t + kTile <= T; t += kTile)
+        row_tile<kTile>(row, nb, block_bytes, q4, qx.data() + t * K, dx.data() + t * nb, K, out + t * N + n, N);
+      for (; t < T; ++t)
+        row_tile<1>(row, nb, block_bytes, q4, qx.data() + t * K, dx.data() + t * nb, K, out + t * N + n, N);
+#else
       for (int64_t t = 0; t < T; ++t) {
         const int8_t* xq = qx.data() + t * K;
         const float* xd = dx.data() + t * nb;
-#if defined(__AVX2__)
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = row + b * block_bytes;
-          const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-          const __m256i lanes = dot_block(unpack_avx2(blk, q4), xb);
-          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(fp16_to_float(blk) * xd[b]), acc);
-        }
-        out[t * N + n] = hsum(acc);
-#else
         float acc = 0.f;
         int8_t wq[kBlock];
         for (int64_t b = 0; b < nb; ++b) {
@@ -117,8 +141,8 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
           acc += fp16_to_float(blk) * xd[b] * static_cast<float>(dot);
         }
         out[t * N + n] = acc;
-#endif
       }
+#endif
     }
   });
 }
