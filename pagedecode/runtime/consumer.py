@@ -83,6 +83,18 @@ class ConsumerSide:
         if was_paused:
             self._wake()
 
+    def pin(self, request_id: str) -> None:
+        """Keep the request's result, events and trace readable, past max_finished_kept /
+        max_finished_bytes, until `unpin`: for a consumer that has yet to receive them. Raises
+        KeyError (ForgottenRequestError) when they are already gone."""
+        with self._lock:
+            self.requests.pin(request_id)
+
+    def unpin(self, request_id: str) -> None:
+        """Release one pin; once none is left a finished request may be forgotten again."""
+        with self._lock:
+            self.requests.unpin(request_id)
+
     def forget(self, request_id: str) -> None:
         """Drop a terminal request's stored result and history."""
         with self._lock:

@@ -180,14 +180,15 @@ class Engine(ConsumerSide, RequestEndings):
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False, acked: bool = False,
-                    attachment: Attachment | None = None) -> str:
+                    attachment: Attachment | None = None, pinned: bool = False) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError (nothing queued) when the
         request can never be served. stream=True keeps its events in a bounded buffer for
         `read_events`; acked=True lets a consumer read the history (`replay`) and `ack` what it
         has sent instead. Either way backpressure applies (stream_max_events unread events
         pause the request); otherwise `step()`'s return is the delivery. `attachment` (anything
         with `kept_bytes()`, such as the server's Track) is kept with the request, as long as the
-        engine keeps it, and counts against the finished budget."""
+        engine keeps it, and counts against the finished budget. pinned=True takes
+        a pin (see `pin`) as the request is added, so no moment exists where it could be forgotten."""
         failure = getattr(self.model, "failure", None)
         if failure is not None:
             from ..model.parallel import ModelUnavailableError
@@ -198,6 +199,7 @@ class Engine(ConsumerSide, RequestEndings):
             req.attachment = attachment
             if acked:
                 req.acked_seq, req.max_unacked = -1, self.config.stream_max_events
+            req.pins = int(pinned)
             self._enqueue(req)
         return req.request_id
 

@@ -1,5 +1,7 @@
 """The request registry: live requests by id, and the finished ones kept readable (result,
-replay, trace) within a count and a byte budget, the oldest forgotten first."""
+replay, trace) within a count and a byte budget, the oldest forgotten first. A pinned request
+(a consumer has yet to receive it) is never forgotten: eviction passes over it, and takes it
+once its last pin is released."""
 from __future__ import annotations
 
 import secrets
@@ -56,14 +58,43 @@ class RequestRegistry:
         size = req.kept_bytes()
         self._finished[req.request_id] = (req, size)
         self._finished_bytes += size
+        self._evict()
+
+    def _evict(self) -> None:
+        """Forget the oldest unpinned finished requests until both budgets hold (the byte budget
+        keeps at least one). Walks past pinned ones only: pins are held by attached consumers."""
+        excess = len(self._finished) - self.max_finished
         budget = self.max_finished_bytes
-        while len(self._finished) > self.max_finished or (budget is not None and self._finished_bytes > budget
-                                                          and len(self._finished) > 1):
-            rid = next(iter(self._finished))
+        excess_bytes = 0 if budget is None else self._finished_bytes - budget
+        victims: list[str] = []
+        for rid, (req, size) in self._finished.items():
+            over_bytes = excess_bytes > 0 and len(self._finished) - len(victims) > 1
+            if excess <= 0 and not over_bytes:
+                break
+            if req.pins:
+                continue
+            victims.append(rid)
+            excess -= 1
+            excess_bytes -= size
+        for rid in victims:
             self._drop(rid)
             self._forgotten[rid] = None
-            while len(self._forgotten) > FORGOTTEN_IDS_KEPT:
-                self._forgotten.popitem(last=False)
+        while len(self._forgotten) > FORGOTTEN_IDS_KEPT:
+            self._forgotten.popitem(last=False)
+
+    def pin(self, rid: str) -> None:
+        """Keep the request readable until unpin (live or kept; KeyError when it is not)."""
+        self.get(rid).pins += 1
+
+    def unpin(self, rid: str) -> None:
+        req = self.live.get(rid)
+        entry = self._finished.get(rid)
+        req = req if req is not None else (entry[0] if entry is not None else None)
+        if req is None or req.pins <= 0:
+            return
+        req.pins -= 1
+        if req.pins == 0 and entry is not None:
+            self._evict()
 
     def _drop(self, rid: str) -> None:
         entry = self._finished.pop(rid, None)

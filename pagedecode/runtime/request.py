@@ -72,6 +72,7 @@ class Request:
     first_scheduled: float | None = None
     released: set[str] = field(default_factory=set)
     attachment: Attachment | None = None
+    pins: int = 0                         # consumers that will read it: it is not forgotten meanwhile
 
     @property
     def num_tokens(self) -> int:

@@ -104,22 +104,26 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
                                param="Idempotency-Key", code="invalid_value")
             key = None if header is None else (tenant, "chat" if chat else "completions", header)
             entry = state.idempotent(key, raw)
+            after = _resume_point(request) if parsed.stream else -1
             if entry is not None:
                 tracks = [t for t in map(state.tracks.get, entry.request_ids) if t is not None]
                 if len(tracks) != len(entry.request_ids):
                     raise ApiError(409, "this Idempotency-Key's request is no longer kept", code="idempotency_expired")
+                _pin(state, tracks, code="idempotency_expired")
+                if parsed.stream:
+                    _check_resume(state, tracks[0], after)
                 for t in tracks:
                     t.retries += 1
                 state.metrics.replays.inc()
             else:
                 state.admit()
-                tracks = state.start(state.prompt_of(parsed), parsed, chat, tenant)
+                tracks = state.start(state.prompt_of(parsed), parsed, chat, tenant)   # pinned
                 state.remember(key, raw, tracks)
+                after = -1             # a new request: nothing of it was seen, whatever Last-Event-ID says
         except ApiError as e:
             return _error(e)
         headers = {"X-Request-Id": tracks[0].request_id}
         if parsed.stream:
-            after = _last_event_id(request)
             return StreamingResponse(_sse_stream(state, tracks[0], after), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         return await _complete(state, request, tracks, headers)
@@ -135,14 +139,13 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
         try:
             rid = request.path_params["request_id"]
             track = state.owned(state.check_auth(request), rid)
-            try:
-                state.engine.replay(rid, 0)
-            except KeyError as e:
-                raise ApiError(404, str(e.args[0]), param="request_id", code="request_not_found") from None
+            after = _resume_point(request)
+            _pin(state, [track], code="request_not_found", status=404)
+            _check_resume(state, track, after)
             track.resumes += 1
         except ApiError as e:
             return _error(e)
-        return StreamingResponse(_sse_stream(state, track, _last_event_id(request)), media_type="text/event-stream",
+        return StreamingResponse(_sse_stream(state, track, after), media_type="text/event-stream",
                                  headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
 
     async def trace(request: Request) -> Response:
@@ -167,18 +170,62 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
     return app
 
 
-def _last_event_id(request: Request) -> int:
-    value = request.headers.get("last-event-id") or request.query_params.get("after")
+def _resume_point(request: Request) -> int:
+    """Last-Event-ID (or ?after=): resume after that SSE id; -1 (absent) is from the start."""
+    header = request.headers.get("last-event-id")
+    name, value = ("Last-Event-ID", header) if header else ("after", request.query_params.get("after"))
     if value is None:
         return -1
     try:
-        return int(value)
+        after = int(value)
     except ValueError:
-        return -1
+        raise ApiError(400, f"{name} must be an event id (an integer >= -1), got {value!r}", param=name) from None
+    if after < -1:
+        raise ApiError(400, f"{name} must be an event id (an integer >= -1), got {after}", param=name)
+    return after
+
+
+def _stream_end(state: ServerState, track: Track) -> tuple[int, int | None]:
+    """The newest SSE id the request's stream has so far, and its terminal event's seq (None
+    while live). Ids are event seqs; the usage chunk, after the terminal event, is terminal + 1."""
+    newest, ended = state.engine.newest_event(track.request_id)
+    if not ended:
+        return newest, None
+    return newest + (1 if track.reply.include_usage else 0), newest
+
+
+def _check_resume(state: ServerState, track: Track, after: int) -> None:
+    """An id no chunk has carried yet cannot have been seen: 400, and the pin taken is released."""
+    last, _ = _stream_end(state, track)
+    if after > last:
+        state.engine.unpin(track.request_id)
+        raise ApiError(400, f"Last-Event-ID {after} is beyond the last event of request {track.request_id!r} "
+                            f"(id {last})", param="Last-Event-ID", code="event_id_out_of_range")
+
+
+def _pin(state: ServerState, tracks: list[Track], code: str, status: int = 409) -> None:
+    """Pin each request for the handler about to read it (released when it ends)."""
+    for i, t in enumerate(tracks):
+        try:
+            state.engine.pin(t.request_id)
+        except KeyError as e:
+            for held in tracks[:i]:
+                state.engine.unpin(held.request_id)
+            raise ApiError(status, str(e.args[0]), param="request_id", code=code) from None
 
 
 async def _complete(state: ServerState, request: Request, tracks: list[Track], headers: dict[str, str]) -> Response:
-    """Wait for every choice; a client that goes away meanwhile is a disconnect (its policy)."""
+    """Wait for every choice; a client that goes away meanwhile is a disconnect (its policy).
+    Holds one pin per request (taken by the caller), released once the result is built."""
+    try:
+        return await _collect_all(state, request, tracks, headers)
+    finally:
+        for t in tracks:
+            state.engine.unpin(t.request_id)
+
+
+async def _collect_all(state: ServerState, request: Request, tracks: list[Track], headers: dict[str, str]
+                       ) -> Response:
     async def collect(track: Track) -> None:
         async for ev in state.ae.follow(track.request_id, -1):
             state.seen(track, ev)
@@ -210,7 +257,7 @@ async def _complete(state: ServerState, request: Request, tracks: list[Track], h
         lps = logprobs_body(state, out, chat, reply.top_logprobs) if reply.logprobs else None
         choices.append((chat_choice if chat else completion_choice)(i, out, out.text, lps))
     body: dict[str, Any] = {"id": tracks[0].request_id, "object": "chat.completion" if chat else "text_completion",
-                            "created": now(), "model": state.o.model_name, "choices": choices,
+                            "created": tracks[0].created, "model": state.o.model_name, "choices": choices,
                             "usage": sum_usage(outs)}
     errors = [o.error for o in outs if o.error]
     if errors:
@@ -219,16 +266,30 @@ async def _complete(state: ServerState, request: Request, tracks: list[Track], h
 
 
 async def _sse_stream(state: ServerState, track: Track, after: int) -> AsyncIterator[str]:
-    """SSE from the request's events after `after`: every chunk carries `id: <seq>`; the last
-    content chunk carries finish_reason; with include_usage a usage chunk follows; then [DONE].
-    A failure is an error chunk, never a silent end. A client that goes away is a disconnect."""
+    """SSE from the request's events after SSE id `after`, then [DONE]. Every chunk carries an id:
+    the chat role chunk its start event's seq (0), content chunks their delta's seq, the finish
+    (or error) chunk the terminal event's seq T, the usage chunk (include_usage) T + 1; so a
+    resume after T sends the usage chunk and [DONE], after T + 1 only [DONE]. Chunks are built
+    from what the request kept (`created` is the request's), so a replay is byte-identical.
+    A client that goes away is a disconnect. Holds a pin (taken by the caller) until it ends."""
+    try:
+        async for frame in _sse_frames(state, track, after):
+            yield frame
+    finally:
+        state.engine.unpin(track.request_id)
+
+
+async def _sse_frames(state: ServerState, track: Track, after: int) -> AsyncIterator[str]:
     rid = track.request_id
     chat = track.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
-    created = now()
+    created = track.created
     model = state.o.model_name
-    terminal: TerminalEvent | None = None
+    _, terminal = _stream_end(state, track)
     sent_chars = 0
+    if after >= 0 and not chat and track.reply.logprobs:     # text_offset goes on
+        sent_chars = sum(len(e.text) for e in state.engine.replay(rid, -1)
+                         if isinstance(e, DeltaEvent) and e.seq <= after)
     track.attached += 1
     if track.grace_task is not None:          # resumed within the grace period
         track.grace_task.cancel()
@@ -238,39 +299,41 @@ async def _sse_stream(state: ServerState, track: Track, after: int) -> AsyncIter
             yield sse({"id": rid, "object": obj, "created": created, "model": model,
                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]}, 0)
-        async for ev in state.ae.follow(rid, after):
-            state.seen(track, ev)
-            if isinstance(ev, DeltaEvent):
-                chunk = chunk_body(rid, obj, created, model, chat, ev.text)
-                if ev.logprobs is not None:
-                    chunk["choices"][0]["logprobs"] = logprobs_body(state, ev, chat, track.reply.top_logprobs,
-                                                                     sent_chars)
-                sent_chars += len(ev.text)
-                yield sse(chunk, ev.seq)
-            elif isinstance(ev, TerminalEvent):
-                terminal = ev
-            state.engine.ack(rid, ev.seq)          # sent: the request may run on (backpressure)
+        if terminal is None or after < terminal:
+            async for ev in state.ae.follow(rid, after):
+                state.seen(track, ev)
+                if isinstance(ev, DeltaEvent):
+                    chunk = chunk_body(rid, obj, created, model, chat, ev.text)
+                    if ev.logprobs is not None:
+                        chunk["choices"][0]["logprobs"] = logprobs_body(state, ev, chat, track.reply.top_logprobs,
+                                                                         sent_chars)
+                    sent_chars += len(ev.text)
+                    yield sse(chunk, ev.seq)
+                elif isinstance(ev, TerminalEvent):
+                    terminal = ev.seq
+                state.engine.ack(rid, ev.seq)          # sent: the request may run on (backpressure)
     finally:
         track.attached -= 1
         if terminal is None:
             state.detached(track, None)
     assert terminal is not None
     out = state.engine.result(rid)
-    fin: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(out.finish_reason),
-                           "stop_reason": stop_reason(out.stop_reason), "logprobs": None,
-                           "pagedecode_finish_reason": out.finish_reason.value if out.finish_reason else None}
-    if chat:
-        fin["delta"] = {}
-    else:
-        fin["text"] = ""
-    if _stream_error(out):
-        yield sse({"error": {"message": out.error, "type": "server_error", "param": None,
-                              "code": out.finish_reason.value if out.finish_reason else None}}, terminal.seq)
-    else:
-        yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [fin]}, terminal.seq)
-    if track.reply.include_usage:
+    if after < terminal:
+        fin: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(out.finish_reason),
+                               "stop_reason": stop_reason(out.stop_reason), "logprobs": None,
+                               "pagedecode_finish_reason": out.finish_reason.value if out.finish_reason else None}
+        if chat:
+            fin["delta"] = {}
+        else:
+            fin["text"] = ""
+        if _stream_error(out):
+            yield sse({"error": {"message": out.error, "type": "server_error", "param": None,
+                                  "code": out.finish_reason.value if out.finish_reason else None}}, terminal)
+        else:
+            yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [fin]}, terminal)
+    if track.reply.include_usage and after <= terminal:
         yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                    "usage": usage_body(out.usage)})
+                    "usage": usage_body(out.usage)}, terminal + 1)
     yield "data: [DONE]\n\n"
 
 

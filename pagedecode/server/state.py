@@ -74,6 +74,8 @@ class Track:
     disconnects: int = 0
     metered: bool = False
     grace_task: asyncio.Task[None] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))   # OpenAI's `created`: one per request,
+                                                                     # so a replay is byte-identical
 
     def kept_bytes(self) -> int:
         """What a Track adds to its finished request (tests/server/test_memory_http.py measures it)."""
@@ -217,12 +219,14 @@ class ServerState:
                 if parsed.n > 1 and params.seed is not None:
                     params = replace(params, seed=params.seed + i)
                 track = Track("", time.perf_counter(), chat, reply, tenant)
-                track.request_id = self.engine.add_request(prompt, params, acked=True, attachment=track)
+                track.request_id = self.engine.add_request(prompt, params, acked=True, attachment=track,
+                                                             pinned=True)  # until its handler has sent it
                 self.tracks[track.request_id] = track
                 tracks.append(track)
         except InvalidRequestError as e:
             for t in tracks:
                 self.engine.cancel(t.request_id)
+                self.engine.unpin(t.request_id)
             raise invalid(e, parsed.fields) from None
         return tracks
 

@@ -186,6 +186,27 @@ def test_finished_results_are_kept_up_to_a_bound():
     assert [eng.result(rid).text for rid in ids[2:]] == ["AB"] * 3
 
 
+def test_a_pinned_result_is_kept_past_the_bound_until_unpinned():
+    eng = engine([101], max_finished_kept=2, max_finished_bytes=1)
+    first = eng.add_request([5], pd.SamplingParams(max_tokens=1), pinned=True)
+    later = eng.add_request([5], pd.SamplingParams(max_tokens=1))
+    eng.pin(later)                                # two pins on one (live) request
+    eng.pin(later)
+    run(eng)
+    rest = [eng.add_request([5], pd.SamplingParams(max_tokens=1)) for _ in range(4)]
+    run(eng)
+    assert eng.result(first).text == eng.result(later).text == "AB"      # pinned: passed over
+    with pytest.raises(pd.ForgottenRequestError):
+        eng.result(rest[0])
+    eng.unpin(first)                              # the last pin: eviction takes it now
+    with pytest.raises(pd.ForgottenRequestError):
+        eng.result(first)
+    eng.unpin(later)
+    assert eng.result(later).text == "AB"         # one pin left
+    eng.unpin(later)
+    assert eng.requests.num_finished == 1         # the byte budget always keeps one: this one
+
+
 def test_a_cleanup_failure_is_logged_and_the_stream_stays_closed(caplog):
     eng = engine([101])
     rid = eng.add_request([5], pd.SamplingParams(max_tokens=2))
