@@ -84,10 +84,15 @@ def test_two_hundred_streaming_clients(stories_path):
             if done:
                 assert text == out.text
             else:
-                assert out.finish_reason.value == "transport_error" and out.text.startswith(text)
+                # a client that left is cancelled as transport_error, unless its request had already
+                # ended (every event sent into the socket) before the server saw it go
+                assert out.text.startswith(text)
+                assert out.finish_reason.value in ("transport_error", "max_output_tokens", "eos"), out.finish_reason
         completed = [i for i, o in outcomes.items() if o[2]]
         left = [i for i, o in outcomes.items() if not o[2]]
         assert len(left) >= CLIENTS // 7 and len(completed) >= CLIENTS // 2
+        cut = [i for i in left if results[i].finish_reason.value == "transport_error"]
+        assert cut, "no client left while its request was still generating"
         resumed = sum(1 for t in s.state.tracks.values() if t.resumes)
         print(f"\nload: {CLIENTS} clients, {len(completed)} completed ({resumed} after resuming), "
               f"{len(left)} left for good; {sum(r.usage.returned_tokens for r in results.values())} tokens returned")
@@ -102,7 +107,7 @@ def test_two_hundred_streaming_clients(stories_path):
                 assert m[f'pagedecode:request_success_total{{finished_reason="{reason}"}}'] == count
             else:
                 assert m[f'pagedecode:request_failure_total{{reason="{reason}"}}'] == count
-        assert m["pagedecode:disconnects_total"] >= len(left)
+        assert m["pagedecode:disconnects_total"] >= len(cut)
         # the same seed, not streamed and alone, gives the same text
         for i in completed[:12]:
             body = {**outcomes[i][3], "stream": False}
