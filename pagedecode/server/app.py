@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..runtime.async_engine import AsyncEngine
-from ..runtime.events import DeltaEvent, RequestOutput, TerminalEvent
+from ..runtime.events import DeltaEvent, Event, RequestOutput, TerminalEvent
 from ..runtime.lifecycle import FinishReason, RequestState
 from ..runtime.trace import to_chrome
 from .chat import ChatTemplate
@@ -59,7 +59,8 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
               **options: Any) -> Starlette:
     """The ASGI app over an AsyncEngine (started by the caller, or by `pagedecode serve`'s
     lifespan). options: the fields of ServerOptions (state.py: api_key / api_keys, metrics_public,
-    allowed_hosts, allow_special_tokens_in_content, limits, max_queued_requests, max_body_bytes,
+    allowed_hosts, allow_special_tokens_in_content, limits, max_queued_requests, max_prompts_per_request,
+    max_body_bytes,
     generation_defaults, log_text, resume_grace_s, on_disconnect, idempotency_ttl_s,
     idempotency_max_keys, ...)."""
     state = ServerState(async_engine, chat_template,
@@ -94,10 +95,9 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
             if isinstance(body, dict) and body.get("model") not in (None, state.o.model_name):
                 raise ApiError(404, f"model {body.get('model')!r} is not served here (try {state.o.model_name!r})",
                                param="model", code="model_not_found")
-            parsed = parse_request(body, chat, state.o.generation_defaults, state.o.limits)
+            parsed = parse_request(body, chat, state.o.generation_defaults, state.o.limits,
+                                   state.o.max_prompts_per_request)
             await state.prepare_grammar(parsed, body)
-            if parsed.stream and parsed.n > 1:
-                raise ApiError(400, "n > 1 is served without streaming only", param="n")
             header = request.headers.get("idempotency-key")
             if header is not None and len(header) > MAX_IDEMPOTENCY_KEY_CHARS:      # kept for its TTL: bounded
                 raise ApiError(400, f"Idempotency-Key: at most {MAX_IDEMPOTENCY_KEY_CHARS} characters",
@@ -105,28 +105,36 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
             key = None if header is None else (tenant, "chat" if chat else "completions", header)
             entry = state.idempotent(key, raw)
             after = _resume_point(request) if parsed.stream else -1
+            many = max(1, len(parsed.prompts)) * parsed.n > 1       # several choices: one merged stream
             if entry is not None:
+                if many and after >= 0:
+                    raise ApiError(400, "a stream of several choices (a batch of prompts, or n > 1) has no event "
+                                        "ids to resume after: retry without Last-Event-ID (the same Idempotency-Key "
+                                        "replays it from the start)", param="Last-Event-ID",
+                                   code="resume_not_supported")
                 tracks = [t for t in map(state.tracks.get, entry.request_ids) if t is not None]
                 if len(tracks) != len(entry.request_ids):
                     raise ApiError(409, "this Idempotency-Key's request is no longer kept", code="idempotency_expired")
                 _pin(state, tracks, code="idempotency_expired")
-                if parsed.stream:
+                if parsed.stream and not many:
                     _check_resume(state, tracks[0], after)
                 for t in tracks:
                     t.retries += 1
                 state.metrics.replays.inc()
             else:
-                state.admit()
-                tracks = state.start(state.prompt_of(parsed), parsed, chat, tenant)   # pinned
+                prompts = state.prompts_of(parsed)
+                state.admit(len(prompts) * parsed.n)
+                tracks = state.start(prompts, parsed, chat, tenant)   # pinned
                 state.remember(key, raw, tracks)
                 after = -1             # a new request: nothing of it was seen, whatever Last-Event-ID says
         except ApiError as e:
             return _error(e)
         headers = {"X-Request-Id": tracks[0].request_id}
         if parsed.stream:
-            return StreamingResponse(_sse_stream(state, tracks[0], after), media_type="text/event-stream",
+            frames = _sse_stream(state, tracks[0], after) if not many else _sse_choices(state, tracks, parsed.n)
+            return StreamingResponse(frames, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
-        return await _complete(state, request, tracks, headers)
+        return await _complete(state, request, tracks, parsed.n, headers)
 
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
@@ -214,17 +222,18 @@ def _pin(state: ServerState, tracks: list[Track], code: str, status: int = 409) 
             raise ApiError(status, str(e.args[0]), param="request_id", code=code) from None
 
 
-async def _complete(state: ServerState, request: Request, tracks: list[Track], headers: dict[str, str]) -> Response:
+async def _complete(state: ServerState, request: Request, tracks: list[Track], n: int, headers: dict[str, str]
+                    ) -> Response:
     """Wait for every choice; a client that goes away meanwhile is a disconnect (its policy).
     Holds one pin per request (taken by the caller), released once the result is built."""
     try:
-        return await _collect_all(state, request, tracks, headers)
+        return await _collect_all(state, request, tracks, n, headers)
     finally:
         for t in tracks:
             state.engine.unpin(t.request_id)
 
 
-async def _collect_all(state: ServerState, request: Request, tracks: list[Track], headers: dict[str, str]
+async def _collect_all(state: ServerState, request: Request, tracks: list[Track], n: int, headers: dict[str, str]
                        ) -> Response:
     async def collect(track: Track) -> None:
         async for ev in state.ae.follow(track.request_id, -1):
@@ -258,7 +267,7 @@ async def _collect_all(state: ServerState, request: Request, tracks: list[Track]
         choices.append((chat_choice if chat else completion_choice)(i, out, out.text, lps))
     body: dict[str, Any] = {"id": tracks[0].request_id, "object": "chat.completion" if chat else "text_completion",
                             "created": tracks[0].created, "model": state.o.model_name, "choices": choices,
-                            "usage": sum_usage(outs)}
+                            "usage": sum_usage(outs, n)}
     errors = [o.error for o in outs if o.error]
     if errors:
         body["pagedecode_error"] = errors[0]
@@ -319,21 +328,103 @@ async def _sse_frames(state: ServerState, track: Track, after: int) -> AsyncIter
     assert terminal is not None
     out = state.engine.result(rid)
     if after < terminal:
-        fin: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(out.finish_reason),
-                               "stop_reason": stop_reason(out.stop_reason), "logprobs": None,
-                               "pagedecode_finish_reason": out.finish_reason.value if out.finish_reason else None}
-        if chat:
-            fin["delta"] = {}
-        else:
-            fin["text"] = ""
-        if _stream_error(out):
-            yield sse({"error": {"message": out.error, "type": "server_error", "param": None,
-                                  "code": out.finish_reason.value if out.finish_reason else None}}, terminal)
-        else:
-            yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [fin]}, terminal)
+        yield _finish_frame(out, {"id": rid, "object": obj, "created": created, "model": model}, chat, 0, terminal)
     if track.reply.include_usage and after <= terminal:
         yield sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                     "usage": usage_body(out.usage)}, terminal + 1)
     yield "data: [DONE]\n\n"
 
 
+
+
+def _finish_frame(out: RequestOutput, head: dict[str, Any], chat: bool, index: int, seq: int | None) -> str:
+    """A choice's last chunk: its finish reason, or the error it failed with."""
+    if _stream_error(out):
+        return sse({"error": {"message": out.error, "type": "server_error", "param": None,
+                              "code": out.finish_reason.value if out.finish_reason else None}}, seq)
+    fin: dict[str, Any] = {"index": index, "finish_reason": finish_reason(out.finish_reason),
+                           "stop_reason": stop_reason(out.stop_reason), "logprobs": None,
+                           "pagedecode_finish_reason": out.finish_reason.value if out.finish_reason else None}
+    if chat:
+        fin["delta"] = {}
+    else:
+        fin["text"] = ""
+    return sse({**head, "choices": [fin]}, seq)
+
+
+async def _sse_choices(state: ServerState, tracks: list[Track], n: int) -> AsyncIterator[str]:
+    """One SSE stream of several choices (a batch of prompts, n > 1, or both), prompt-major:
+    prompt i, sample j is choice i * n + j. Each choice's chunks go out as its events come,
+    carrying its index (chat: every choice's role chunk first); each choice's finish (or error)
+    chunk when it ends; then one usage chunk summed over them (include_usage) and [DONE]. Chunks
+    carry no SSE id (the choices' events have no one order to resume after: a retry with the same
+    Idempotency-Key replays the stream from the start; each choice's own request stays readable at
+    /v1/requests/{id}/events). A client that goes away is a disconnect of every choice still
+    running. Holds a pin per request (taken by the caller) until it ends."""
+    try:
+        async for frame in _choice_frames(state, tracks, n):
+            yield frame
+    finally:
+        for t in tracks:
+            state.engine.unpin(t.request_id)
+
+
+async def _choice_frames(state: ServerState, tracks: list[Track], n: int) -> AsyncIterator[str]:
+    chat, reply = tracks[0].chat, tracks[0].reply
+    rid, obj, created, model = (tracks[0].request_id, "chat.completion.chunk" if chat else "text_completion",
+                                tracks[0].created, state.o.model_name)
+    head: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model}
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+    async def follow(i: int, track: Track) -> None:
+        try:
+            async for ev in state.ae.follow(track.request_id, -1):
+                queue.put_nowait((i, ev))
+        finally:
+            queue.put_nowait((i, None))          # this choice has no more events
+    ended = [False] * len(tracks)
+    sent_chars = [0] * len(tracks)
+    for t in tracks:
+        t.attached += 1
+        if t.grace_task is not None:             # retried within the grace period
+            t.grace_task.cancel()
+            t.grace_task = None
+    tasks = [asyncio.ensure_future(follow(i, t)) for i, t in enumerate(tracks)]
+    try:
+        if chat:
+            for i in range(len(tracks)):
+                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+        left = len(tracks)
+        while left:
+            i, ev = await queue.get()
+            track = tracks[i]
+            if ev is None:
+                left -= 1
+                continue
+            state.seen(track, ev)
+            if isinstance(ev, DeltaEvent):
+                chunk = chunk_body(rid, obj, created, model, chat, ev.text, i)
+                if ev.logprobs is not None:
+                    chunk["choices"][0]["logprobs"] = logprobs_body(state, ev, chat, reply.top_logprobs,
+                                                                     sent_chars[i])
+                sent_chars[i] += len(ev.text)
+                yield sse(chunk)
+            elif isinstance(ev, TerminalEvent):
+                ended[i] = True
+                yield _finish_frame(state.engine.result(track.request_id), head, chat, i, None)
+            state.engine.ack(track.request_id, ev.seq)       # sent: the request may run on (backpressure)
+        for task in tasks:
+            task.result()                        # a follower's failure is this stream's
+    finally:
+        for task in tasks:
+            task.cancel()
+        for t in tracks:
+            t.attached -= 1
+        for t, done in zip(tracks, ended):
+            if not done:
+                state.detached(t, None)
+    if reply.include_usage:
+        outs = [state.engine.result(t.request_id) for t in tracks]
+        yield sse({**head, "choices": [], "usage": sum_usage(outs, n)})
+    yield "data: [DONE]\n\n"

@@ -67,9 +67,15 @@ class Limits:
     max_request_seconds: float | None = None
 
 
+MAX_N = 16              # n's own cap; a batch's choices (prompts x n) are at most max(MAX_N, max_prompts)
+
+
+Prompt = str | list[int]
+
+
 @dataclass
 class Parsed:
-    prompt: str | list[int] | None
+    prompt: Prompt | None                 # the first (or only) prompt; chat: None
     messages: list[dict[str, Any]] | None
     params: SamplingParams
     stream: bool
@@ -79,6 +85,7 @@ class Parsed:
     on_disconnect: str | None
     top_logprobs: int = 0
     fields: Mapping[str, str] = field(default_factory=dict)    # SamplingParams' names -> the request's
+    prompts: list[Prompt] = field(default_factory=list)         # completions: every prompt of the batch
 
 
 
@@ -120,7 +127,9 @@ def _given(body: Mapping[str, Any], name: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits) -> Parsed:
+def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits, max_prompts: int = 64
+                  ) -> Parsed:
+    """max_prompts: the most prompts one completions request may batch (--max-prompts-per-request)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if _bool(body, "echo"):
@@ -142,16 +151,11 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
             content = m.get("content")
             if content is not None and not isinstance(content, (str, list)):
                 raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
-        prompt = None
+        prompt, prompts = None, []
     else:
         messages = None
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]                    # a batch of one
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            pass
-        elif not isinstance(prompt, str) or not prompt:
-            raise bad("prompt", "must be a non-empty string or a list of token ids (one prompt per request)")
+        prompts = _prompts(body.get("prompt"), max_prompts)
+        prompt = prompts[0]
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, max_name)
     if max_tokens is None:
@@ -160,8 +164,11 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
         raise bad(max_name, f"must be in [1, {limits.max_tokens}], got {max_tokens}")
     n = _int(body, "n")
     n = 1 if n is None else n
-    if not 1 <= n <= 16:
-        raise bad("n", f"must be in [1, 16], got {n}")
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"must be in [1, {MAX_N}], got {n}")
+    most = max(MAX_N, max_prompts)
+    if not chat and len(prompts) * n > most:
+        raise bad("n", f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices, over this server's {most}")
     stop = body.get("stop")
     stops: tuple[str, ...] = ()
     if stop is not None:
@@ -241,7 +248,27 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     except InvalidRequestError as e:
         raise invalid(e, fields) from None
     return Parsed(prompt, messages, params, stream, include_usage, n, first,
-                  on_disconnect, top_logprobs, fields)
+                  on_disconnect, top_logprobs, fields, prompts)
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _prompts(value: Any, most: int) -> list[Prompt]:
+    """A completions request's prompts: a string, a list of token ids, or a batch (a list of
+    strings or of token-id lists, at most `most`); a batch of one is that one prompt."""
+    if isinstance(value, str) and value or _token_ids(value):
+        return [value]
+    if not isinstance(value, list) or not value or not all(isinstance(p, (str, list)) for p in value):
+        raise bad("prompt", "must be a non-empty string, a list of token ids, or a list of them (a batch)")
+    if len(value) > most:
+        raise bad("prompt", f"at most {most} prompts per request, got {len(value)}")
+    for i, p in enumerate(value):
+        if not (isinstance(p, str) and p or _token_ids(p)):
+            raise bad("prompt", f"prompt[{i}] must be a non-empty string or a non-empty list of token ids")
+    return list(value)
 
 
 def structured_output(body: Mapping[str, Any]) -> Any:

@@ -14,13 +14,18 @@ def sse(data: Any, seq: int | None = None) -> str:
     return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def sum_usage(outs: list[RequestOutput]) -> dict[str, Any]:
+def sum_usage(outs: list[RequestOutput], n: int = 1) -> dict[str, Any]:
+    """The usage of several choices, prompt-major (n per prompt): each prompt's tokens (and
+    cached tokens) count once, whatever its n; completion and engine counts are summed."""
     total = usage_body(outs[0].usage)
-    for o in outs[1:]:
+    for i, o in enumerate(outs[1:], start=1):
         u = usage_body(o.usage)
         for k in ("completion_tokens", "selected_tokens", "processed_tokens"):
             total[k] += u[k]
-    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]   # the prompt counts once
+        if i % n == 0:                     # the first choice of another prompt
+            total["prompt_tokens"] += u["prompt_tokens"]
+            total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
     return total
 
 
@@ -60,8 +65,9 @@ def logprobs_body(state: ServerState, out: RequestOutput | DeltaEvent, chat: boo
             "text_offset": offsets}
 
 
-def chunk_body(rid: str, obj: str, created: int, model: str, chat: bool, text: str) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
+def chunk_body(rid: str, obj: str, created: int, model: str, chat: bool, text: str, index: int = 0
+               ) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}
     if chat:
         choice["delta"] = {"content": text}
     else:

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks the model is sharded over (processes started by the engine)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="prompts one completions request may batch (400 beyond); its choices, prompts x n, are at "
+                        "most this or 16, whichever is more")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
     p.add_argument("--max-request-seconds", type=float, default=None, help="cap on timeout and first_token_timeout")
     p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
                         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
                         limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
                         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                        max_prompts_per_request=args.max_prompts_per_request,
                         generation_defaults=defaults, log_text=args.log_text, resume_grace_s=args.resume_grace,
                         on_disconnect=args.on_disconnect, idempotency_ttl_s=args.idempotency_ttl,
                         idempotency_max_keys=args.idempotency_max_keys)

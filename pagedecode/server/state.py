@@ -102,6 +102,7 @@ class ServerOptions:
     allow_special_tokens_in_content: bool = False   # chat content's "</s>" is the real token (unsafe)
     limits: Limits = field(default_factory=Limits)
     max_queued_requests: int = 256
+    max_prompts_per_request: int = 64           # a completions batch's prompts (400 naming prompt beyond)
     max_body_bytes: int = 1 << 20
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     log_text: bool = False
@@ -189,40 +190,45 @@ class ServerState:
             raise ApiError(400, f"parsing the grammar took longer than grammar_compile_timeout_s={timeout}s",
                            param=param, code="invalid_value") from None
 
-    def admit(self) -> None:
+    def admit(self, count: int = 1) -> None:
+        """Room for `count` more requests (a batch's prompts x n) in the queue, or 503 / 429."""
         if self.draining or not self.ae.running:
             raise ApiError(503, "the server is starting or shutting down", headers={"Retry-After": "1"})
         waiting = len(self.engine.scheduler.waiting)
-        if waiting >= self.o.max_queued_requests:
+        if waiting + count > self.o.max_queued_requests:
             raise ApiError(429, f"{waiting} requests are already waiting", code="queue_full",
                            headers={"Retry-After": "1"})
 
-    def prompt_of(self, parsed: Parsed) -> str | list[int]:
+    def prompts_of(self, parsed: Parsed) -> list[str | list[int]]:
+        """The request's prompts: a completions batch's, or the one a chat's messages render to."""
         if parsed.messages is None:
-            assert parsed.prompt is not None
-            return parsed.prompt
+            assert parsed.prompts
+            return parsed.prompts
         if self.chat_template is None:
             raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
                            param="messages")
         tok = self.engine.tokenizer
         if self.o.allow_special_tokens_in_content or not isinstance(tok, EscapesSpecialTokens):
-            return tok.encode(self.chat_template.render(parsed.messages), add_special_tokens=False)
-        return tok.encode_escaped(self.chat_template.render(parsed.messages, escape=tok.escape_specials))
+            return [tok.encode(self.chat_template.render(parsed.messages), add_special_tokens=False)]
+        return [tok.encode_escaped(self.chat_template.render(parsed.messages, escape=tok.escape_specials))]
 
-    def start(self, prompt: str | list[int], parsed: Parsed, chat: bool, tenant: str) -> list[Track]:
-        """n independent requests (seeded seed, seed + 1, ...), each with its Track."""
+    def start(self, prompts: list[str | list[int]], parsed: Parsed, chat: bool, tenant: str) -> list[Track]:
+        """n independent requests per prompt, each with its Track, prompt-major (prompt i, sample j
+        is tracks[i * n + j]). Sample j is seeded seed + j whatever its prompt, so each prompt's
+        choices are what a request for that prompt alone would get."""
         tracks: list[Track] = []
         reply = Reply.of(parsed)
         try:
-            for i in range(parsed.n):
-                params = parsed.params
-                if parsed.n > 1 and params.seed is not None:
-                    params = replace(params, seed=params.seed + i)
-                track = Track("", time.perf_counter(), chat, reply, tenant)
-                track.request_id = self.engine.add_request(prompt, params, acked=True, attachment=track,
-                                                             pinned=True)  # until its handler has sent it
-                self.tracks[track.request_id] = track
-                tracks.append(track)
+            for prompt in prompts:
+                for j in range(parsed.n):
+                    params = parsed.params
+                    if parsed.n > 1 and params.seed is not None:
+                        params = replace(params, seed=params.seed + j)
+                    track = Track("", time.perf_counter(), chat, reply, tenant)
+                    track.request_id = self.engine.add_request(prompt, params, acked=True, attachment=track,
+                                                                 pinned=True)  # until its handler has sent it
+                    self.tracks[track.request_id] = track
+                    tracks.append(track)
         except InvalidRequestError as e:
             for t in tracks:
                 self.engine.cancel(t.request_id)
