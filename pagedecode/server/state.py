@@ -191,11 +191,14 @@ class ServerState:
                            param=param, code="invalid_value") from None
 
     def admit(self, count: int = 1) -> None:
-        """Room for `count` more requests (a batch's prompts x n) in the queue, or 503 / 429."""
+        """Room for `count` more requests (a batch's prompts x n) in the queue, or 503 / 429: 429
+        when the queue is full or the batch would overfill it (one larger than the whole queue goes
+        when the queue is empty, never waits forever)."""
         if self.draining or not self.ae.running:
             raise ApiError(503, "the server is starting or shutting down", headers={"Retry-After": "1"})
         waiting = len(self.engine.scheduler.waiting)
-        if waiting + count > self.o.max_queued_requests:
+        cap = self.o.max_queued_requests
+        if waiting >= cap or waiting > 0 and waiting + count > cap:
             raise ApiError(429, f"{waiting} requests are already waiting", code="queue_full",
                            headers={"Retry-After": "1"})
 

@@ -200,3 +200,23 @@ def test_serve_flag():
     add_arguments(p)
     assert p.parse_args([]).max_prompts_per_request == 64
     assert p.parse_args(["--max-prompts-per-request", "8"]).max_prompts_per_request == 8
+
+
+def test_admission_counts_every_request_of_a_batch(stories_path):
+    s = start_server(stories_path, template=None, max_queued_requests=3, engine_options={"max_batch_size": 1})
+    try:
+        long = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=60) as a, \
+                httpx.stream("POST", s.url + "/v1/completions", json=long, timeout=60) as b:
+            assert a.status_code == b.status_code == 200
+            deadline = time.time() + 20
+            while len(s.engine.scheduler.waiting) != 1 and time.time() < deadline:
+                time.sleep(0.02)
+            assert len(s.engine.scheduler.waiting) == 1               # one running, one waiting
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPTS, "max_tokens": 2}, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"     # 1 + 3 > 3
+        wait_idle(s.engine)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPTS, "n": 2, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 6     # larger than the queue: goes when empty
+    finally:
+        stop_server(s)
