@@ -75,7 +75,7 @@ def test_streamed_choices_carry_their_index_and_all_finish(client, srv, chat):
                 "temperature": 1.0, "seed": 5}
         path, n, count = "/v1/chat/completions", 3, 3
     else:
-        body = {"prompt": PROMPTS, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 5}
+        body = {"prompt": PROMPTS, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 5, "logprobs": 1}
         path, n, count = "/v1/completions", 2, 6
     whole = httpx.post(srv.url + path, json=body, timeout=60).json()
     with httpx.stream("POST", srv.url + path, timeout=60,
@@ -83,7 +83,7 @@ def test_streamed_choices_carry_their_index_and_all_finish(client, srv, chat):
         assert r.status_code == 200, r.read()
         chunks, done = sse_chunks("".join(r.iter_text()))
     assert done and all(sid is None for sid, _ in chunks)      # a merged stream: no SSE ids
-    texts, finishes, roles = [""] * count, [[] for _ in range(count)], []
+    texts, finishes, roles, offsets = [""] * count, [[] for _ in range(count)], [], [[] for _ in range(count)]
     for _, c in chunks[:-1]:
         (ch,) = c["choices"]
         assert c["id"] == whole["id"] or c["id"].startswith("req-")
@@ -93,11 +93,15 @@ def test_streamed_choices_carry_their_index_and_all_finish(client, srv, chat):
         texts[ch["index"]] += delta.get("content" if chat else "text") or ""
         if ch["finish_reason"]:
             finishes[ch["index"]].append(ch["finish_reason"])
+        if ch["logprobs"]:                           # each choice's text_offset goes on from its own text
+            offsets[ch["index"]] += ch["logprobs"]["text_offset"]
     if chat:
         assert roles == list(range(count))
     assert all(len(f) == 1 for f in finishes), finishes          # every choice finishes, once
     key = "message" if chat else None
     assert texts == [c[key]["content"] if key else c["text"] for c in whole["choices"]]
+    if not chat:
+        assert offsets == [c["logprobs"]["text_offset"] for c in whole["choices"]]
     usage = chunks[-1][1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
     assert usage["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
