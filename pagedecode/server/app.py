@@ -1,4 +1,4 @@
-"""The ASGI app: OpenAI-compatible completions and chat over an AsyncEngine, keeping the request
+"""The ASGI app: OpenAI-compatible completions and chat (and the Responses API, responses_api.py) over an AsyncEngine, keeping the request
 contract over HTTP: ordered events with their sequence numbers as SSE ids, one terminal event,
 usage for every ending, resumable streams, idempotent retries, two timeouts, admission control.
 Per-request bookkeeping (tracks, idempotency, disconnects, metering) is in state.py; response
@@ -24,6 +24,7 @@ from .chat import ChatTemplate
 from .guard import RequestGuard
 from .protocol import ApiError, chat_choice, completion_choice, finish_reason, now, parse_request, stop_reason, usage_body
 from .responses import chunk_body, logprobs_body, sse, sum_usage
+from .responses_api import routes as responses_routes
 from .state import ServerOptions, ServerState, Track
 
 MAX_IDEMPOTENCY_KEY_CHARS = 255
@@ -173,6 +174,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/requests/{request_id}/events", events), Route("/v1/requests/{request_id}/trace", trace),
+        *responses_routes(state),
     ], exception_handlers={HTTPException: _http_error, 500: _server_error})
     app.state.pagedecode = state
     return app

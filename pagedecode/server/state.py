@@ -24,7 +24,7 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -37,6 +37,9 @@ from . import jsonbody
 from .chat import ChatTemplate
 from .metrics import Metrics
 from .protocol import ApiError, Limits, Parsed, invalid
+
+if TYPE_CHECKING:
+    from .responses_api import StoredResponse
 
 log = logging.getLogger("pagedecode.server")
 
@@ -76,10 +79,11 @@ class Track:
     grace_task: asyncio.Task[None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))   # OpenAI's `created`: one per request,
                                                                      # so a replay is byte-identical
+    response: StoredResponse | None = None   # a /v1/responses request's own fields (responses_api.py)
 
     def kept_bytes(self) -> int:
         """What a Track adds to its finished request (tests/server/test_memory_http.py measures it)."""
-        return TRACK_BYTES
+        return TRACK_BYTES + (self.response.kept_bytes() if self.response is not None else 0)
 
 
 TRACK_BYTES = 500          # the Track (~320 bytes) and its entry in `tracks`
@@ -154,7 +158,7 @@ class ServerState:
     def owned(self, tenant: str, request_id: str) -> Track:
         """The tenant's request; 404 for one it did not start (another tenant's is unknown too)."""
         track = self.tracks.get(request_id)
-        if track is None or track.tenant != tenant:
+        if track is None or track.tenant != tenant or (track.response is not None and track.response.deleted):
             raise ApiError(404, f"unknown request id {request_id!r}", param="request_id", code="request_not_found")
         return track
 
@@ -215,10 +219,12 @@ class ServerState:
             return [tok.encode(self.chat_template.render(parsed.messages), add_special_tokens=False)]
         return [tok.encode_escaped(self.chat_template.render(parsed.messages, escape=tok.escape_specials))]
 
-    def start(self, prompts: list[str | list[int]], parsed: Parsed, chat: bool, tenant: str) -> list[Track]:
+    def start(self, prompts: list[str | list[int]], parsed: Parsed, chat: bool, tenant: str,
+              request_id: str | None = None, response: StoredResponse | None = None) -> list[Track]:
         """n independent requests per prompt, each with its Track, prompt-major (prompt i, sample j
         is tracks[i * n + j]). Sample j is seeded seed + j whatever its prompt, so each prompt's
-        choices are what a request for that prompt alone would get."""
+        choices are what a request for that prompt alone would get. request_id and response (a
+        /v1/responses request: one prompt, n 1) name the request and keep its fields."""
         tracks: list[Track] = []
         reply = Reply.of(parsed)
         try:
@@ -227,8 +233,9 @@ class ServerState:
                     params = parsed.params
                     if parsed.n > 1 and params.seed is not None:
                         params = replace(params, seed=params.seed + j)
-                    track = Track("", time.perf_counter(), chat, reply, tenant)
-                    track.request_id = self.engine.add_request(prompt, params, acked=True, attachment=track,
+                    track = Track("", time.perf_counter(), chat, reply, tenant, response=response)
+                    track.request_id = self.engine.add_request(prompt, params, request_id=request_id, acked=True,
+                                                                 attachment=track,
                                                                  pinned=True)  # until its handler has sent it
                     self.tracks[track.request_id] = track
                     tracks.append(track)
