@@ -401,8 +401,8 @@ def routes(state: ServerState) -> list[Route]:
             parsed, meta = parse_body(body, state)
             await state.prepare_grammar(parsed, {"response_format": True})
             state.admit()
-            [track] = state.start(state.prompts_of(parsed), parsed, True, tenant, request_id=f"resp_{secrets.token_hex(16)}",
-                                  response=meta)                                   # pinned
+            [track] = state.start(state.prompts_of(parsed), parsed, True, tenant,
+                                  request_id=f"resp_{secrets.token_hex(16)}", response=meta)      # pinned
         except ApiError as e:
             return _error(renamed(e))
         rid = track.request_id
