@@ -197,3 +197,28 @@ def test_tenants_store_false_and_delete(server):
         a.responses.delete(r.id)
     with pytest.raises(openai.BadRequestError):            # only background responses are cancelled
         a.responses.cancel(a.responses.create(model="stories260k", input="Once", max_output_tokens=4).id)
+
+
+def test_a_cut_stream_is_cancelled_unless_background(server, slow):
+    """Without background the connection is the response's life (on_disconnect's default,
+    cancel); a background one runs on (see the resume test)."""
+    c = client(server)
+    with c.responses.create(model="stories260k", input="Once", max_output_tokens=300, stream=True,
+                            extra_body={"ignore_eos": True}) as s:
+        rid = next(iter(s)).response.id
+    done = wait_for(lambda: (x := c.responses.retrieve(rid)).status not in ("queued", "in_progress") and x)
+    assert done.status == "cancelled" and done.usage.output_tokens < 300
+
+
+def test_stored_responses_are_bounded_by_the_finished_budget(stories_path):
+    s = start_server(stories_path, engine_options={"max_finished_kept": 2})
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        first = c.responses.create(model="stories260k", input="Once", max_output_tokens=4, background=True)
+        wait_for(lambda: c.responses.retrieve(first.id).status == "incomplete")
+        for _ in range(3):
+            c.responses.create(model="stories260k", input="Once", max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(first.id)
+    finally:
+        stop_server(s)
