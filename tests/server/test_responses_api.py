@@ -222,3 +222,21 @@ def test_stored_responses_are_bounded_by_the_finished_budget(stories_path):
             c.responses.retrieve(first.id)
     finally:
         stop_server(s)
+
+
+def test_the_sdk_helpers_parse_and_stream_a_pydantic_format(server):
+    """client.responses.parse / .stream(text_format=Model): the SDK builds the strict schema,
+    accumulates the stream's events itself and parses the text into the model."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=9)
+    c = client(server)
+    parsed = c.responses.parse(model="stories260k", input="Once", max_output_tokens=60, text_format=Person,
+                               temperature=0)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
+    with c.responses.stream(model="stories260k", input="Once", max_output_tokens=60, text_format=Person,
+                            temperature=0) as s:
+        final = s.get_final_response()
+    assert final.output_parsed == parsed.output_parsed and final.output_text == parsed.output_text
