@@ -53,11 +53,11 @@ def run(path: Path, n: int, args: argparse.Namespace) -> dict:
     shard = getattr(eng.model, "shard", None)
     if shard is not None:
         shard.comm_s = 0.0
-    steps0 = len(eng.step_records)
+    steps0 = eng.snapshot().steps
     t = time.perf_counter()
     outs = eng.generate(prompts, params)
     wall = time.perf_counter() - t
-    steps = len(eng.step_records) - steps0
+    steps = eng.snapshot().steps - steps0           # step_records stop at 4,096 (none with trace="off")
     result = {"tensor_parallel_size": n, "wall_s": wall,
               "tokens_per_s": sum(o.usage.returned_tokens for o in outs) / wall, "steps": steps,
               "step_ms": 1000 * wall / max(steps, 1),

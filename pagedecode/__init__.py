@@ -24,12 +24,13 @@ from .runtime.events import (DeltaEvent, RequestOutput, StartEvent, TerminalEven
                              STOP_RULE_VERSION)
 from .runtime.lifecycle import ALLOWED, FinishReason, RequestState
 from .runtime.registry import ForgottenRequestError
+from .runtime.snapshot import EngineSnapshot
 from .runtime.trace import to_chrome, to_jsonl
 
 
 __all__ = [
-    "ALLOWED", "AsyncEngine", "DeltaEvent", "DoubleReleaseError", "Engine", "EngineConfig", "FinishReason",
-    "ForgottenRequestError", "StructuredOutput", "TokenizerLike", "as_tokenizer",
+    "ALLOWED", "AsyncEngine", "DeltaEvent", "DoubleReleaseError", "Engine", "EngineConfig", "EngineSnapshot",
+    "FinishReason", "ForgottenRequestError", "StructuredOutput", "TokenizerLike", "as_tokenizer",
     "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "Model",
     "ModelConfig", "ModelLoadError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
     "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "Usage", "load_model",

@@ -13,7 +13,6 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -39,14 +38,12 @@ from .request import Attachment, Request
 from .scheduler import Scheduler, SchedulerOutput
 from .selector import Selection, TokenSelector, TopLogprobs
 from .slots import SlotTable
+from .snapshot import EngineSnapshot
 from .stream import EventBuffer
 from .terminations import RequestEndings
 from .trace import now_us
 
 
-@dataclass
-class EngineStats:
-    preemptions: int = 0
 S, R = RequestState, FinishReason
 ENDED = (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED)
 
@@ -99,7 +96,9 @@ class Engine(ConsumerSide, RequestEndings):
         self._lock = threading.RLock()
         self._outbox: list[Event] = []
         self._rng = random.Random(config.seed)
-        self._step_no = 0
+        self._step_no = 0           # steps that ran the model
+        self._prompt_tokens = 0     # counters for snapshot(): prompt tokens added, tokens chosen
+        self._generated_tokens = 0
         self.step_records: deque[dict[str, Any]] = deque(maxlen=4096 if config.trace != "off" else 0)
         self.selector = TokenSelector(self.eos_ids, config.max_batch_size, self.vocab_size, self.device,
                                       config.sampling_backend)
@@ -110,7 +109,6 @@ class Engine(ConsumerSide, RequestEndings):
                                        cache_bytes=config.grammar_cache_bytes,
                                        timeout_s=config.grammar_compile_timeout_s,
                                        max_depth=config.max_schema_depth, max_bytes=config.max_schema_bytes)
-        self.stats = EngineStats()
         # perf_counter microseconds + wall_offset_us = wall-clock microseconds (traces line up with logs)
         self.wall_offset_us = time.time() * 1e6 - now_us()
 
@@ -241,6 +239,7 @@ class Engine(ConsumerSide, RequestEndings):
         self.requests.add(req)
         req.trace.add("added", prompt_tokens=len(req.prompt_ids), seed=req.seed)
         req.transition(S.QUEUED)
+        self._prompt_tokens += len(req.prompt_ids)
         self._emit(req, StartEvent(req.request_id, req.take_seq(), self.model_name), self._outbox)
         self.scheduler.add(req)
         self._wake()
@@ -279,7 +278,6 @@ class Engine(ConsumerSide, RequestEndings):
             if plan.empty:
                 return events
             self._begin(plan)
-            self.stats.preemptions += len(plan.preempted)
         try:
             selection, failure = self._run(plan), None
         except Exception as exc:       # a device or sampler fault fails this step's requests, not the engine
@@ -305,6 +303,22 @@ class Engine(ConsumerSide, RequestEndings):
         for s in plan.decode:
             if s.request.trace.tokens:
                 s.request.trace.token("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's requests, pages, slots and counters at this moment (thread-safe, cheap:
+        one pass over the running and waiting requests)."""
+        with self._lock:
+            sch, pool, slots = self.scheduler, self.pool, self.slots
+            paused = sum(r.paused_since is not None for r in sch.running) + \
+                sum(r.paused_since is not None for r in sch.waiting)
+            return EngineSnapshot(
+                running=len(sch.running), waiting=len(sch.waiting), paused=paused,
+                finished_kept=self.requests.num_finished,
+                pages_used=pool.num_pages - pool.free_pages, pages_cached=pool.cached_pages,
+                pages_total=pool.num_pages, slots_used=slots.num_slots - slots.free_slots,
+                slots_total=slots.num_slots, preemptions=sch.preemptions,
+                prefix_cache_queries=sch.cache_queries, prefix_cache_hits=sch.cache_hits,
+                steps=self._step_no, prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens)
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: no step wrote a shared or cached page."""
@@ -357,6 +371,7 @@ class Engine(ConsumerSide, RequestEndings):
     def _on_token(self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None,
                   events: list[Event]) -> None:
         req.output_ids.append(token)
+        self._generated_tokens += 1
         t = len(req.output_ids)
         if req.state == S.PREFILLING:
             req.transition(S.DECODING)

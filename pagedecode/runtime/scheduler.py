@@ -53,6 +53,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.cache_queries = 0          # prompt tokens looked up in the prefix cache
         self.cache_hits = 0             # ... and found there
+        self.preemptions = 0            # requests sent back to the queue to free pages
         self._bad_writes: list[str] = []   # pages a step was planned to write that it must not
         self.slots = slots
         self.page_size = page_size
@@ -231,6 +232,7 @@ class Scheduler:
         return candidates[-1] if allow_active and candidates else None
 
     def preempt(self, req: Request) -> None:
+        self.preemptions += 1
         self.running.remove(req)
         self._give_back(req)
         req.num_computed = 0

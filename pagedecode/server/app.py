@@ -86,7 +86,6 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
             state.check_metrics_auth(request)
         except ApiError as e:
             return _error(e)
-        state.refresh_metrics()
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def generate(request: Request, chat: bool) -> Response:

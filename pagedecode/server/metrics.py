@@ -1,11 +1,21 @@
-"""Prometheus metrics, named after vLLM's with a `pagedecode:` prefix, in a registry per app."""
+"""Prometheus metrics, named after vLLM's with a `pagedecode:` prefix, in a registry per app.
+
+Per-request figures (latencies, tokens returned, endings) are counted by the server as it meters
+each request. The engine's own gauges and counters (requests running and waiting, KV usage,
+preemptions, prefix-cache lookups) are read from one `engine.snapshot()` at scrape time by
+`EngineCollector`: the server keeps no copy of them.
+"""
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..runtime.lifecycle import FinishReason
+from ..runtime.snapshot import EngineSnapshot
 
 # a request that ended as asked: its text complete (a stop, EOS, the grammar) or its length
 # reached; every other reason (cancelled, deadline_exceeded, content_interrupted, model_error,
@@ -13,37 +23,50 @@ from ..runtime.lifecycle import FinishReason
 SUCCESSES = frozenset({FinishReason.EOS, FinishReason.STOP_SEQUENCE, FinishReason.GRAMMAR_COMPLETE,
                        FinishReason.MAX_OUTPUT_TOKENS, FinishReason.CONTEXT_LIMIT})
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+P = "pagedecode:"
+
+
+class EngineCollector(Collector):
+    """The engine's metrics, all from one snapshot taken when /metrics is scraped. Counters keep
+    the exposition of a prometheus_client Counter: `NAME_total` and `NAME_created`."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.snapshot = snapshot
+        self.created = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        yield GaugeMetricFamily(P + "num_requests_running", "Requests holding a batch slot", value=s.running)
+        yield GaugeMetricFamily(P + "num_requests_waiting", "Requests queued", value=s.waiting)
+        yield GaugeMetricFamily(P + "kv_cache_usage_perc", "Fraction of KV pages in use", value=s.kv_cache_usage)
+        for name, doc, value in (
+                ("num_preemptions", "Requests preempted", s.preemptions),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+                ("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_cache_hits)):
+            yield CounterMetricFamily(P + name, doc, value=value, created=self.created)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         r = self.registry = CollectorRegistry()
-        p = "pagedecode:"
 
         def hist(name: str, doc: str) -> Histogram:
-            return Histogram(p + name, doc, registry=r, buckets=LATENCY_BUCKETS)
+            return Histogram(P + name, doc, registry=r, buckets=LATENCY_BUCKETS)
         self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first returned token")
         self.itl = hist("inter_token_latency_seconds", "Time between returned deltas")
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the terminal event")
         self.queue = hist("request_queue_time_seconds", "Time queued before first scheduled")
         self.prefill = hist("request_prefill_time_seconds", "Time in steps that computed the prompt")
         self.decode = hist("request_decode_time_seconds", "Time in steps that computed output tokens")
-        self.running = Gauge(p + "num_requests_running", "Requests holding a batch slot", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued", registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV pages in use", registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens returned to clients", registry=r)
-        self.success = Counter(p + "request_success", "Requests that ended normally, by finish reason",
+        r.register(EngineCollector(snapshot))
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens returned to clients", registry=r)
+        self.success = Counter(P + "request_success", "Requests that ended normally, by finish reason",
                                ["finished_reason"], registry=r)
-        self.failure = Counter(p + "request_failure", "Requests cancelled, timed out or failed, by finish reason",
+        self.failure = Counter(P + "request_failure", "Requests cancelled, timed out or failed, by finish reason",
                                ["reason"], registry=r)
-        self.preemptions = Counter(p + "num_preemptions", "Requests preempted", registry=r)
-        self.disconnects = Counter(p + "disconnects", "Clients that went away before the end", registry=r)
-        self.replays = Counter(p + "idempotent_replays", "Retries served from an existing request", registry=r)
-        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      registry=r)
-        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens served from the prefix cache",
-                                   registry=r)
+        self.disconnects = Counter(P + "disconnects", "Clients that went away before the end", registry=r)
+        self.replays = Counter(P + "idempotent_replays", "Retries served from an existing request", registry=r)
 
     def ended(self, reason: FinishReason | None) -> None:
         """Count a request's ending: a success when it ended as asked (see SUCCESSES)."""
@@ -51,12 +74,6 @@ class Metrics:
             self.success.labels(finished_reason=reason.value).inc()
         else:
             self.failure.labels(reason=reason.value if reason is not None else "none").inc()
-
-    def refresh(self, engine: Any) -> None:
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting))
-        pool = engine.pool
-        self.kv_usage.set((pool.num_pages - pool.free_pages) / pool.num_pages)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -122,7 +122,7 @@ class ServerState:
         self.engine = ae.engine
         self.chat_template = chat_template
         self.o = options
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.engine.snapshot)
         self.draining = False
         self.tracks: weakref.WeakValueDictionary[str, Track] = weakref.WeakValueDictionary()
         self.keys: OrderedDict[tuple[str, str, str], IdempotencyEntry] = OrderedDict()  # (tenant, endpoint, key)
@@ -131,8 +131,6 @@ class ServerState:
         if chat_template is not None and not options.allow_special_tokens_in_content \
                 and isinstance(tok, EscapesSpecialTokens):
             tok.escape_specials("")       # builds the escape (a tokenizer copy) now, not during a request
-        self._preemptions_seen = 0
-        self._cache_seen = (0, 0)
 
     # -- admission -------------------------------------------------------------------------
     def check_auth(self, request: Request) -> str:
@@ -200,7 +198,7 @@ class ServerState:
         when the queue is empty, never waits forever)."""
         if self.draining or not self.ae.running:
             raise ApiError(503, "the server is starting or shutting down", headers={"Retry-After": "1"})
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = self.engine.snapshot().waiting
         cap = self.o.max_queued_requests
         if waiting >= cap or waiting > 0 and waiting + count > cap:
             raise ApiError(429, f"{waiting} requests are already waiting", code="queue_full",
@@ -350,16 +348,6 @@ class ServerState:
         if self.o.log_text:
             record["text"] = out.text
         log.info("request %s", json.dumps(record))
-
-    def refresh_metrics(self) -> None:
-        self.metrics.refresh(self.engine)
-        stats = self.engine.stats
-        self.metrics.preemptions.inc(stats.preemptions - self._preemptions_seen)
-        self._preemptions_seen = stats.preemptions
-        sch = self.engine.scheduler
-        self.metrics.prefix_queries.inc(sch.cache_queries - self._cache_seen[0])
-        self.metrics.prefix_hits.inc(sch.cache_hits - self._cache_seen[1])
-        self._cache_seen = (sch.cache_queries, sch.cache_hits)
 
 
 def tenants(options: ServerOptions) -> list[tuple[bytes, str]]:
