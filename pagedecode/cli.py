@@ -18,17 +18,6 @@ DEMO_PROMPTS = ["The lighthouse keeper", "In the village below,", "A small river
 EXIT_INTERRUPTED = 130
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each option's default shown once: appended, unless the help already says it or there is
-    nothing to say (None, whose meaning the help gives, and an off flag)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "(default" in text or action.default is None or (action.nargs == 0 and action.default is False):
-            return text
-        return super()._get_help_string(action)
-
-
 class CliError(Exception):
     """A bad option or environment: one line on stderr, exit 2."""
 
@@ -197,6 +186,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .server.serve import HelpFormatter, add_arguments
     ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--version", action="version", version=f"pagedecode {__version__}")
@@ -234,7 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--requests", type=_positive, default=8, help="number of concurrent requests")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pagedecode[server])",
                        formatter_class=HelpFormatter)
-    from .server.serve import add_arguments
     add_arguments(s)
     return ap
 

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from ..params import unicode_error
-from .protocol import ApiError
+from .errors import ApiError
 
 MAX_DEPTH = 64          # levels of arrays and objects; a chat body needs 4, a JSON schema rarely 20
 

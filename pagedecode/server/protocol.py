@@ -15,6 +15,7 @@ from ..errors import InvalidRequestError
 from ..params import MAX_LOGPROBS, SamplingParams
 from ..runtime.events import RequestOutput, Usage
 from ..runtime.lifecycle import FinishReason
+from .errors import ApiError
 
 # pagedecode's reasons as OpenAI clients know them; every other reason keeps its own name
 OPENAI_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop", FinishReason.GRAMMAR_COMPLETE: "stop",
@@ -22,34 +23,6 @@ OPENAI_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop", F
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "seed")
-
-
-class ApiError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, headers: Mapping[str, str] | None = None) -> None:
-        message, param = _printable(message), None if param is None else _printable(param)
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              405: "invalid_request_error",
-                              409: "conflict_error", 413: "invalid_request_error",
-                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _printable(text: str, limit: int = 1000) -> str:
-    """Error text as a client can always receive it: lone surrogates escaped (UTF-8 cannot carry
-    them), a value quoted from a huge request cut short."""
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def bad(param: str, message: str) -> ApiError:

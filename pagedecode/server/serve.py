@@ -20,6 +20,17 @@ ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name",)
 FLUSH_S = 5.0     # after the drain: for cancels to take effect and clients to get their endings
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default shown once: appended, unless the help already says it or there is
+    nothing to say (None, whose meaning the help gives, and an off flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is None or (action.nargs == 0 and action.default is False):
+            return text
+        return super()._get_help_string(action)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
@@ -100,7 +111,6 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     from .protocol import Limits
     from .transport import BACKLOG, ConnectionLimits, DrainingServer, GuardedH11Protocol, default_max_connections
     if parsed is None:
-        from ..cli import HelpFormatter
         ap = argparse.ArgumentParser(prog="pagedecode serve", formatter_class=HelpFormatter)
         add_arguments(ap)
         parsed = ap.parse_args(argv)

@@ -1,0 +1,119 @@
+"""The package's layers: outside pagedecode/runtime/ nothing reads the engine's internals (it
+reads `engine.snapshot()` and public methods), and no modules import each other in a circle,
+directly or through others, deferred (function-level) imports included."""
+import ast
+from pathlib import Path
+
+import pagedecode
+
+PACKAGE = Path(pagedecode.__file__).parent
+# the engine's parts: they change with the runtime, so only runtime/ may reach them
+INTERNALS = {"scheduler", "pool", "slots", "stats", "requests"}
+
+
+def engine_like(node):
+    """`engine`, `self.engine`, `state.engine`, `ae.engine`, ...: an expression naming an engine."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name in ("engine", "eng") or name.endswith("_engine")
+
+
+def internal_reads(tree):
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        private = node.attr.startswith("_") and not node.attr.startswith("__")
+        if node.attr == "scheduler" or (engine_like(node.value) and (private or node.attr in INTERNALS)):
+            yield node.lineno, ast.unparse(node)
+
+
+def outer_modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "runtime" not in p.relative_to(PACKAGE).parts)
+
+
+def test_nothing_outside_runtime_reads_the_engines_internals():
+    found = [f"{p.relative_to(PACKAGE.parent)}:{line}: {text}" for p in outer_modules()
+             for line, text in sorted(internal_reads(ast.parse(p.read_text(), str(p))))]
+    assert not found, "read engine.snapshot() or a public method instead:\n" + "\n".join(found)
+
+
+def test_the_check_sees_what_it_forbids():
+    src = ("n = len(self.engine.scheduler.waiting)\nengine._get(rid)\nstate.engine.pool.free_pages\n"
+           "x = ae.engine.stats\nself.engine.snapshot().waiting\nengine.__class__\n")
+    assert [text for _, text in sorted(internal_reads(ast.parse(src)))] == [
+        "self.engine.scheduler", "engine._get", "state.engine.pool", "ae.engine.stats"]
+
+
+def module_names():
+    """Module name -> file, for every module of the package (compiled extensions too)."""
+    out = {}
+    for p in PACKAGE.rglob("*"):
+        if p.suffix not in (".py", ".so", ".pyd") or "__pycache__" in p.parts:
+            continue
+        parts = p.relative_to(PACKAGE.parent).parts
+        parts = parts[:-1] + (p.name.split(".")[0],)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def imports_of(name, path, modules):
+    """The package's modules `name` imports (a package, for `from pkg import attribute`)."""
+    if path.suffix != ".py":
+        return set()
+    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def cycles(graph):
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def import_graph():
+    modules = module_names()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_import_graph_has_no_circle():
+    graph = import_graph()
+    assert "pagedecode.runtime.engine" in graph["pagedecode.runtime.async_engine"]
+    found = cycles(graph)
+    assert not found, "modules that import each other: " + "; ".join(
+        " <-> ".join(c) + " (" + ", ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) + ")" for c in found)
+
+
+def test_the_cycle_finder_finds_circles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
