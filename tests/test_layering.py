@@ -1,6 +1,7 @@
 """The package's layers: outside pagedecode/runtime/ nothing reads the engine's internals (it
 reads `engine.snapshot()` and public methods), and no modules import each other in a circle,
-directly or through others, deferred (function-level) imports included."""
+directly or through others, deferred (function-level) imports included; imports under
+`if TYPE_CHECKING:` (annotations only, never run) are not edges."""
 import ast
 from pathlib import Path
 
@@ -55,13 +56,26 @@ def module_names():
     return out
 
 
+def executed(tree):
+    """Every node, except the bodies of `if TYPE_CHECKING:` (imports for annotations only, which
+    never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
 def imports_of(name, path, modules):
     """The package's modules `name` imports (a package, for `from pkg import attribute`)."""
     if path.suffix != ".py":
         return set()
     here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in executed(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -112,6 +126,13 @@ def test_the_import_graph_has_no_circle():
     found = cycles(graph)
     assert not found, "modules that import each other: " + "; ".join(
         " <-> ".join(c) + " (" + ", ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) + ")" for c in found)
+
+
+def test_imports_for_annotations_only_are_not_edges(tmp_path):
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n"
+                                   "else:\n    from . import c\ndef f():\n    from . import d\n")
+    modules = {m: tmp_path / f"{m.split('.')[-1]}.py" for m in ("p.a", "p.b", "p.c", "p.d")}
+    assert imports_of("p.a", modules["p.a"], modules) == {"p.c", "p.d"}
 
 
 def test_the_cycle_finder_finds_circles():
