@@ -11,7 +11,7 @@ PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 $(BIN)/.installed: pyproject.toml setup.py csrc/cpu_forward.cpp csrc/quant_matmul.h
 	$(PY) -m venv $(VENV)
 	$(PIP) "$(TORCH_SPEC)" "setuptools>=68" wheel
-	$(PIP) --no-build-isolation -e ".[test]"
+	$(PIP) --no-build-isolation -e ".[test]" "$(TORCH_SPEC)"   # the pin again: no extra (lm-eval's) moves torch
 	touch $@
 
 .PHONY: install demo test bench clean

@@ -99,7 +99,7 @@ def _stop_id_seqs(v: Any) -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16                 # most output tokens to select (>= 1)
+    max_tokens: int = 16                 # most output tokens to select (>= 1; 0 only with prompt_logprobs)
     temperature: float = 0.0             # 0 means greedy
     top_k: int = 0                       # 0 disables; keeps ties at the k-th value
     top_p: float = 1.0                   # in (0, 1]; 1 disables
@@ -116,6 +116,7 @@ class SamplingParams:
     min_tokens: int = 0                  # EOS / stop ids masked, stop strings deferred until then
     skip_special_tokens: bool = True
     logprobs: int | None = None          # None: none reported; 0..20: the chosen token's
+    prompt_logprobs: int | None = None   # None: off; 0: each prompt token's logprob; N: also its N most likely
     deadline_s: float | None = None      # seconds from add_request
     first_token_timeout_s: float | None = None   # no token selected within it: FAILED deadline_exceeded
     utf8_errors: str = "strict"          # "strict": an unfinished character fails; "replace"
@@ -125,7 +126,11 @@ class SamplingParams:
     stop_id_seqs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise _bad("max_tokens", "0 asks for nothing (it is allowed only with prompt_logprobs)", 0)
+        _int("max_tokens", self.max_tokens, 0, MAX_INT32)
         _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
         _int("top_k", self.top_k, 0, MAX_INT32)
         _real("top_p", self.top_p, 0.0, 1.0, lo_open=True)

@@ -25,14 +25,17 @@ class ForwardBatch:
     page_table: torch.Tensor       # (S, max_pages) int32
     seq_lens: torch.Tensor         # (S,) int32, after this step's writes
     cu_q: torch.Tensor             # (S + 1,) int32
-    logits_indices: torch.Tensor   # (N,) int64: rows whose logits are wanted (last row of a seq)
+    logits_indices: torch.Tensor   # (N + P,) int64: rows whose logits are wanted: the last row of each
+                                   # sampling seq, then P rows whose logits score prompt tokens
     num_decode: int                # leading sequences with exactly one new token
     max_new: int                   # most new tokens of any sequence
     # host-side facts for test doubles and tracing; references, never copied per step
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)   # each seq's prompt ids
     output_ids: list[list[int]] = field(default_factory=list)  # each seq's selected ids so far
-    logits_seqs: list[int] = field(default_factory=list)       # which seqs own logits_indices
+    logits_seqs: list[int] = field(default_factory=list)       # which seqs own logits_indices[:N]
+    # prompt_logprobs: (seq, first prompt token scored, count) for logits_indices[N:], in order
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -184,13 +184,19 @@ class Tokenizer:
         """Ids of `text`. With add_special_tokens, BOS (and EOS) are added by tokenizer_config's
         add_bos_token / add_eos_token when it has them, else by the tokenizer's own
         post-processor (as transformers does). Text that is already rendered with its special
-        tokens (a chat template) is encoded with add_special_tokens=False: no second BOS."""
+        tokens (a chat template) is encoded with add_special_tokens=False: no second BOS.
+        Text that already begins with the BOS token's string (lm-eval's decoded requests, a
+        prompt a client rendered itself) gets no second BOS either."""
         if not add_special_tokens:
             return list(self._tok.encode(text, add_special_tokens=False).ids)
+        bos = self.bos_token_id
         if self.add_bos is None:
-            return list(self._tok.encode(text, add_special_tokens=True).ids)
+            ids = list(self._tok.encode(text, add_special_tokens=True).ids)
+            if bos is not None and ids[:2] == [bos, bos]:
+                return ids[1:]
+            return ids
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
-        if self.add_bos and self.bos_token_id is not None:
+        if self.add_bos and bos is not None and ids[:1] != [bos]:
             ids = [int(self.bos_token_id)] + ids
         if self.add_eos and self.eos_token_ids:
             ids = ids + [self.eos_token_ids[0]]

@@ -19,6 +19,8 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
     lens: list[int] = []
     logits_rows: list[int] = []
     logits_seqs: list[int] = []
+    prompt_rows: list[int] = []                       # rows whose logits score prompt tokens
+    prompt_spans: list[tuple[int, int, int]] = []
     max_pages = max(len(s.request.pages) for s in seqs)
     table: list[int] = []
     rows = 0
@@ -34,6 +36,10 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
                 ids.append(req.token_at(pos))
                 slots.append(pages[pos // page_size] * page_size + pos % page_size)
             positions.extend(range(start, start + n))
+        scored = req.prompt_logprob_positions(start, n)
+        if scored:
+            prompt_rows.extend(rows + p - start for p in scored)
+            prompt_spans.append((i, scored.start + 1, len(scored)))
         rows += n
         cu.append(rows)
         lens.append(start + n)
@@ -44,6 +50,7 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
             logits_rows.append(rows - 1)
             logits_seqs.append(i)
 
+    logits_rows += prompt_rows
     S, T, N = len(seqs), rows, len(logits_rows)
     wide = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.int64)
     narrow = torch.tensor(table + lens + cu, dtype=torch.int32)
@@ -57,5 +64,5 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
         num_decode=len(plan.decode), max_new=max(s.num_new for s in seqs),
         request_ids=[s.request.request_id for s in seqs],
         token_ids=[s.request.prompt_ids for s in seqs],
-        logits_seqs=logits_seqs,
+        logits_seqs=logits_seqs, prompt_spans=prompt_spans,
         output_ids=[s.request.output_ids for s in seqs])

@@ -36,7 +36,7 @@ from .prefix_cache import namespace, register as register_pages
 from .registry import RequestRegistry
 from .request import Attachment, Request
 from .scheduler import Scheduler, SchedulerOutput
-from .selector import Selection, TokenSelector, TopLogprobs
+from .selector import Selection, TokenSelector, TopLogprobs, prompt_logprobs
 from .slots import SlotTable
 from .snapshot import EngineSnapshot
 from .stream import EventBuffer
@@ -331,16 +331,21 @@ class Engine(ConsumerSide, RequestEndings):
         batch = build_batch(plan, self.config.page_size, self.device)
         logits = self.model.forward(batch, self.kv)
         choosers = [s.request for s in plan.seqs if s.samples]
-        if logits.shape[0] != len(choosers):
-            raise RuntimeError(f"the model returned {logits.shape[0]} rows of logits for {len(choosers)} sequences")
+        n, scored = len(choosers), sum(c for _, _, c in batch.prompt_spans)
+        if logits.shape[0] != n + scored:
+            raise RuntimeError(f"the model returned {logits.shape[0]} rows of logits for {n} sequences"
+                               + (f" and {scored} prompt positions (prompt_logprobs)" if scored else ""))
         bitmask = self.constraints.rows([r.grammar for r in choosers], [r.slot for r in choosers],
                                         [len(r.output_ids) for r in choosers])
-        return self.selector.select(logits, choosers, bitmask)
+        selection = self.selector.select(logits[:n], choosers, bitmask)
+        if scored:
+            selection.prompt = prompt_logprobs(logits[n:], batch.prompt_spans, [s.request for s in plan.seqs])
+        return selection
 
     def _commit(self, plan: SchedulerOutput, sel: Selection, dt: float, events: list[Event]) -> None:
         row = 0
         caching, ps = self.config.enable_prefix_caching, self.config.page_size
-        for s in plan.seqs:
+        for k, s in enumerate(plan.seqs):
             req, i = s.request, row
             row += s.samples
             if req.state == S.CANCEL_REQUESTED or req.state.terminal:
@@ -358,7 +363,11 @@ class Engine(ConsumerSide, RequestEndings):
                     req.timings.prefill_s += dt
                     if req.trace.tokens:
                         req.trace.token("prefill.chunk", tokens=s.num_new, cache_len=req.num_computed)
-                if s.samples:
+                if sel.prompt is not None and k in sel.prompt:
+                    self._on_prompt_logprobs(req, *sel.prompt[k])
+                if s.samples and req.params.max_tokens == 0:      # prompt logprobs only: no token
+                    self._finish(req, R.MAX_OUTPUT_TOKENS, events)
+                elif s.samples:
                     if i in sel.bad:
                         raise FloatingPointError("the model returned non-finite logits (NaN or inf) for it")
                     if i in sel.empty:
@@ -367,6 +376,15 @@ class Engine(ConsumerSide, RequestEndings):
                                    None if sel.top is None else sel.top[i], events)
             except Exception as exc:
                 self._fail(req, exc, events)
+
+    @staticmethod
+    def _on_prompt_logprobs(req: Request, first: int, lps: list[float], tops: list[TopLogprobs] | None) -> None:
+        if first != len(req.prompt_lps):
+            raise RuntimeError(f"prompt logprobs from token {first} computed, but {len(req.prompt_lps)} are known")
+        req.prompt_lps.extend(lps)
+        req.prompt_tops.extend(tops if tops is not None else [None] * len(lps))
+        if req.trace.tokens:
+            req.trace.token("prompt_logprobs", first=first, count=len(lps))
 
     def _on_token(self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None,
                   events: list[Event]) -> None:

@@ -73,6 +73,10 @@ class RequestOutput:
     logprobs: list[float | None] | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     stop_rule_version: int = STOP_RULE_VERSION
+    # SamplingParams.prompt_logprobs: prompt token j's logprob (None for the first token), and its
+    # N most likely alternatives at that position ((id, logprob) x N; None when N is 0)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...] | None] | None = None
     timings: Timings = field(default_factory=Timings)
 
     @property

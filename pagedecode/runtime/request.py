@@ -22,7 +22,7 @@ from ..params import SamplingParams
 from .events import DeltaEvent, Event, RequestOutput, Timings, Usage
 from .history import CompactHistory
 from .lifecycle import FinishReason, RequestState, check_transition
-from .output import Emission, OutputPipeline
+from .output import Emission, OutputPipeline, TopLogprobs
 from .stream import EventBuffer
 from .trace import Trace
 
@@ -73,10 +73,25 @@ class Request:
     released: set[str] = field(default_factory=set)
     attachment: Attachment | None = None
     pins: int = 0                         # consumers that will read it: it is not forgotten meanwhile
+    # prompt_logprobs: entry j is prompt token j's logprob (None for the first), filled in order as
+    # prefill chunks compute them; a recompute after preemption does not compute them again
+    prompt_lps: list[float | None] = field(default_factory=lambda: [None])
+    prompt_tops: list[TopLogprobs | None] = field(default_factory=lambda: [None])
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def prompt_logprob_positions(self, start: int, n: int) -> range:
+        """The positions among start : start + n whose logits give a prompt token's logprob that
+        it still needs (position p's logits score prompt token p + 1)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_lps) - 1), min(start + n, len(self.prompt_ids) - 1))
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_lps) < len(self.prompt_ids)
 
     def token_at(self, position: int) -> int:
         m = len(self.prompt_ids)
@@ -164,7 +179,9 @@ class Request:
             token_ids=ids, text=text,
             state=self.state, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             usage=self.usage(), error=self.error, selected_token_ids=list(self.output_ids),
-            logprobs=logprobs, top_logprobs=top, timings=Timings(**vars(self.timings)))
+            logprobs=logprobs, top_logprobs=top, timings=Timings(**vars(self.timings)),
+            prompt_logprobs=None if self.params.prompt_logprobs is None else list(self.prompt_lps),
+            prompt_top_logprobs=list(self.prompt_tops) if self.params.prompt_logprobs else None)
 
     def mark_released(self, resource: str) -> None:
         """Each resource is released exactly once; a second release is a bug and raises."""
@@ -180,7 +197,9 @@ class Request:
         ids = ids_bytes(self.prompt_ids) + ids_bytes(self.output_ids)
         texts = sum(len(s) for s in self.params.stop_strings) + len(self.error or "")
         attached = 0 if self.attachment is None else self.attachment.kept_bytes()
-        return BASE_BYTES + ids + history + RECORD_BYTES * len(self.trace.records) + texts + attached
+        prompt_lps = 0 if self.params.prompt_logprobs is None else len(self.prompt_lps) * (
+            32 + 8 + (120 + 90 * self.params.prompt_logprobs if self.params.prompt_logprobs else 0))
+        return BASE_BYTES + ids + history + RECORD_BYTES * len(self.trace.records) + texts + attached + prompt_lps
 
 
 def ids_bytes(ids: list[int]) -> int:

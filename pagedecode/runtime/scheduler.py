@@ -165,6 +165,9 @@ class Scheduler:
         """Take the longest cached prefix of a request that holds no pages; tokens matched."""
         if not self.prefix_caching or req.pages:
             return 0
+        if req.needs_prompt_logprobs:          # cached K/V would skip the logits it asks for
+            req.trace.add("prefix_cache.bypassed", reason="prompt_logprobs")
+            return 0
         from .prefix_cache import match
         pages = match(self.pool, req, self.page_size)
         for p in pages:

@@ -27,6 +27,32 @@ class Selection:
     bad: frozenset[int]                  # rows whose logits were not usable (NaN / inf, or all -inf)
     top: list[TopLogprobs] | None = None  # per row, its N most likely (id, logprob); None: nobody asked
     empty: frozenset[int] = frozenset()  # rows left with no allowed token (bias, min_tokens, grammar)
+    # prompt_logprobs: seq index -> (first prompt token scored, its logprobs, their top N or None)
+    prompt: dict[int, tuple[int, list[float], list[TopLogprobs] | None]] | None = None
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[int, int, int]], reqs: Sequence[Request]
+                    ) -> dict[int, tuple[int, list[float], list[TopLogprobs] | None]]:
+    """logits (P, V): the model's rows for the prompt positions in `spans` ((seq, first token
+    scored, count), in row order; reqs[seq] owns it). Each prompt token's logprob is the float32
+    log-softmax of the model's raw logits at the position before it (no penalties, bias or
+    temperature: what the model assigns), with the N most likely tokens when N > 0."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    out: dict[int, tuple[int, list[float], list[TopLogprobs] | None]] = {}
+    row = 0
+    for seq, first, count in spans:
+        req = reqs[seq]
+        part = lsm[row:row + count]
+        row += count
+        targets = torch.tensor(req.prompt_ids[first:first + count], device=part.device)
+        own = part.gather(1, targets[:, None])[:, 0].tolist()
+        n = req.params.prompt_logprobs or 0
+        tops: list[TopLogprobs] | None = None
+        if n:
+            values, ids = part.topk(min(n, part.shape[-1]), dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        out[seq] = (first, own, tops)
+    return out
 
 
 def uses_penalties(p: SamplingParams) -> bool:

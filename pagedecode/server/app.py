@@ -23,7 +23,7 @@ from ..runtime.trace import to_chrome
 from .chat import ChatTemplate
 from .guard import RequestGuard
 from .protocol import ApiError, chat_choice, completion_choice, finish_reason, now, parse_request, stop_reason, usage_body
-from .responses import chunk_body, logprobs_body, sse, sum_usage
+from .responses import chunk_body, echo_logprobs_body, logprobs_body, prompt_logprobs_body, sse, sum_usage
 from .responses_api import routes as responses_routes
 from .state import ServerOptions, ServerState, Track
 
@@ -264,8 +264,15 @@ async def _collect_all(state: ServerState, request: Request, tracks: list[Track]
     chat, reply = tracks[0].chat, tracks[0].reply
     choices = []
     for i, out in enumerate(outs):
-        lps = logprobs_body(state, out, chat, reply.top_logprobs) if reply.logprobs else None
-        choices.append((chat_choice if chat else completion_choice)(i, out, out.text, lps))
+        text = out.text
+        if tracks[i].reply.echo is not None:
+            lps = echo_logprobs_body(state, out, reply.top_logprobs) if reply.logprobs else None
+            text = tracks[i].reply.echo + text
+        else:
+            lps = logprobs_body(state, out, chat, reply.top_logprobs) if reply.logprobs else None
+        choices.append((chat_choice if chat else completion_choice)(i, out, text, lps))
+        if reply.prompt_logprobs is not None:
+            choices[-1]["prompt_logprobs"] = prompt_logprobs_body(state, out)
     body: dict[str, Any] = {"id": tracks[0].request_id, "object": "chat.completion" if chat else "text_completion",
                             "created": tracks[0].created, "model": state.o.model_name, "choices": choices,
                             "usage": sum_usage(outs, n)}

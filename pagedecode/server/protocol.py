@@ -59,6 +59,8 @@ class Parsed:
     top_logprobs: int = 0
     fields: Mapping[str, str] = field(default_factory=dict)    # SamplingParams' names -> the request's
     prompts: list[Prompt] = field(default_factory=list)         # completions: every prompt of the batch
+    echo: bool = False                    # completions: the prompt comes back before the completion
+    prompt_logprobs: int | None = None    # vLLM's prompt_logprobs field: the choices carry them
 
 
 
@@ -105,8 +107,17 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     """max_prompts: the most prompts one completions request may batch (--max-prompts-per-request)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    if _bool(body, "echo"):
-        raise bad("echo", "is not supported by this server")
+    echo = _bool(body, "echo")
+    if echo and chat:
+        raise bad("echo", "is supported on /v1/completions only")
+    if echo and _bool(body, "stream"):
+        raise bad("echo", "is not supported with stream: true")
+    vllm_prompt_lps = _int(body, "prompt_logprobs")
+    if vllm_prompt_lps is not None:
+        if chat:
+            raise bad("prompt_logprobs", "is supported on /v1/completions only")
+        if not 0 <= vllm_prompt_lps <= limits.max_top_logprobs:
+            raise bad("prompt_logprobs", f"must be in [0, {limits.max_top_logprobs}], got {vllm_prompt_lps}")
     for name, ok in (("best_of", lambda v: v in (None, 1)), ("suffix", lambda v: not v), ("tools", lambda v: not v)):
         if name in body and not ok(body[name]):
             raise bad(name, "is not supported by this server")
@@ -133,8 +144,8 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     max_tokens = _int(body, max_name)
     if max_tokens is None:
         max_tokens = min(limits.max_tokens, 16 if not chat else limits.max_tokens)
-    if not 1 <= max_tokens <= limits.max_tokens:
-        raise bad(max_name, f"must be in [1, {limits.max_tokens}], got {max_tokens}")
+    if not (1 if not echo else 0) <= max_tokens <= limits.max_tokens:
+        raise bad(max_name, f"must be in [1, {limits.max_tokens}] ([0, ...] with echo: true), got {max_tokens}")
     n = _int(body, "n")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_N:
@@ -208,6 +219,10 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     if sampling.get("top_k") == -1:
         sampling["top_k"] = 0                     # vLLM's "disabled"
     structured = structured_output(body)
+    # the engine's prompt logprobs: echoed with logprobs N, asked by vLLM's field, or all that
+    # max_tokens 0 with echo computes (it still runs the prefill)
+    asked = [v for v in (logprobs if echo else None, vllm_prompt_lps) if v is not None]
+    prompt_logprobs = max(asked) if asked else 0 if echo and max_tokens == 0 else None
     fields = {"prompt": "messages" if chat else "prompt", "max_tokens": max_name, "deadline_s": "timeout",
               "first_token_timeout_s": "first_token_timeout",
               "structured_output": "structured_outputs" if body.get("response_format") is None else "response_format"}
@@ -215,13 +230,14 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
         params = SamplingParams(structured_output=structured,
             max_tokens=max_tokens, stop=stops, stop_token_ids=_given(body, "stop_token_ids", ()),
             ignore_eos=_bool(body, "ignore_eos"), min_tokens=_int(body, "min_tokens") or 0,
-            logit_bias=logit_bias, logprobs=logprobs, deadline_s=timeout, first_token_timeout_s=first,
+            logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            deadline_s=timeout, first_token_timeout_s=first,
             skip_special_tokens=_bool(body, "skip_special_tokens", True),
             include_stop_str_in_output=_bool(body, "include_stop_str_in_output"), **sampling)
     except InvalidRequestError as e:
         raise invalid(e, fields) from None
     return Parsed(prompt, messages, params, stream, include_usage, n, first,
-                  on_disconnect, top_logprobs, fields, prompts)
+                  on_disconnect, top_logprobs, fields, prompts, echo, vllm_prompt_lps)
 
 
 def _token_ids(value: Any) -> bool:

@@ -65,6 +65,44 @@ def logprobs_body(state: ServerState, out: RequestOutput | DeltaEvent, chat: boo
             "text_offset": offsets}
 
 
+def echo_logprobs_body(state: ServerState, out: RequestOutput, top_n: int) -> Any:
+    """OpenAI's legacy logprobs object over prompt + completion (echo: true): the prompt's tokens
+    first, the first one's logprob and top logprobs null, text offsets running on through both."""
+    prompt: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    tops = out.prompt_top_logprobs or [None] * len(lps)
+    at = 0
+    for t, lp, top in zip(out.prompt_token_ids, lps, tops):
+        s = _token_str(state, t)
+        prompt["tokens"].append(s)
+        prompt["token_logprobs"].append(lp)
+        prompt["top_logprobs"].append(None if top is None else {_token_str(state, i): v for i, v in top[:top_n]})
+        prompt["text_offset"].append(at)
+        at += len(s)
+    completion = logprobs_body(state, out, False, top_n, at)
+    body = {k: prompt[k] + completion[k] for k in ("tokens", "token_logprobs", "text_offset")}
+    body["top_logprobs"] = prompt["top_logprobs"] + completion["top_logprobs"] if top_n else None
+    return body
+
+
+def prompt_logprobs_body(state: ServerState, out: RequestOutput) -> list[Any]:
+    """vLLM's prompt_logprobs: per prompt token (null for the first), {id: {logprob, rank?,
+    decoded_token}} for the token itself and its N most likely alternatives."""
+    body: list[Any] = []
+    tops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
+    for t, lp, top in zip(out.prompt_token_ids, out.prompt_logprobs or [], tops):
+        if lp is None:
+            body.append(None)
+            continue
+        entry = {str(t): {"logprob": lp, "decoded_token": _token_str(state, t)}}
+        for rank, (i, v) in enumerate(top or (), 1):
+            entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": _token_str(state, i)})
+            if i == t:
+                entry[str(t)]["rank"] = rank
+        body.append(entry)
+    return body
+
+
 def chunk_body(rid: str, obj: str, created: int, model: str, chat: bool, text: str, index: int = 0
                ) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": None}

@@ -55,11 +55,13 @@ class Reply:
     logprobs: bool                    # the choices carry logprobs
     top_logprobs: int
     on_disconnect: str | None
+    echo: str | None = None           # completions, echo: true: the prompt's text, put first
+    prompt_logprobs: int | None = None   # vLLM's field: each choice carries prompt_logprobs
 
     @classmethod
     def of(cls, parsed: Parsed) -> "Reply":
         return cls(parsed.include_usage, parsed.params.logprobs is not None, parsed.top_logprobs,
-                   parsed.on_disconnect)
+                   parsed.on_disconnect, None, parsed.prompt_logprobs)
 
 
 @dataclass
@@ -83,7 +85,8 @@ class Track:
 
     def kept_bytes(self) -> int:
         """What a Track adds to its finished request (tests/server/test_memory_http.py measures it)."""
-        return TRACK_BYTES + (self.response.kept_bytes() if self.response is not None else 0)
+        return TRACK_BYTES + (self.response.kept_bytes() if self.response is not None else 0) + (
+            len(self.reply.echo) if self.reply.echo is not None else 0)
 
 
 TRACK_BYTES = 500          # the Track (~320 bytes) and its entry in `tracks`
@@ -224,9 +227,13 @@ class ServerState:
         choices are what a request for that prompt alone would get. request_id and response (a
         /v1/responses request: one prompt, n 1) name the request and keep its fields."""
         tracks: list[Track] = []
-        reply = Reply.of(parsed)
+        shape = Reply.of(parsed)
         try:
             for prompt in prompts:
+                reply = shape
+                if parsed.echo:        # a string prompt comes back as given, ids as their text
+                    text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt, True)
+                    reply = replace(shape, echo=text)
                 for j in range(parsed.n):
                     params = parsed.params
                     if parsed.n > 1 and params.seed is not None:

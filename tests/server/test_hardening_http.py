@@ -38,7 +38,7 @@ COMMON = ["model", "echo", "best_of", "suffix", "tools", "user", "chat_template"
           "skip_special_tokens", "include_stop_str_in_output", "response_format", "response_format.type",
           "response_format.json_schema", "response_format.json_schema.schema", "structured_outputs",
           "structured_outputs.json", "structured_outputs.regex", "structured_outputs.choice",
-          "structured_outputs.grammar", "structured_outputs.json_object"]
+          "structured_outputs.grammar", "structured_outputs.json_object", "prompt_logprobs"]
 FIELDS = {"/v1/completions": ["prompt"] + COMMON,
           "/v1/chat/completions": ["messages", "messages[0]", "messages[0].role", "messages[0].content",
                                    "max_completion_tokens", "top_logprobs"] + COMMON}
