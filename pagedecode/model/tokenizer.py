@@ -197,7 +197,7 @@ class Tokenizer:
             return ids
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         if self.add_bos and bos is not None and ids[:1] != [bos]:
-            ids = [int(self.bos_token_id)] + ids
+            ids = [int(bos)] + ids
         if self.add_eos and self.eos_token_ids:
             ids = ids + [self.eos_token_ids[0]]
         return ids

@@ -264,10 +264,10 @@ async def _collect_all(state: ServerState, request: Request, tracks: list[Track]
     chat, reply = tracks[0].chat, tracks[0].reply
     choices = []
     for i, out in enumerate(outs):
-        text = out.text
-        if tracks[i].reply.echo is not None:
+        text, echo = out.text, tracks[i].reply.echo
+        if echo is not None:
             lps = echo_logprobs_body(state, out, reply.top_logprobs) if reply.logprobs else None
-            text = tracks[i].reply.echo + text
+            text = echo + text
         else:
             lps = logprobs_body(state, out, chat, reply.top_logprobs) if reply.logprobs else None
         choices.append((chat_choice if chat else completion_choice)(i, out, text, lps))
