@@ -12,6 +12,7 @@ from typing import Any
 from .errors import ModelLoadError, PageDecodeError
 from .params import SamplingParams
 from .runtime.events import DeltaEvent, TerminalEvent
+from .runtime.snapshot import EngineSnapshot
 
 DEMO_PROMPTS = ["The lighthouse keeper", "In the village below,", "A small river", "The old library",
                 "When the storm came,", "The market opened", "Good tools are", "Numbers have"]
@@ -131,10 +132,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         take(engine.shutdown())
         _draw(ids, texts, ends, stamps, args.max_tokens, tty)
-        _report(ids, arrival, stamps, ends, time.perf_counter() - start)
+        _report(ids, arrival, stamps, ends, time.perf_counter() - start, engine.snapshot())
         print("[interrupted: live requests cancelled]", file=sys.stderr)
         return EXIT_INTERRUPTED
-    _report(ids, arrival, stamps, ends, time.perf_counter() - start)
+    _report(ids, arrival, stamps, ends, time.perf_counter() - start, engine.snapshot())
     return 0
 
 
@@ -156,7 +157,7 @@ def _draw(ids: list[str], texts: dict[str, str], ends: dict[str, TerminalEvent],
 
 
 def _report(ids: list[str], arrival: dict[str, float], stamps: dict[str, list[tuple[float, int]]],
-            ends: dict[str, TerminalEvent], wall: float) -> None:
+            ends: dict[str, TerminalEvent], wall: float, engine: EngineSnapshot) -> None:
     total = sum(e.usage.returned_tokens for e in ends.values())
     ttft = [stamps[r][0][0] - arrival[r] for r in ids if stamps[r]]
     itl = [b[0] - a[0] for r in ids for a, b in zip(stamps[r], stamps[r][1:])]
@@ -172,6 +173,9 @@ def _report(ids: list[str], arrival: dict[str, float], stamps: dict[str, list[tu
           f"  max {ms(ttft, max)}")
     print(f"{'inter-token latency (ms)':<28} mean {ms(itl, statistics.mean)}  p50 {ms(itl, statistics.median)}"
           f"  max {ms(itl, max)}")
+    print(f"{'engine steps':<28}{engine.steps:>10}")
+    print(f"{'preemptions':<28}{engine.preemptions:>10}")
+    print(f"{'prefix-cache hits (tokens)':<28}{engine.prefix_cache_hits:>10} of {engine.prefix_cache_queries}")
 
 
 def _positive(text: str) -> int:

@@ -19,6 +19,9 @@ def test_demo_on_the_default_model(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "throughput (tok/s)" in out and "time to first token" in out and "inter-token latency" in out
     assert "tokens returned                     24" in out
+    steps = next(int(ln.split()[-1]) for ln in out.splitlines() if ln.startswith("engine steps"))
+    assert 8 <= steps <= 3 * 8                 # from the engine's snapshot: 8 tokens each, batched
+    assert "preemptions                          0" in out and "prefix-cache hits (tokens)" in out
     assert (tmp_path / "default-model-v2" / "model.safetensors").is_file()     # cached after first use
 
 
