@@ -111,3 +111,21 @@ def test_max_tokens_zero_returns_the_prompt_logprobs_only(stories_engine_factory
         pd.SamplingParams(max_tokens=0)
     with pytest.raises(pd.InvalidRequestError, match="prompt_logprobs"):
         pd.SamplingParams(prompt_logprobs=21)
+
+
+def test_prompt_logprobs_in_a_mixed_batch(stories_engine_factory):
+    """Rows for prompt logprobs follow every sampling row: a batch of requests that do and do not
+    ask (prefills beside decodes) gets each request's values, as alone."""
+    eng = stories_engine_factory(max_tokens_per_step=24)
+    asks = [pd.SamplingParams(max_tokens=4, prompt_logprobs=2), pd.SamplingParams(max_tokens=6),
+            pd.SamplingParams(max_tokens=3, prompt_logprobs=0, logprobs=1)]
+    prompts = [PROMPT, PROMPT[:20], PROMPT[5:40]]
+    together = eng.generate(prompts, asks)
+    for p, a, out in zip(prompts, asks, together):
+        alone = stories_engine_factory().generate([p], a)[0]
+        assert out.token_ids == alone.token_ids
+        if a.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            assert close(out.prompt_logprobs, alone.prompt_logprobs, 1e-5) and len(out.prompt_logprobs) == len(p)
+    assert len(together[0].prompt_top_logprobs[1]) == 2 and together[2].prompt_top_logprobs is None
