@@ -126,7 +126,8 @@ class LlamaModel:
         self._kv_size = c.num_kv_heads * c.head_dim
         self.quantized = any(isinstance(w, QuantizedWeight) for w in self._weights())
         # quantized layers on CPU: csrc/quant_matmul.h's int8 kernel, unless "torch" asks for the
-        # dequantizing reference
+        # dequantizing reference; on CUDA (kernel None) linear() takes kernels/quant_matmul.py's
+        # Triton GEMV / GEMM
         self._quant_kernel = (getattr(_cpu_ext, "quant_linear", None)       # None: an older build
                               if self.device.type == "cpu" and attention_backend == "auto" else None)
         # the one-call CPU forward (csrc/cpu_forward.cpp): float32 / bfloat16 Llama shapes, no q/k
@@ -224,10 +225,10 @@ class LlamaModel:
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)
         ctx = self._decode_context(batch, kv)
         H, Hkv = c.num_heads, c.num_kv_heads
-        qmm = self._quant_kernel
+        qmm, backend = self._quant_kernel, self.attention_backend   # CUDA: kernels/quant_matmul.py
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = linear(x, L.qkv_w, L.qkv_b, qmm)                         # (T, (H + 2 Hkv) D)
+            qkv = linear(x, L.qkv_w, L.qkv_b, qmm, backend)                         # (T, (H + 2 Hkv) D)
             v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, c.head_dim)
             if L.q_norm is None:     # rotate q and k in one go
                 qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, c.head_dim), cos, sin)
@@ -240,10 +241,10 @@ class LlamaModel:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend=self.attention_backend)
             attn = self._attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, heads, head_dim)
-            h = h + self._reduce(linear(attn.reshape(T, self._q_size), L.o_w, L.o_b, qmm))
+            h = h + self._reduce(linear(attn.reshape(T, self._q_size), L.o_w, L.o_b, qmm, backend))
             x = rms_norm(h, L.ln2, c.rms_norm_eps)
-            gate, up = linear(x, L.gate_up_w, None, qmm).chunk(2, dim=-1)
-            h = h + self._reduce(linear(F.silu(gate) * up, L.down_w, None, qmm))
+            gate, up = linear(x, L.gate_up_w, None, qmm, backend).chunk(2, dim=-1)
+            h = h + self._reduce(linear(F.silu(gate) * up, L.down_w, None, qmm, backend))
         h = rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return self._logits(h)                                           # (N, vocab)
 
@@ -255,7 +256,7 @@ class LlamaModel:
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self.lm_head, None, self._quant_kernel).float()
+        return linear(h, self.lm_head, None, self._quant_kernel, self.attention_backend).float()
 
     def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On the torch path, the cache slots of every decode sequence's context, computed once per

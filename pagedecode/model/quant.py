@@ -10,11 +10,12 @@ uint8; each row is its in_features / 32 blocks in order, each block 32 consecuti
     Q8_0  34 bytes   fp16 scale d | 32 x int8 q                      w[j] = d * q[j]
     Q4_0  18 bytes   fp16 scale d | 16 bytes, byte i = q[i] | q[i+16] << 4   w[j] = d * (q[j] - 8)
 
-Two ways to multiply (`linear`): on CPU with the compiled extension, csrc/quant_matmul.h's
+Three ways to multiply (`linear`): on CPU with the compiled extension, csrc/quant_matmul.h's
 kernel quantizes the activations per block of 32 to int8 as llama.cpp does and runs integer dot
-products (AVX-512 VNNI); otherwise (attention_backend="torch", CUDA, no extension) the weight
-is dequantized for the call and the activations stay float, so the only error is the weights'.
-The embedding's rows are dequantized where they are looked up (`embedding_rows`).
+products (AVX-512 VNNI); on CUDA, kernels/quant_matmul.py's Triton GEMV / GEMM dequantize the
+blocks in registers (float activations); otherwise (attention_backend="torch", no extension) the
+weight is dequantized for the call (the reference), so the only error is the weights'. The
+embedding's rows are dequantized where they are looked up (`embedding_rows`).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-BLOCK = 32
-BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
+from ..kernels.quant_matmul import BLOCK, BLOCK_BYTES, dequantize_blocks, quant_matmul
+
 QUANTIZATIONS = tuple(BLOCK_BYTES)
 
 
@@ -75,16 +76,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (out, in) in `dtype`, or only `rows` of it (len(rows), in)."""
-        blocks = self.blocks if rows is None else self.blocks[rows]
-        n = blocks.shape[0]
-        b = blocks.view(n, self.shape[1] // BLOCK, BLOCK_BYTES[self.kind])     # (n, in / 32, block bytes)
-        d = b[..., :2].contiguous().view(torch.float16).float()               # (n, in / 32, 1)
-        if self.kind == "q8_0":
-            q = b[..., 2:].contiguous().view(torch.int8).float()              # (n, in / 32, 32)
-        else:
-            packed = b[..., 2:].to(torch.int16)                                # (n, in / 32, 16)
-            q = (torch.cat([packed & 15, packed >> 4], dim=-1) - 8).float()   # low nibbles first
-        return (q * d).reshape(n, self.shape[1]).to(dtype)
+        return dequantize_blocks(self.blocks if rows is None else self.blocks[rows], self.kind, dtype)
 
 
 Weight = torch.Tensor | QuantizedWeight
@@ -93,14 +85,17 @@ Weight = torch.Tensor | QuantizedWeight
 QuantKernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: QuantKernel | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: QuantKernel | None = None,
+           backend: str = "auto") -> torch.Tensor:
     """F.linear over a float or a quantized weight. A quantized weight goes to `kernel`
-    (pagedecode._cpu.quant_linear: int8 activations, csrc/quant_matmul.h) when given, else it is
-    dequantized for this call (float activations: the reference)."""
+    (pagedecode._cpu.quant_linear: int8 activations, csrc/quant_matmul.h) when given, else to
+    kernels/quant_matmul.py (float activations): its Triton kernels on CUDA, or where `backend`
+    asks for them; the reference (the weight dequantized for this call) otherwise."""
     if not isinstance(w, QuantizedWeight):
         return F.linear(x, w, b)
     if kernel is None:
-        return F.linear(x, w.dequantize(x.dtype), b)
+        y = quant_matmul(x, w.blocks, w.kind, backend)
+        return y if b is None else y + b
     y = kernel(x.reshape(-1, w.shape[1]).float().contiguous(), w.blocks, w.shape[0])    # (T, out) float32
     y = y.view(*x.shape[:-1], w.shape[0]).to(x.dtype)
     return y if b is None else y + b

@@ -11,6 +11,7 @@ from triton.compiler import ASTSource
 import pagedecode.kernels.decode_attention as DA
 import pagedecode.kernels.extend_attention as EA
 import pagedecode.kernels.kv_write as KW
+import pagedecode.kernels.quant_matmul as QM
 import pagedecode.kernels.sampling as S
 
 DTYPES = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
@@ -45,13 +46,41 @@ def cases():
                 DOT_DTYPE=tdt)
         yield f"kv write {dt}", KW._write_kv_kernel, kv, dict(PAGE_SIZE=16, HEADS=8, HEAD_DIM=128, BLOCK_H=8,
                                                             BLOCK_D=128)
+    yield from quant_cases()
+
+
+# the quantized matmuls: in bfloat16 every config kernel_sweep.py --quant --sweep times (the first
+# of each, and the GEMM's first three, are the wrappers' defaults on the GPU), in float16 / float32
+# the defaults (float16 for Q8_0 only: Q4_0 differs in its loads, not in the dot):
+# (block_n, block_k, warps) for the GEMV, (block_m, block_n, block_k, warps, stages) for the GEMM
+QUANT_GEMV = ((16, 512, 4), (32, 256, 4), (16, 256, 4))
+QUANT_GEMM = ((16, 32, 128, 4, 4), (32, 32, 128, 4, 4), (64, 128, 64, 4, 4), (16, 64, 128, 4, 3),
+              (128, 128, 64, 8, 3))
+
+
+def quant_cases():
+    for kind, q4 in (("q8_0", False), ("q4_0", True)):
+        for dt, tdt in DTYPES.items():
+            if q4 and dt == "fp16":
+                continue
+            types = {"x_ptr": f"*{dt}", "q_ptr": "*u8" if q4 else "*i8", "d_ptr": "*fp16", "out_ptr": f"*{dt}"}
+            for bn, bk, warps in (QUANT_GEMV if dt == "bf16" else QUANT_GEMV[:1]):
+                yield f"quant gemv {kind} {dt} n={bn} k={bk} w={warps}", QM._gemv_kernel, types, dict(
+                    Q4=q4, BYTES=QM.BLOCK_BYTES[kind], BLOCK_N=bn, BLOCK_KB=bk // 32), dict(num_warps=warps)
+            for bm, bn, bk, warps, stages in (QUANT_GEMM if dt == "bf16" else (QUANT_GEMM[0], QUANT_GEMM[2])):
+                yield f"quant gemm {kind} {dt} m={bm} n={bn} k={bk} w={warps} s={stages}", QM._gemm_kernel, types, dict(
+                    Q4=q4, BYTES=QM.BLOCK_BYTES[kind], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_DTYPE=tdt), \
+                    dict(num_warps=warps, num_stages=stages)
 
 
 def main() -> int:
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for name, kernel, types, consts in cases():
-        stages = {"num_stages": 3, "num_warps": 8} if " m=128" in name or " n=128" in name else {}
+    for name, kernel, types, consts, *options in cases():
+        if options:
+            stages = options[0]
+        else:
+            stages = {"num_stages": 3, "num_warps": 8} if " m=128" in name or " n=128" in name else {}
         try:
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature(kernel, types, consts),
                                                 constexprs=consts), target=target, options=stages)

@@ -6,6 +6,7 @@ import torch
 
 import pagedecode as pd
 from pagedecode import cli
+from pagedecode.kernels._backend import HAS_TRITON, interpreting
 from pagedecode.model.config import ModelConfig
 from pagedecode.model.llama import LlamaModel
 from pagedecode.model.llama import _cpu_ext as _cpu
@@ -152,3 +153,26 @@ def test_quantized_tokens_do_not_depend_on_the_batch(stories_path, kind):
     together = batched.generate(prompts, params)
     for prompt, out in zip(prompts, together):
         assert out.token_ids == alone.generate(prompt, params)[0].token_ids
+
+
+@pytest.mark.skipif(not HAS_TRITON or not interpreting(), reason="needs triton's interpreter")
+def test_triton_backend_multiplies_quantized_weights_with_the_triton_kernels(stories_path, monkeypatch):
+    """The forward's path for CUDA (attention_backend "auto" there, "triton" here in the
+    interpreter): every quantized linear goes through kernels/quant_matmul.py's GEMV (3 tokens) or
+    GEMM (9 tokens), never a per-call dequantization, and agrees with the torch reference path.
+    One kind (the interpreter is slow); tests/kernels/test_quant_matmul.py covers both."""
+    kind = "q8_0"
+    from pagedecode.kernels import quant_matmul as QM
+    calls = []
+    real = QM.quant_matmul_triton
+    monkeypatch.setattr(QM, "quant_matmul_triton", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    triton_model = pd.Engine.from_pretrained(stories_path, quantization=kind, attention_backend="triton").model
+    reference = pd.Engine.from_pretrained(stories_path, quantization=kind, attention_backend="torch").model
+    quantized = sum(isinstance(w, QuantizedWeight) for L in triton_model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w,
+                                                                                         L.down_w)) + 1   # + the head
+    for ids in ([1, 403, 407], [1, 403, 407, 261, 378, 286, 438, 289, 13]):
+        calls.clear()
+        got = logits_of(triton_model, ids)
+        assert calls == [len(ids)] * quantized
+        want = logits_of(reference, ids)
+        assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()

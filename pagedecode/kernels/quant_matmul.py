@@ -1,0 +1,240 @@
+"""Weight-only quantized matmul: float activations times a weight kept in GGUF's Q8_0 / Q4_0 blocks.
+
+Shapes and layout:
+    x        (..., K) float32 / float16 / bfloat16, K a multiple of 32
+    blocks   (N, K / 32 * BLOCK_BYTES[kind]) uint8: row n is weight row n's K / 32 blocks in order,
+             each block 32 consecutive inputs, exactly as a GGUF file stores them:
+
+        Q8_0  34 bytes   fp16 scale d | 32 x int8 q                             w[j] = d * q[j]
+        Q4_0  18 bytes   fp16 scale d | 16 bytes, byte i = q[i] | q[i + 16] << 4   w[j] = d * (q[j] - 8)
+
+    returns  (..., N) = x @ w.T in x's dtype (float32 accumulation)
+
+Two kernels, both dequantizing in registers (the weight never exists in float in memory):
+  - a GEMV for a few rows (decode): one program per (row, block of N outputs), looping over K
+    a few blocks of 32 at a time; each block's 32 products are summed, then scaled once;
+  - a GEMM for more rows (prefill): M x N tiles, the dequantized (BLOCK_K, BLOCK_N) weight tile
+    fed to tl.dot, programs ordered in groups of GROUP_M row tiles so a weight tile and an
+    activation tile are both reused from L2.
+The scale is read through a float16 view of the same bytes (34 and 18 are even, so every
+scale is 2-byte aligned) and the quants through an int8 (Q8_0) or uint8 (Q4_0) view.
+
+Not batch-invariant: rows up to GEMV_MAX_ROWS take the GEMV, more take the GEMM, whose tile
+shapes follow M; each sums a row's products in its own order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+BLOCK = 32
+BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
+# rows up to this many take the GEMV (each row re-reads the weight, mostly from L2); more, the GEMM
+GEMV_MAX_ROWS = 4
+
+
+def dequantize_blocks(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(N, K / 32 * block bytes) uint8 -> the weight (N, K) in `dtype`."""
+    n, nbytes = blocks.shape
+    b = blocks.view(n, nbytes // BLOCK_BYTES[kind], BLOCK_BYTES[kind])  # (N, K / 32, block bytes)
+    d = b[..., :2].contiguous().view(torch.float16).float()           # (N, K / 32, 1)
+    if kind == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()          # (N, K / 32, 32)
+    else:
+        packed = b[..., 2:].to(torch.int16)                            # (N, K / 32, 16)
+        q = (torch.cat([packed & 15, packed >> 4], dim=-1) - 8).float()   # low nibbles first
+    return (q * d).reshape(n, nbytes // BLOCK_BYTES[kind] * BLOCK).to(dtype)
+
+
+def quant_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """The reference: the weight dequantized to x's dtype for this call, then a plain matmul."""
+    return F.linear(x, dequantize_blocks(blocks, kind, x.dtype))
+
+
+def random_blocks(n: int, k: int, kind: str, generator: torch.Generator | None = None,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """Random blocks of an (n, k) weight, for tests and benchmarks: every quant byte uniform (so
+    Q8_0's -128, which gguf's quantizer never writes, occurs too), scales of either sign with
+    1/128 <= |d| < 1/64. `generator` must live on `device`."""
+    nb = k // BLOCK
+    b = torch.randint(0, 256, (n, nb, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=generator, device=device)
+    d = (torch.rand(n, nb, generator=generator, device=device) + 1) / 128
+    d = torch.where(torch.rand(n, nb, generator=generator, device=device) < 0.5, -d, d)
+    b[..., :2] = d.half().view(torch.uint8).view(n, nb, 2)
+    return b.view(n, nb * BLOCK_BYTES[kind])
+
+
+def _check(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> None:
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"kind must be one of {tuple(BLOCK_BYTES)}, got {kind!r}")
+    K = x.shape[-1]
+    if K % BLOCK or blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
+            blocks.shape[1] != K // BLOCK * BLOCK_BYTES[kind]:
+        raise ValueError(f"{kind} blocks {tuple(blocks.shape)} {blocks.dtype} do not match {K} inputs")
+
+
+def _views(blocks: torch.Tensor, kind: str):
+    """The same bytes seen three ways: the quants (int8 for Q8_0, uint8 nibbles for Q4_0) and the
+    scales (float16; element index = byte offset / 2)."""
+    blocks = blocks.contiguous()
+    quants = blocks.view(torch.int8) if kind == "q8_0" else blocks
+    return quants, blocks.view(torch.float16)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _gemv_kernel(x_ptr, q_ptr, d_ptr, out_ptr, N, K, stride_xm, stride_om, row_bytes,
+                     Q4: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
+        """out[m, n0:n0 + BLOCK_N] for one row m; BLOCK_KB weight blocks (32 inputs, BYTES bytes
+        each) per trip."""
+        m = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        row = n.to(tl.int64) * row_bytes                  # (BN,) byte offset of each weight row
+        x_row = x_ptr + m.to(tl.int64) * stride_xm
+        num_blocks = K // 32
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for kb0 in range(0, num_blocks, BLOCK_KB):
+            kb = kb0 + tl.arange(0, BLOCK_KB)             # (KB,) the weight blocks of this trip
+            kb_ok = kb < num_blocks
+            ok = n_ok[:, None] & kb_ok[None, :]            # (BN, KB)
+            block = row[:, None] + kb[None, :] * BYTES     # (BN, KB) byte offset of each block
+            d = tl.load(d_ptr + block // 2, mask=ok, other=0.0).to(tl.float32)        # (BN, KB)
+            if Q4:
+                i = tl.arange(0, 16)
+                packed = tl.load(q_ptr + block[:, :, None] + 2 + i[None, None, :], mask=ok[:, :, None],
+                                 other=0)                  # (BN, KB, 16): inputs i (low) and i + 16 (high)
+                lo = (packed & 15).to(tl.float32) - 8.0
+                hi = (packed >> 4).to(tl.float32) - 8.0
+                xk = kb[:, None] * 32 + i[None, :]        # (KB, 16)
+                x_lo = tl.load(x_row + xk, mask=kb_ok[:, None], other=0.0).to(tl.float32)
+                x_hi = tl.load(x_row + xk + 16, mask=kb_ok[:, None], other=0.0).to(tl.float32)
+                part = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)   # (BN, KB)
+            else:
+                j = tl.arange(0, 32)
+                q = tl.load(q_ptr + block[:, :, None] + 2 + j[None, None, :], mask=ok[:, :, None],
+                            other=0).to(tl.float32)        # (BN, KB, 32)
+                xv = tl.load(x_row + kb[:, None] * 32 + j[None, :], mask=kb_ok[:, None], other=0.0).to(tl.float32)
+                part = tl.sum(q * xv[None, :, :], axis=2)  # (BN, KB)
+            acc += tl.sum(part * d, axis=1)                # each block's sum scaled once
+        tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _gemm_kernel(x_ptr, q_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stride_om, row_bytes,
+                     Q4: tl.constexpr, BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        """out[m0:m0 + BLOCK_M, n0:n0 + BLOCK_N]; BLOCK_K a multiple of 32 (whole weight blocks)."""
+        # grouped order: GROUP_M row tiles walk the N tiles together, so consecutive programs
+        # share a weight tile (and their activation rows stay in L2)
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm        # (BM, 1)
+        row = rn.to(tl.int64) * row_bytes                              # (BN,) byte offset of each weight row
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)                 # (BK,) input index
+            k_ok = k < K
+            a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            #   input k sits in block k // 32 at position j = k % 32; Q4_0 keeps j and j + 16 in byte j % 16
+            block = (k // 32) * BYTES                      # (BK,) byte offset of its block in a row
+            j = k % 32
+            ok = k_ok[:, None] & n_ok[None, :]             # (BK, BN)
+            d = tl.load(d_ptr + (row[None, :] + block[:, None]) // 2, mask=ok, other=0.0).to(tl.float32)
+            if Q4:
+                packed = tl.load(q_ptr + row[None, :] + (block + 2 + j % 16)[:, None], mask=ok, other=0)
+                q = tl.where((j < 16)[:, None], packed & 15, packed >> 4).to(tl.float32) - 8.0
+            else:
+                q = tl.load(q_ptr + row[None, :] + (block + 2 + j)[:, None], mask=ok, other=0).to(tl.float32)
+            w = (q * d).to(DOT_DTYPE)                      # (BK, BN) the dequantized weight tile
+            if DOT_DTYPE == tl.float32:                    # float32 stays exact (no TF32), as torch's matmul
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a.to(DOT_DTYPE), w, acc)
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemv_config(K: int) -> dict:
+    """BLOCK_N outputs per program, BLOCK_K inputs per trip (a power of two number of blocks)."""
+    if interpreting():                      # few, large programs: the interpreter pays per program
+        return dict(block_n=64, block_k=128, num_warps=4)
+    return dict(block_n=16, block_k=min(512, max(BLOCK, triton.next_power_of_2(K))), num_warps=4)
+
+
+def gemm_config(M: int) -> dict:
+    if interpreting():
+        return dict(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1)
+    if M <= 32:                             # small batches: narrow N tiles, so enough programs
+        return dict(block_m=16 if M <= 16 else 32, block_n=32, block_k=128, num_warps=4, num_stages=4)
+    return dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+
+
+def quant_gemv_triton(x: torch.Tensor, blocks: torch.Tensor, kind: str, out: torch.Tensor,
+                      block_n: int, block_k: int, num_warps: int = 4) -> torch.Tensor:
+    """x (M, K) contiguous rows, out (M, N). Launch parameters are arguments for the sweep."""
+    M, K = x.shape
+    N = blocks.shape[0]
+    assert block_k % BLOCK == 0 and triton.next_power_of_2(block_k // BLOCK) == block_k // BLOCK
+    quants, scales = _views(blocks, kind)
+    _gemv_kernel[(M, triton.cdiv(N, block_n))](
+        x, quants, scales, out, N, K, x.stride(0), out.stride(0), blocks.shape[1],
+        Q4=kind == "q4_0", BYTES=BLOCK_BYTES[kind], BLOCK_N=block_n, BLOCK_KB=block_k // BLOCK, num_warps=num_warps)
+    return out
+
+
+def quant_gemm_triton(x: torch.Tensor, blocks: torch.Tensor, kind: str, out: torch.Tensor,
+                      block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
+                      group_m: int = 8) -> torch.Tensor:
+    M, K = x.shape
+    N = blocks.shape[0]
+    assert min(block_m, block_n, block_k) >= 16 and block_k % BLOCK == 0    # tl.dot: tiles >= 16
+    quants, scales = _views(blocks, kind)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _gemm_kernel[grid](
+        x, quants, scales, out, M, N, K, x.stride(0), out.stride(0), blocks.shape[1],
+        Q4=kind == "q4_0", BYTES=BLOCK_BYTES[kind], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        DOT_DTYPE=dot_dtype(x), num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def quant_matmul_triton(x: torch.Tensor, blocks: torch.Tensor, kind: str,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) -> (..., N) through the GEMV (up to GEMV_MAX_ROWS rows) or the GEMM; `out`
+    (rows, N) contiguous, if given, receives the result (tests poison it with NaN)."""
+    _check(x, blocks, kind)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()                      # (M, K)
+    M, N = x2.shape[0], blocks.shape[0]
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    assert out.shape == (M, N) and out.stride(1) == 1 and out.dtype == x.dtype
+    if M == 0:
+        pass
+    elif M <= GEMV_MAX_ROWS:
+        quant_gemv_triton(x2, blocks, kind, out, **gemv_config(x2.shape[1]))
+    else:
+        quant_gemm_triton(x2, blocks, kind, out, **gemm_config(M))
+    return out.view(*x.shape[:-1], N)
+
+
+def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, backend: str = "auto") -> torch.Tensor:
+    """x @ w.T for a weight in `kind` blocks (see the module docstring): Triton on CUDA tensors,
+    the dequantizing reference elsewhere (backend as in kernels/_backend.py)."""
+    if use_triton(x, backend):
+        return quant_matmul_triton(x, blocks, kind)
+    _check(x, blocks, kind)
+    return quant_matmul_ref(x, blocks, kind)
