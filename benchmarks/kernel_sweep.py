@@ -2,10 +2,13 @@
 with triton.testing.do_bench (median), inputs rotated across copies so they exceed the L2,
 beside a torch baseline, against the copy bandwidth measured in the same run.
 
-    python3 benchmarks/kernel_sweep.py [--out FILE.json] [--sweep] [--sanitize KERNEL]
+    python3 benchmarks/kernel_sweep.py [--out FILE.json] [--sweep] [--quant] [--sanitize KERNEL]
 
---sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling), for
-compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed beside results.
+--quant times the Q8_0 / Q4_0 matmuls instead (GEMV at 1 and 4 rows, GEMM at 16 and 4096, on an
+8B model's up projection 14336 x 4096, bf16 activations): weight bytes / time against the copy
+bandwidth, beside the torch path they replace (dequantize, then matmul) and a dense bf16 matmul.
+--sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling, quant),
+for compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed beside results.
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_triton  # noqa: E402
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_triton  # noqa: E402
 from pagedecode.kernels.kv_write import write_kv  # noqa: E402
+from pagedecode.kernels.quant_matmul import (GEMV_MAX_ROWS, dequantize_blocks,  # noqa: E402
+                                             quant_gemm_triton, quant_gemv_triton, quant_matmul, quant_matmul_ref,
+                                             random_blocks)
 from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -143,6 +149,72 @@ def kv_write_case(bw, goal_us):
             "goal_us": goal_us, "correct": ok}
 
 
+QUANT_N, QUANT_K = 14336, 4096         # an 8B Llama's up projection
+L2_BYTES = 60 * 1024**2
+
+
+def quant_setup(kind, n, k, rows):
+    """Weight blocks rotated across enough copies that they exceed 3x the L2, activations (rows, k)."""
+    nbytes = n * k // 32 * (34 if kind == "q8_0" else 18)
+    copies = max(COPIES, -(-3 * L2_BYTES // nbytes))
+    weights = [random_blocks(n, k, kind, device="cuda") for _ in range(copies)]
+    xs = [torch.randn(rows, k, dtype=DT, device="cuda") for _ in range(copies)]
+    return weights, xs, nbytes
+
+
+def quant_case(kind, rows, n, k, bw):
+    """Our kernel (GEMV or GEMM by rows) against the path it replaces: dequantize, then matmul."""
+    weights, xs, nbytes = quant_setup(kind, n, k, rows)
+    copies = len(weights)
+    out = quant_matmul(xs[0], weights[0], kind)
+    ref = xs[0].float() @ dequantize_blocks(weights[0], kind).t()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    dense = [dequantize_blocks(w, kind, DT) for w in weights[:max(COPIES, -(-3 * L2_BYTES // (n * k * 2)))]]
+    i = iter(range(10**9))
+    ours = bench(lambda: quant_matmul(xs[next(i) % copies], weights[next(i) % copies], kind))
+    base = bench(lambda: quant_matmul_ref(xs[next(i) % copies], weights[next(i) % copies], kind))
+    dense_us = bench(lambda: torch.nn.functional.linear(xs[next(i) % copies], dense[next(i) % len(dense)]))
+    gbs = nbytes / (ours * 1e-6) / 1e9
+    path = "gemv" if rows <= GEMV_MAX_ROWS else "gemm"
+    row = {"kernel": f"quant {path} {kind} M={rows} {n}x{k}", "us": round(ours, 1), "torch_us": round(base, 1),
+           "speedup": round(base / ours, 2), "dense_bf16_us": round(dense_us, 1), "weight_MB": round(nbytes / 1e6, 1),
+           "GB/s": round(gbs), "of_bandwidth": round(gbs / bw, 3), "rel_err": err}
+    if rows > 16:
+        row["TFLOP/s"] = round(2 * rows * n * k / (ours * 1e-6) / 1e12, 1)
+    return row
+
+
+# (block_n, block_k, warps) for the GEMV, (block_m, block_n, block_k, warps, stages) for the GEMM;
+# tests/kernels/compile_hopper.py compiles each for sm_90
+QUANT_GEMV_CONFIGS = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in ((16, 512, 4), (32, 256, 4), (16, 256, 4))]
+QUANT_GEMM_CONFIGS = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in
+                      ((16, 32, 128, 4, 4), (32, 32, 128, 4, 4), (64, 128, 64, 4, 4), (16, 64, 128, 4, 3),
+                       (128, 128, 64, 8, 3))]
+
+
+def quant_sweep(bw, rows, save):
+    """Each launch configuration of the quantized GEMV (1 row) and GEMM (16 and 4096 rows)."""
+    for kind in ("q8_0", "q4_0"):
+        for m, configs, launch in ((1, QUANT_GEMV_CONFIGS, quant_gemv_triton),
+                                   (16, QUANT_GEMM_CONFIGS[:2] + QUANT_GEMM_CONFIGS[3:4], quant_gemm_triton),
+                                   (4096, QUANT_GEMM_CONFIGS[2:3] + QUANT_GEMM_CONFIGS[4:], quant_gemm_triton)):
+            weights, xs, nbytes = quant_setup(kind, QUANT_N, QUANT_K, m)
+            out = torch.empty(m, QUANT_N, dtype=DT, device="cuda")
+            for cfg in configs:
+                name = f"quant {kind} M={m} {QUANT_N}x{QUANT_K}"
+                i = iter(range(10**9))
+                try:
+                    us = bench(lambda: launch(xs[next(i) % len(xs)], weights[next(i) % len(weights)], kind, out, **cfg))
+                    rows.append({"kernel": name, **cfg, "us": round(us, 1),
+                                 "of_bandwidth": round(nbytes / (us * 1e-6) / 1e9 / bw, 3)})
+                except Exception as e:
+                    rows.append({"kernel": name, **cfg, "error": str(e)[:200]})
+                print(json.dumps(rows[-1]), flush=True)
+                save()
+            del weights, xs
+            torch.cuda.empty_cache()
+
+
 DECODE_CONFIGS = [dict(block_n=n, num_warps=w, num_stages=st) for n, w, st in
                   ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2))]
 PREFILL_CONFIGS = [dict(block_rows=m, block_n=n, num_warps=w, num_stages=st) for m, n, w, st in
@@ -195,6 +267,11 @@ def sanitize(kernel):
     elif kernel == "extend":
         cu = torch.tensor([0, 10, 11, 40], dtype=torch.int32, device="cuda")
         paged_extend_attention(torch.randn(40, HQ, D, dtype=DT, device="cuda"), kc, vc, tables[0], cu, lens)
+    elif kernel == "quant":
+        for kind in ("q8_0", "q4_0"):
+            for rows in (3, 17):                   # the GEMV, then the GEMM
+                x = torch.randn(rows, 288, dtype=DT, device="cuda")
+                quant_matmul(x, random_blocks(111, 288, kind, device="cuda"), kind)
     elif kernel == "sampling":
         inp = make_sampling_inputs([0.8, 0, 1], [5, 0, 0], [0.9, 1, 0.5], [0, 0, 0.1], [1, 2, 3], [0, 1, 2],
                                    device="cuda")
@@ -207,7 +284,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sanitize", default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time the attention kernels' launch configs")
+    ap.add_argument("--sweep", action="store_true", help="also time the kernels' launch configs")
+    ap.add_argument("--quant", action="store_true", help="the quantized matmuls instead of attention and sampling")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_sweep.py needs a CUDA GPU")
@@ -230,6 +308,9 @@ def main(argv=None) -> int:
              ("prefill causal n=8192", lambda: prefill_case(8192, 300)),
              ("sampling 64x128256 T=0.8 k=50 p=0.9", lambda: sampling_case(60)),
              ("kv write T=8192", lambda: kv_write_case(bw, 22))]
+    if args.quant:
+        cases = [(f"quant {kind} M={m}", lambda kind=kind, m=m: quant_case(kind, m, QUANT_N, QUANT_K, bw))
+                 for kind in ("q8_0", "q4_0") for m in (1, 4, 16, 4096)]
     for name, case in cases:
         try:
             rows.append(case())
@@ -240,7 +321,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if args.sweep:
         try:
-            sweep(bw, result["sweep"], save)
+            (quant_sweep if args.quant else sweep)(bw, result["sweep"], save)
         except Exception as e:
             result["sweep"].append({"kernel": "sweep", "error": f"{type(e).__name__}: {e}"[:500]})
             save()

@@ -169,11 +169,12 @@ if HAS_TRITON:
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemv_config(K: int) -> dict:
-    """BLOCK_N outputs per program, BLOCK_K inputs per trip (a power of two number of blocks)."""
+def gemv_config() -> dict:
+    """BLOCK_N outputs per program, BLOCK_K inputs per trip (a power of two number of blocks);
+    one config whatever K, so one compile per dtype."""
     if interpreting():                      # few, large programs: the interpreter pays per program
         return dict(block_n=64, block_k=128, num_warps=4)
-    return dict(block_n=16, block_k=min(512, max(BLOCK, triton.next_power_of_2(K))), num_warps=4)
+    return dict(block_n=16, block_k=512, num_warps=4)
 
 
 def gemm_config(M: int) -> dict:
@@ -225,7 +226,7 @@ def quant_matmul_triton(x: torch.Tensor, blocks: torch.Tensor, kind: str,
     if M == 0:
         pass
     elif M <= GEMV_MAX_ROWS:
-        quant_gemv_triton(x2, blocks, kind, out, **gemv_config(x2.shape[1]))
+        quant_gemv_triton(x2, blocks, kind, out, **gemv_config())
     else:
         quant_gemm_triton(x2, blocks, kind, out, **gemm_config(M))
     return out.view(*x.shape[:-1], N)
