@@ -228,7 +228,7 @@ class LlamaModel:
         qmm, backend = self._quant_kernel, self.attention_backend   # CUDA: kernels/quant_matmul.py
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = linear(x, L.qkv_w, L.qkv_b, qmm, backend)                         # (T, (H + 2 Hkv) D)
+            qkv = linear(x, L.qkv_w, L.qkv_b, qmm, backend)                # (T, (H + 2 Hkv) D)
             v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, c.head_dim)
             if L.q_norm is None:     # rotate q and k in one go
                 qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, c.head_dim), cos, sin)
