@@ -4,7 +4,7 @@ beside a torch baseline, against the copy bandwidth measured in the same run.
 
     python3 benchmarks/kernel_sweep.py [--out FILE.json] [--sweep] [--quant] [--sanitize KERNEL]
 
---quant times the Q8_0 / Q4_0 matmuls instead (GEMV at 1 and 4 rows, GEMM at 16 and 4096, on an
+--quant times the Q8_0 / Q4_0 matmuls instead (GEMV at 1 row, GEMM at 4, 16 and 4096, on an
 8B model's up projection 14336 x 4096, bf16 activations): weight bytes / time against the copy
 bandwidth, beside the torch path they replace (dequantize, then matmul) and a dense bf16 matmul.
 --sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling, quant),
@@ -186,10 +186,10 @@ def quant_case(kind, rows, n, k, bw):
 
 # (block_n, block_k, warps) for the GEMV, (block_m, block_n, block_k, warps, stages) for the GEMM;
 # tests/kernels/compile_hopper.py compiles each for sm_90
-QUANT_GEMV_CONFIGS = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in ((16, 512, 4), (32, 256, 4), (16, 256, 4))]
+QUANT_GEMV_CONFIGS = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4))]
 QUANT_GEMM_CONFIGS = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in
-                      ((16, 32, 128, 4, 4), (32, 32, 128, 4, 4), (64, 128, 64, 4, 4), (16, 64, 128, 4, 3),
-                       (128, 128, 64, 8, 3))]
+                      ((16, 32, 128, 4, 4), (32, 32, 128, 4, 4), (128, 128, 64, 8, 3), (16, 64, 128, 4, 3),
+                       (64, 128, 64, 4, 4))]
 
 
 def quant_sweep(bw, rows, save):

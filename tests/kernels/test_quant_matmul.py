@@ -38,8 +38,8 @@ def test_random_blocks_use_every_quant_and_dequantize_as_gguf_does(kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M, K, N", [(1, 224, 111), (3, 288, 111), (17, 224, 111), (4, 32, 17), (5, 288, 40)])
 def test_kernel_matches_the_float64_product(kind, dtype, M, K, N):
-    """M <= GEMV_MAX_ROWS: the GEMV; more: the GEMM (M = 17: a second, 1-row tile). K = 224 and
-    288 end partway through a K tile; N = 111 partway through an N tile."""
+    """M = 1: the GEMV; more: the GEMM (M = 17: a second, 1-row tile). K = 224 and 288 end
+    partway through a K tile; N = 111 partway through an N tile."""
     g = torch.Generator().manual_seed(M * 1000 + K + N)
     blocks = random_blocks(N, K, kind, generator=g).to(DEVICE)
     x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
@@ -56,7 +56,7 @@ def test_kernel_matches_the_float64_product(kind, dtype, M, K, N):
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_input_shape_and_dispatch(kind, monkeypatch):
     """(B, T, K) in, (B, T, N) out; `backend` picks the kernel or the reference; the GEMV takes up
-    to GEMV_MAX_ROWS rows, the GEMM the rest; zero rows give an empty result."""
+    to GEMV_MAX_ROWS rows (one), the GEMM the rest; zero rows give an empty result."""
     g = torch.Generator().manual_seed(7)
     blocks = random_blocks(40, 64, kind, generator=g).to(DEVICE)
     calls = []
@@ -67,7 +67,7 @@ def test_batched_input_shape_and_dispatch(kind, monkeypatch):
     y = quant_matmul(x, blocks, kind, backend="triton")
     assert y.shape == (2, 3, 40) and calls == ["quant_gemm_triton"]
     assert rel_err(y, oracle(x.reshape(6, 64), blocks, kind).view(2, 3, 40)) < 1e-5
-    assert quant_matmul(x[0], blocks, kind, backend="triton").shape == (3, 40) and calls[-1] == "quant_gemv_triton"
+    assert quant_matmul(x[0, :1], blocks, kind, backend="triton").shape == (1, 40) and calls[-1] == "quant_gemv_triton"
     n = len(calls)
     ref = quant_matmul(x, blocks, kind, backend="torch")
     assert len(calls) == n and torch.allclose(ref, quant_matmul_ref(x, blocks, kind))

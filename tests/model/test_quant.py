@@ -158,7 +158,7 @@ def test_quantized_tokens_do_not_depend_on_the_batch(stories_path, kind):
 @pytest.mark.skipif(not HAS_TRITON or not interpreting(), reason="needs triton's interpreter")
 def test_triton_backend_multiplies_quantized_weights_with_the_triton_kernels(stories_path, monkeypatch):
     """The forward's path for CUDA (attention_backend "auto" there, "triton" here in the
-    interpreter): every quantized linear goes through kernels/quant_matmul.py's GEMV (3 tokens) or
+    interpreter): every quantized linear goes through kernels/quant_matmul.py's GEMV (1 token) or
     GEMM (9 tokens), never a per-call dequantization, and agrees with the torch reference path.
     One kind (the interpreter is slow); tests/kernels/test_quant_matmul.py covers both."""
     kind = "q8_0"
@@ -170,7 +170,7 @@ def test_triton_backend_multiplies_quantized_weights_with_the_triton_kernels(sto
     reference = pd.Engine.from_pretrained(stories_path, quantization=kind, attention_backend="torch").model
     quantized = sum(isinstance(w, QuantizedWeight) for L in triton_model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w,
                                                                                          L.down_w)) + 1   # + the head
-    for ids in ([1, 403, 407], [1, 403, 407, 261, 378, 286, 438, 289, 13]):
+    for ids in ([1], [1, 403, 407, 261, 378, 286, 438, 289, 13]):
         calls.clear()
         got = logits_of(triton_model, ids)
         assert calls == [len(ids)] * quantized
