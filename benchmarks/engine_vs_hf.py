@@ -146,10 +146,14 @@ def latency(t0: float, arrivals: list[list[float]]) -> dict[str, Any]:
 
 
 # -- engines --------------------------------------------------------------------------------
-def run_pagedecode(path: Path, reqs: list, device: str, dtype: str) -> dict[str, Any]:
+def run_pagedecode(path: Path, reqs: list, device: str, dtype: str, quantization: str | None = None) -> dict[str, Any]:
+    """`path`: a checkpoint folder or a GGUF file (benchmarks/quantized.py); `quantization` as
+    Engine.from_pretrained takes it."""
     total = sum(len(p) + o for p, o in reqs)
     engine = pd.Engine.from_pretrained(path, device=device, dtype=DTYPES[dtype], max_batch_size=64,
-                                       max_cache_tokens=total + 64 * 16, max_tokens_per_step=2048)
+                                       max_cache_tokens=total + 64 * 16, max_tokens_per_step=2048,
+                                       quantization=quantization)
+    weight_bytes = engine.weight_bytes
     engine.generate([reqs[0][0][:8]], pd.SamplingParams(max_tokens=4, ignore_eos=True))     # warm-up
     pd.freeze_heap()                                    # as `pagedecode serve` runs (runtime/heap.py)
     bar = progress(sum(o for _, o in reqs), "pagedecode")
@@ -179,6 +183,7 @@ def run_pagedecode(path: Path, reqs: list, device: str, dtype: str) -> dict[str,
     gc.unfreeze()
     nonzero = [b for b in decode_batch if b]
     return {"seconds": elapsed, "tokens": tokens, **latency(t0, arrivals), "forward": backend,
+            "weight_bytes": weight_bytes,
             "decode_batch": {"mean": round(statistics.mean(nonzero), 1) if nonzero else 0,
                              "max": max(decode_batch, default=0), "steps": len(decode_batch),
                              "per_step": decode_batch}}
@@ -258,7 +263,7 @@ def llamacpp_gguf(path: Path, dtype: str) -> Path | None:
     outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
     out = LLAMACPP / f"{path.name}.{outtype}.gguf"
     if not out.is_file():
-        env = dict(os.environ)
+        env = {"PYTHON": sys.executable, **os.environ}     # its converter runs in this interpreter
         if path == ROOT / ".cache" / "llama135m":   # its small byte-level BPE is not in llama.cpp's table
             env["LLAMACPP_PRE"] = "gpt-2"
         subprocess.run([str(ROOT / "peers" / "llamacpp.sh"), "convert", str(path), str(out), outtype], check=True,

@@ -119,3 +119,30 @@ def test_llamacpp_build_succeeds_without_a_stories_folder():
                        text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "already built" in r.stdout
+
+
+def test_quantized_smallest_on_stories(stories_path, tmp_path):
+    """quantized.py's smallest run: f32 and q8_0, single workload, two prompts. Logits against
+    float32 (zero for f32 itself, small and nonzero for q8_0), less weight memory in q8_0, and
+    llama.cpp beside pagedecode on the same GGUF file when it is built (else the reason why not)."""
+    import quantized
+    out = tmp_path / "q.json"
+    assert quantized.main(["--stories", str(stories_path), "--models", "stories260k", "--formats", "f32,q8_0",
+                           "--workloads", "single", "--engines", "pagedecode,llamacpp", "--repeat", "1",
+                           "--prompts", "2", "--accuracy-tokens", "8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    acc = result["accuracy"]["stories260k"]
+    assert acc["f32"]["max_abs_logit_diff"] == 0 and acc["f32"]["mean_kl"] == 0
+    assert 0 < acc["q8_0"]["max_abs_logit_diff"] < 1 and 0 < acc["q8_0"]["mean_kl"] < 0.01
+    assert acc["q8_0"]["weight_bytes"] < acc["f32"]["weight_bytes"]
+    assert [(r["format"], r["workload"]) for r in result["results"]] == [("f32", "single"), ("q8_0", "single")]
+    assert all(r["pagedecode"]["tok_s"] > 0 and r["useful_tokens"] == 128 for r in result["results"])
+    assert result["results"][1]["pagedecode_vs_own_f32"] > 0
+    if quantized.llamacpp_missing() is None:
+        assert result["pagedecode_source"] == "the same GGUF file"
+        assert acc["f32"]["greedy_vs_llamacpp"]["token_agreement"] >= 0.9
+        assert all(r["llamacpp"]["tok_s"] > 0 and r["pagedecode_vs_llamacpp"] > 0 for r in result["results"])
+    else:
+        assert result["llamacpp"].startswith("llama.cpp not built") and "llamacpp" not in result["results"][0]
+    with pytest.raises(SystemExit, match="includes f32"):
+        quantized.main(["--formats", "q8_0", "--out", str(tmp_path / "x.json")])

@@ -5,6 +5,7 @@
 #
 #   benchmarks/peers/llamacpp.sh                 # build (once) and convert stories260k
 #   benchmarks/peers/llamacpp.sh convert DIR [OUT.gguf [f32|bf16]]   # one Hugging Face folder -> GGUF
+#   benchmarks/peers/llamacpp.sh quantize IN.gguf OUT.gguf q8_0|q4_0  # llama-quantize --pure (every matrix)
 #   LLAMACPP_PRE=gpt-2 ... convert DIR      # a tokenizer llama.cpp does not recognise: name its pre-tokenizer
 #
 # Needs: cmake, a C++ compiler, pip access to PyPI. Version: LLAMA_CPP_PYTHON (default below).
@@ -16,7 +17,11 @@ PY="${PYTHON:-$HERE/../.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
 build() {
-  if [ -x "$CACHE/bin/llama-bench" ] && [ -x "$CACHE/bin/llama-batched-bench" ] && [ -x "$CACHE/bin/llama-parallel" ]; then
+  local tool
+  for tool in llama-bench llama-batched-bench llama-parallel llama-quantize pd-greedy; do
+    [ -x "$CACHE/bin/$tool" ] || break
+  done
+  if [ -x "$CACHE/bin/$tool" ]; then
     echo "llama.cpp already built in $CACHE/bin"; return
   fi
   mkdir -p "$CACHE/src"
@@ -27,9 +32,14 @@ build() {
   cmake -S "$CACHE/src/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_SERVER=OFF >/dev/null
-  cmake --build "$CACHE/build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-parallel
+  cmake --build "$CACHE/build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-parallel llama-quantize
   mkdir -p "$CACHE/bin"
   cp "$CACHE"/build/bin/llama-* "$CACHE/bin/"
+  # pd-greedy (peers/greedy.cpp): greedy token ids for prompts given as ids, against the same libraries
+  local src="$CACHE/src/vendor/llama.cpp"
+  "${CXX:-c++}" -O2 -std=c++17 "$HERE/peers/greedy.cpp" -I"$src/include" -I"$src/ggml/include" -o "$CACHE/bin/pd-greedy" \
+    -Wl,--start-group "$CACHE/build/src/libllama.a" $(find "$CACHE/build/ggml" -name 'libggml*.a') -Wl,--end-group \
+    -fopenmp -lpthread -ldl -lm
   echo "built llama.cpp $VERSION (from llama-cpp-python sdist) into $CACHE/bin"
 }
 
@@ -61,10 +71,18 @@ PY
   echo "$out"
 }
 
+quantize() {  # quantize IN OUT TYPE: every 2-D weight in TYPE (--pure: no Q6_K output / mixes),
+  # those whose rows are not a multiple of the block fall back as llama.cpp decides
+  [ -f "$2" ] && { echo "$2"; return; }
+  "$CACHE/bin/llama-quantize" --pure "$1" "$2" "$3" >&2
+  echo "$2"
+}
+
 case "${1:-build}" in
   build) build
          stories="${PAGEDECODE_STORIES:-}"
          if [ -n "$stories" ]; then convert "$stories"; fi ;;
   convert) shift; convert "$@" ;;
-  *) echo "usage: $0 [build | convert HF_DIR [OUT.gguf [f32|bf16]]]" >&2; exit 2 ;;
+  quantize) shift; quantize "$@" ;;
+  *) echo "usage: $0 [build | convert HF_DIR [OUT.gguf [f32|bf16]] | quantize IN.gguf OUT.gguf q8_0|q4_0]" >&2; exit 2 ;;
 esac

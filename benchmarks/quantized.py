@@ -1,0 +1,288 @@
+"""pagedecode vs llama.cpp on llama.cpp's own formats: one GGUF file per format, both engines, one run.
+
+    python benchmarks/quantized.py                        # stories260k and llama135m, every format
+    python benchmarks/quantized.py --models stories260k --formats f32,q8_0 --workloads single --repeat 1
+
+Files  llama.cpp's convert script writes the checkpoint as an f32 GGUF; llama-quantize from the
+       same build makes bf16 / q8_0 / q4_0 from it (--pure: every matrix in that type, the tied
+       embedding / LM head included). pagedecode and llama.cpp load the same file. pagedecode
+       computes in float32 (bfloat16 for bf16) with the quantized blocks kept as they are.
+Speed  per format, interleaved: pagedecode, llama.cpp and (float32 / bfloat16 only) transformers
+       on engine_vs_hf.py's workloads, --threads threads each: single (64-token prompt + 128
+       tokens; llama-bench -pg, the median of --repeat runs) and mixed (64 requests; llama.cpp:
+       llama-batched-bench with the mean lengths). Useful tokens/s, and the ratios.
+Accuracy  --prompts fixed prompts (seeded token ids) and the float32 file's greedy continuation of
+       --accuracy-tokens tokens; each format's logits teacher-forced over it against float32's:
+       max |logit difference| and mean KL(float32 || format) per position. Greedy agreement: the
+       fraction of identical tokens (position by position) between pagedecode and llama.cpp
+       (benchmarks/peers/greedy.cpp) each decoding greedily from the same prompts and file.
+Memory engine.weight_bytes (the weights as pagedecode's forward holds them) and the file size.
+
+Without a llama.cpp build (`benchmarks/peers/llamacpp.sh` makes one) the JSON says why llama.cpp
+is left out and pagedecode runs from the Hugging Face folder instead, quantizing at load
+(quantization=, its own quantizer: the embedding stays float). JSON + PNG under benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pagedecode as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_vs_hf as evh  # noqa: E402
+from common import plot, result_path, write_json  # noqa: E402
+from pagedecode.testing import prefill_batch  # noqa: E402
+
+FORMATS = ("f32", "bf16", "q8_0", "q4_0")
+COMPUTE = {"f32": "float32", "bf16": "bfloat16", "q8_0": "float32", "q4_0": "float32"}
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "pd-greedy")
+
+
+def llamacpp_missing() -> str | None:
+    """Why llama.cpp cannot run here, or None."""
+    missing = [t for t in TOOLS if not (evh.LLAMACPP / "bin" / t).is_file()]
+    if missing:
+        return f"llama.cpp not built ({', '.join(missing)} missing from {evh.LLAMACPP / 'bin'}): " \
+               "run benchmarks/peers/llamacpp.sh"
+    return None
+
+
+def gguf_files(path: Path, formats: list[str]) -> dict[str, Path]:
+    """The checkpoint as llama.cpp's f32 GGUF, and each other format llama-quantize'd from it."""
+    f32 = evh.llamacpp_gguf(path, "float32")
+    assert f32 is not None
+    files = {"f32": f32}
+    for fmt in formats:
+        if fmt != "f32":
+            out = f32.with_name(f32.name.replace(".f32.gguf", f".{fmt}.gguf"))
+            subprocess.run([str(evh.ROOT / "peers" / "llamacpp.sh"), "quantize", str(f32), str(out), fmt.upper()],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            files[fmt] = out
+    return files
+
+
+def source(files: dict[str, Path] | None, path: Path, fmt: str) -> dict[str, Any]:
+    """Engine.from_pretrained's arguments for a format: its GGUF file, or the folder + quantization=."""
+    if files is not None:
+        return {"path": files[fmt], "dtype": COMPUTE[fmt], "quantization": None}
+    return {"path": path, "dtype": COMPUTE[fmt], "quantization": fmt if fmt in ("q8_0", "q4_0") else None}
+
+
+# -- accuracy -------------------------------------------------------------------------------
+def prompts(n: int, vocab: int, length: int = 32, seed: int = 1) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, min(vocab, 512)) for _ in range(length - 1)] for _ in range(n)]
+
+
+def all_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    c, page = model.config, 16
+    pages = (len(ids) + page - 1) // page
+    kv = pd.KVCache(c.num_layers, pages, page, c.num_kv_heads, c.head_dim, model.dtype)
+    with torch.inference_mode():
+        return model.forward(prefill_batch(ids, pages=list(range(pages)), page_size=page), kv).float()
+
+
+def greedy(engine: Any, ps: list[list[int]], n: int) -> list[list[int]]:
+    outs = engine.generate(ps, pd.SamplingParams(max_tokens=n, ignore_eos=True))
+    return [list(o.token_ids) for o in outs]
+
+
+def llamacpp_greedy(gguf: Path, ps: list[list[int]], n: int, threads: int) -> list[list[int]]:
+    text = "".join(" ".join(map(str, p)) + "\n" for p in ps)
+    out = subprocess.run([str(evh.LLAMACPP / "bin" / "pd-greedy"), str(gguf), str(n), str(threads)], input=text,
+                         check=True, capture_output=True, text=True).stdout
+    return [[int(t) for t in line.split()] for line in out.splitlines()]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    same = sum(u == v for x, y in zip(a, b) for u, v in zip(x, y))
+    total = sum(len(x) for x in a)
+    return {"token_agreement": round(same / total, 4),
+            "identical_prompts": f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"}
+
+
+def accuracy(engines: dict[str, Any], ps: list[list[int]], n: int, files: dict[str, Path] | None,
+             threads: int) -> dict[str, dict[str, Any]]:
+    """Per format: logits against float32's over float32's greedy continuation, and greedy agreement."""
+    ref_tokens = greedy(engines["f32"], ps, n)
+    seqs = [p + t for p, t in zip(ps, ref_tokens)]
+    ref = [all_logits(engines["f32"].model, s)[len(p) - 1:len(s) - 1] for p, s in zip(ps, seqs)]
+    out = {}
+    for fmt, engine in engines.items():
+        got = [all_logits(engine.model, s)[len(p) - 1:len(s) - 1] for p, s in zip(ps, seqs)]
+        diff = max(float((g - r).abs().max()) for g, r in zip(got, ref))
+        kl = torch.cat([(torch.log_softmax(r, -1).exp() * (torch.log_softmax(r, -1) - torch.log_softmax(g, -1))).sum(-1)
+                        for g, r in zip(got, ref)])
+        tokens = greedy(engine, ps, n)
+        row: dict[str, Any] = {"max_abs_logit_diff": round(diff, 5), "mean_kl": float(f"{float(kl.mean()):.3g}"),
+                               "weight_bytes": engine.weight_bytes, "greedy_vs_f32": agreement(tokens, ref_tokens)}
+        if files is not None:
+            row["file_bytes"] = files[fmt].stat().st_size
+            row["greedy_vs_llamacpp"] = agreement(tokens, llamacpp_greedy(files[fmt], ps, n, threads))
+        out[fmt] = row
+    return out
+
+
+# -- speed ----------------------------------------------------------------------------------
+def speed(src: dict[str, Any], reqs: list, repeat: int) -> dict[str, Any]:
+    runs = [evh.run_pagedecode(src["path"], reqs, "cpu", src["dtype"], quantization=src["quantization"])
+            for _ in range(repeat)]
+    r = evh.median_run(runs)
+    return {k: v for k, v in r.items() if k not in ("tokens", "decode_batch")} | \
+        {"decode_batch_mean": r["decode_batch"]["mean"], "tokens": r["tokens"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="stories260k,llama135m")
+    ap.add_argument("--stories", help="the stories260k folder (else $PAGEDECODE_STORIES / $PAGEDECODE_SHARED)")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--workloads", default="single,mixed")
+    ap.add_argument("--engines", default="pagedecode,llamacpp,transformers")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads, every engine")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of the single workload (the median is kept)")
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--hf-workloads", default="single,mixed", help="the workloads transformers runs")
+    ap.add_argument("--prompts", type=int, default=8, help="accuracy: fixed prompts (32 token ids each)")
+    ap.add_argument("--accuracy-tokens", type=int, default=32, help="accuracy: greedy tokens per prompt")
+    ap.add_argument("--note", default="", help="a line kept in the JSON (e.g. what else loaded the machine)")
+    ap.add_argument("--out", help="the JSON path (default: a new file under benchmarks/results/)")
+    args = ap.parse_args(argv)
+    formats = args.formats.split(",")
+    if "f32" not in formats or any(f not in FORMATS for f in formats):
+        raise SystemExit(f"--formats: a comma-separated subset of {','.join(FORMATS)} that includes f32 "
+                         "(the reference)")
+    engines = args.engines.split(",")
+    torch.set_num_threads(args.threads)
+    why_not = llamacpp_missing() if "llamacpp" in engines else "not asked for (--engines)"
+    out = result_path("quantized", args.out)
+    rows: list[dict[str, Any]] = []
+    acc: dict[str, dict[str, Any]] = {}
+    result = {"date": str(date.today()), "threads": args.threads, "formats": formats,
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "note": args.note,
+              "load": os.getloadavg()[0], "python": sys.version.split()[0], "torch": torch.__version__,
+              "llamacpp": why_not or f"llama-cpp-python {os.environ.get('LLAMA_CPP_PYTHON', '0.3.36')} sdist build",
+              "pagedecode_source": "the same GGUF file" if why_not is None else "the HF folder, quantization=",
+              "accuracy": acc, "results": rows}
+    models = evh.model_dirs(argparse.Namespace(model=None, models=args.models, stories=args.stories))
+    workloads = args.workloads.split(",")
+    bar = evh.progress(len(models) * (1 + len(workloads) * len(formats)), "quantized.py", unit="step")
+    for mname, path in models:
+        cfg = json.loads((path / "config.json").read_text())
+        files = gguf_files(path, formats) if why_not is None else None
+        sources = {fmt: source(files, path, fmt) for fmt in formats}
+        loaded = {fmt: pd.Engine.from_pretrained(s["path"], dtype=s["dtype"], quantization=s["quantization"])
+                  for fmt, s in sources.items()}
+        acc[mname] = accuracy(loaded, prompts(args.prompts, cfg["vocab_size"]), args.accuracy_tokens, files,
+                              args.threads)
+        for fmt in formats:
+            a = acc[mname][fmt]
+            llama = f"  vs llama.cpp {a['greedy_vs_llamacpp']['token_agreement']:.3f}" if files else ""
+            print(f"{mname:<12} {fmt:<5} {a['weight_bytes'] / 1e6:8.2f} MB  max|dlogit| {a['max_abs_logit_diff']:.4f}"
+                  f"  KL {a['mean_kl']:.3g}  greedy vs f32 {a['greedy_vs_f32']['token_agreement']:.3f}{llama}",
+                  file=sys.stderr, flush=True)
+        for e in loaded.values():
+            e.close()
+        del loaded
+        bar.update(1)
+        for wname in workloads:
+            reqs = evh.workload(wname, cfg["vocab_size"], cfg.get("max_position_embeddings", 2048))
+            useful = sum(o for _, o in reqs)
+            repeat = args.repeat if wname == "single" else 1
+            own_f32 = None
+            for fmt in formats:
+                row: dict[str, Any] = {"model": mname, "workload": wname, "format": fmt, "requests": len(reqs),
+                                       "useful_tokens": useful, "weight_bytes": acc[mname][fmt]["weight_bytes"]}
+                got: dict[str, dict[str, Any]] = {}
+                if "pagedecode" in engines:
+                    got["pagedecode"] = speed(sources[fmt], reqs, repeat)
+                if files is not None:
+                    got["llamacpp"] = evh.run_llamacpp(files[fmt], reqs, args.threads, repeat)
+                if "transformers" in engines and fmt in ("f32", "bf16") and wname in args.hf_workloads.split(","):
+                    got["transformers"] = evh.median_run([evh.transformers_in_child(
+                        args.threads, path, reqs, args.hf_batch if wname == "mixed" else 1, "cpu", COMPUTE[fmt])
+                        for _ in range(repeat)])
+                for name, r in got.items():
+                    row[name] = {k: v for k, v in r.items() if k != "tokens"}
+                    row[name]["seconds"] = round(r["seconds"], 3)
+                    row[name]["tok_s"] = round(useful / r["seconds"], 1)
+                if "pagedecode" in got and "llamacpp" in got:
+                    row["pagedecode_vs_llamacpp"] = round(got["llamacpp"]["seconds"] / got["pagedecode"]["seconds"], 2)
+                if "pagedecode" in got and "transformers" in got:
+                    row["pagedecode_vs_transformers"] = round(got["transformers"]["seconds"]
+                                                              / got["pagedecode"]["seconds"], 2)
+                if "pagedecode" in got:
+                    if fmt == "f32":
+                        own_f32 = got["pagedecode"]["seconds"]
+                    elif own_f32 is not None:
+                        row["pagedecode_vs_own_f32"] = round(own_f32 / got["pagedecode"]["seconds"], 2)
+                rows.append(row)
+                line = "  ".join(f"{n} {row[n]['tok_s']:>8.1f}" for n in got)
+                ratio = f"  {row['pagedecode_vs_llamacpp']}x llama.cpp" if "pagedecode_vs_llamacpp" in row else ""
+                print(f"{mname:<12} {wname:<7} {fmt:<5} tok/s: {line}{ratio}", file=sys.stderr, flush=True)
+                write_json(out, result)                 # as it goes: a cut-off run keeps its rows
+                bar.update(1)
+    bar.close()
+    result["goals"] = goals(rows)
+    write_json(out, result)
+    plot(out, lambda axes: draw(axes, rows, result), size=(13, 4.5), ncols=2)
+    print(f"wrote {out} (+ .png)")
+    return 0
+
+
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 24's targets on the 135M-shaped model, read off the rows (those that were measured)."""
+    out = []
+    for r in rows:
+        if r["model"] != "llama135m" or "pagedecode_vs_llamacpp" not in r:
+            continue
+        if r["workload"] == "single" and r["format"] in ("q8_0", "q4_0"):
+            out.append({"goal": f"single {r['format']} >= 1.0x llama.cpp", "value": r["pagedecode_vs_llamacpp"],
+                        "met": r["pagedecode_vs_llamacpp"] >= 1.0})
+        if r["workload"] == "single" and r["format"] == "q8_0" and "pagedecode_vs_own_f32" in r:
+            out.append({"goal": "single q8_0 >= 1.6x pagedecode f32", "value": r["pagedecode_vs_own_f32"],
+                        "met": r["pagedecode_vs_own_f32"] >= 1.6})
+        if r["workload"] == "mixed":
+            out.append({"goal": f"mixed {r['format']} >= 1.5x llama.cpp", "value": r["pagedecode_vs_llamacpp"],
+                        "met": r["pagedecode_vs_llamacpp"] >= 1.5})
+    return out
+
+
+def draw(axes: Any, rows: list[dict[str, Any]], result: dict[str, Any]) -> None:
+    left, right = axes
+    names = [n for n in ("pagedecode", "llamacpp", "transformers") if any(n in r for r in rows)]
+    width = 0.8 / max(1, len(names))
+    for k, name in enumerate(names):
+        xs = [i + k * width for i, r in enumerate(rows) if name in r]
+        left.bar(xs, [r[name]["tok_s"] for r in rows if name in r], width, label=name)
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    left.set_xticklabels([f"{r['model'][:9]}\n{r['workload']}\n{r['format']}" for r in rows], fontsize=7)
+    left.set_yscale("log")
+    left.set_ylabel("useful tokens/s (log)")
+    left.set_title(f"CPU, {result['threads']} threads, {result['date']}")
+    left.legend()
+    for mname, per in result["accuracy"].items():
+        fmts = [f for f in per if f != "f32"]
+        right.plot(fmts, [max(per[f]["mean_kl"], 1e-9) for f in fmts], "o-", label=f"{mname} mean KL")
+        right.plot(fmts, [max(per[f]["max_abs_logit_diff"], 1e-9) for f in fmts], "s--",
+                   label=f"{mname} max |logit diff|")
+    right.set_yscale("log")
+    right.set_title("pagedecode vs its float32 logits (teacher-forced)")
+    right.legend(fontsize=7)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
