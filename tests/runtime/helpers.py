@@ -1,5 +1,12 @@
-"""Scripted engines for runtime tests."""
+"""Scripted engines for runtime tests, and a bare scheduler with queued requests."""
+import random
+
 import pagedecode as pd
+from pagedecode.runtime.intake import make_request
+from pagedecode.runtime.lifecycle import RequestState
+from pagedecode.runtime.page_pool import PagePool
+from pagedecode.runtime.scheduler import Scheduler
+from pagedecode.runtime.slots import SlotTable
 from pagedecode.testing import ByteVocabTokenizer, ScriptedModel
 
 VOCAB = {1: b"<s>", 2: b"</s>", 5: b"x", 6: b"y", 101: b"AB", 102: b"CD", 103: b"EF", 104: b"B",
@@ -45,3 +52,26 @@ def check_stream(events, rid):
     terminals = [e for e in evs if isinstance(e, pd.TerminalEvent)]
     assert len(terminals) == 1 and evs[-1] is terminals[0]
     return evs
+
+
+# -- a scheduler alone (test_scheduler.py, test_units.py's batch builder) ---------------------------
+
+def req(rid, n_prompt, max_tokens=5):
+    r = make_request([5] * n_prompt, pd.SamplingParams(max_tokens=max_tokens), rid, tokenizer=tokenizer(),
+                     vocab_size=200, max_context=1000, rng=random.Random(0), trace_level="lifecycle")
+    r.transition(RequestState.QUEUED)
+    return r
+
+
+def scheduler(pages=11, page=4, slots=3, budget=7):
+    return Scheduler(PagePool(pages), SlotTable(slots), page, budget)
+
+
+def commit(plan):
+    """What the engine does after the step: advance, and choose a token for sampling seqs."""
+    for s in plan.seqs:
+        s.request.num_computed += s.num_new
+        if s.samples:
+            s.request.output_ids.append(101)
+            if s.request.state == RequestState.PREFILLING:
+                s.request.transition(RequestState.DECODING)

@@ -6,7 +6,6 @@ import pytest
 
 import pagedecode as pd
 from pagedecode.runtime.endings import check_ending
-from pagedecode.runtime.page_pool import PagePool
 from pagedecode.testing import ByteVocabTokenizer, ScriptedModel
 
 from .helpers import check_stream, engine, of, run
@@ -186,17 +185,6 @@ def test_backends_are_validated_and_reach_a_model_object(stories_path):
 
 # -- one owner per resource ---------------------------------------------------------------------
 
-def test_page_pool_release_of_the_same_page_twice_in_one_call_raises():
-    pool = PagePool(4)
-    pages = pool.allocate(2)
-    with pytest.raises(pd.DoubleReleaseError):
-        pool.release([pages[0], pages[0]])
-    assert pool.ref_counts[pages[0]] == 1                 # nothing was changed
-    pool.retain(pages[0])
-    pool.release([pages[0], pages[0]])                    # two references: fine
-    pool.check_integrity()
-    assert pool.free_pages == 3
-
 
 def test_cancel_requested_is_a_state_until_the_safe_point():
     eng = engine([101])
@@ -207,31 +195,6 @@ def test_cancel_requested_is_a_state_until_the_safe_point():
     assert eng.cancel(rid)                                # idempotent while it lasts
     eng.step()
     assert eng.result(rid).state == S.CANCELLED and not eng.cancel(rid)
-
-
-# -- backpressure holds only its own request ---------------------------------------------------
-
-def test_a_paused_consumer_does_not_block_admission_and_is_preempted_first():
-    eng = engine([101], page_size=4, max_cache_tokens=16, stream_max_events=2, max_batch_size=4)
-    slow = eng.add_request([5] * 3, pd.SamplingParams(max_tokens=10), stream=True)   # never read
-    for _ in range(6):
-        eng.step()
-    assert eng.requests.get(slow).paused_since is not None
-    others = [eng.add_request([6] * 6, pd.SamplingParams(max_tokens=6)) for _ in range(2)]
-    for _ in range(200):
-        if all(eng.result(r).state.terminal for r in others):
-            break
-        eng.step()
-        eng.pool.check_integrity()
-    assert [eng.result(r).state for r in others] == [S.FINISHED] * 2
-    assert any(r["kind"] == "preempted" for r in eng.trace(slow))      # it gave its pages up first
-    before = eng.result(slow).selected_token_ids
-    while eng.has_unfinished():                            # the consumer comes back
-        eng.read_events(slow)
-        eng.step()
-    out = eng.result(slow)
-    assert out.state == S.FINISHED and out.selected_token_ids[:len(before)] == before
-    assert out.text == "AB" * 10 and out.finish_reason == R.MAX_OUTPUT_TOKENS
 
 
 # -- input that is malformed, field by field ---------------------------------------------------

@@ -1,19 +1,13 @@
-"""The small pieces alone: stop matchers, the scheduler, the batch builder (odd sizes on purpose)."""
-import random
-
+"""The small pieces alone: stop matchers, the batch builder (odd sizes on purpose). The scheduler's
+units are in test_scheduler.py, the page pool's in test_page_pool.py."""
 import pytest
 import torch
 
 import pagedecode as pd
 from pagedecode.runtime.batching import build_batch
-from pagedecode.runtime.intake import make_request
-from pagedecode.runtime.lifecycle import RequestState
-from pagedecode.runtime.page_pool import PagePool
-from pagedecode.runtime.scheduler import Scheduler
-from pagedecode.runtime.slots import SlotTable
 from pagedecode.runtime.stop import StopIdMatcher, find_stop_string, stop_prefix_len
 
-from .helpers import tokenizer
+from .helpers import commit, req, scheduler
 
 # -- stop matchers ------------------------------------------------------------------------------
 
@@ -54,84 +48,6 @@ def test_stop_id_matcher():
     assert StopIdMatcher([]).feed(1) is None
 
 
-# -- scheduler ---------------------------------------------------------------------------------
-
-def req(rid, n_prompt, max_tokens=5):
-    r = make_request([5] * n_prompt, pd.SamplingParams(max_tokens=max_tokens), rid, tokenizer=tokenizer(),
-                     vocab_size=200, max_context=1000, rng=random.Random(0), trace_level="lifecycle")
-    r.transition(RequestState.QUEUED)
-    return r
-
-
-def scheduler(pages=11, page=4, slots=3, budget=7):
-    return Scheduler(PagePool(pages), SlotTable(slots), page, budget)
-
-
-def commit(plan):
-    """What the engine does after the step: advance, and choose a token for sampling seqs."""
-    for s in plan.seqs:
-        s.request.num_computed += s.num_new
-        if s.samples:
-            s.request.output_ids.append(101)
-            if s.request.state == RequestState.PREFILLING:
-                s.request.transition(RequestState.DECODING)
-
-
-def test_chunked_prefill_under_the_budget_and_decode_first():
-    sch = scheduler(budget=7)
-    a, b = req("a", 3), req("b", 13)
-    sch.add(a)
-    sch.add(b)
-    p1 = sch.schedule(lambda r: True)
-    assert [(s.request.request_id, s.num_new, s.samples) for s in p1.prefill] == [("a", 3, True), ("b", 4, False)]
-    commit(p1)
-    p2 = sch.schedule(lambda r: True)
-    assert [(s.request.request_id, s.num_new) for s in p2.decode] == [("a", 1)]
-    assert [(s.request.request_id, s.num_new) for s in p2.prefill] == [("b", 6)]     # 7 - 1 decode
-    assert len(b.pages) == sch.pages_for(10) and len(a.pages) == 1
-
-
-def test_admission_skips_a_paused_request_and_keeps_order():
-    sch = scheduler()
-    paused, x, y = req("paused", 2), req("x", 2), req("y", 2)
-    for r in (paused, x, y):
-        sch.add(r)
-    plan = sch.schedule(lambda r: r is not paused)
-    assert [s.request.request_id for s in plan.prefill] == ["x", "y"]
-    assert list(sch.waiting) == [paused]
-
-
-def test_preemption_takes_the_newest_and_paused_first():
-    sch = scheduler(pages=3, page=4, slots=3, budget=64)
-    old, mid, new = req("old", 4), req("mid", 4), req("new", 4)
-    for r in (old, mid, new):
-        sch.add(r)
-    commit(sch.schedule(lambda r: True))                   # each holds one full page
-    assert sch.pool.free_pages == 0
-    plan = sch.schedule(lambda r: True)                    # everyone needs a second page
-    assert [r.request_id for r in plan.preempted] == ["new", "mid"]
-    assert [s.request.request_id for s in plan.decode] == ["old"] and mid.num_computed == 0
-    assert list(sch.waiting) == [mid, new] and mid.slot is None and not mid.pages
-    sch2 = scheduler(pages=3, page=4, slots=3, budget=64)
-    a, b, c = req("a", 4), req("b", 4), req("c", 4)
-    for r in (a, b, c):
-        sch2.add(r)
-    commit(sch2.schedule(lambda r: True))
-    plan = sch2.schedule(lambda r: r is not a)             # a's consumer stopped reading
-    assert plan.preempted[0] is a                          # the paused one goes first, though oldest
-
-
-def test_release_gives_back_pages_and_slot_once():
-    sch = scheduler()
-    r = req("r", 9)
-    sch.add(r)
-    sch.schedule(lambda q: True)
-    assert sch.release(r) == (True, True)
-    assert sch.pool.free_pages == 11 and sch.slots.free_slots == 3
-    assert sch.release(r) == (False, False)                # nothing left to give back
-    sch.pool.check_integrity()
-
-
 # -- batch builder ------------------------------------------------------------------------------
 
 def test_build_batch_layout_with_odd_sizes():
@@ -150,18 +66,6 @@ def test_build_batch_layout_with_odd_sizes():
     assert b.slot_mapping.tolist() == want
     assert b.logits_indices.tolist() == [0, 7] and b.logits_seqs == [0, 1]
     assert b.page_table.tolist() == [dec.pages, pre.pages]
-
-
-def test_a_write_into_a_shared_or_cached_page_is_caught():
-    sch = scheduler(pages=6, page=4, slots=2, budget=64)
-    r = req("r", 6)
-    sch.add(r)
-    commit(sch.schedule(lambda q: True))
-    sch.check_integrity()
-    sch.pool.register(r.pages[1], b"key", [5, 5, 5, 5], None)    # its page being written is now "cached"
-    sch.schedule(lambda q: True)
-    with pytest.raises(AssertionError, match="writes page"):
-        sch.check_integrity()
 
 
 def test_freeze_heap_takes_what_lives_now_out_of_the_collector():
