@@ -4,8 +4,9 @@ beside a torch baseline, against the copy bandwidth measured in the same run.
 
     python3 benchmarks/kernel_sweep.py [--out FILE.json] [--sweep] [--quant] [--sanitize KERNEL]
 
---quant times the Q8_0 / Q4_0 matmuls instead (GEMV at 1 row, GEMM at 4, 16 and 4096, on an
-8B model's up projection 14336 x 4096, bf16 activations): weight bytes / time against the copy
+--quant times the Q8_0 / Q4_0 matmuls instead, on an 8B model's up projection 14336 x 4096 with
+bf16 activations: the GEMV at 1 row, the GEMM at 4, 16 and 1,024, dequantize + matmul at 4,096
+(past GEMM_MAX_ROWS; the sweep times the GEMM there): weight bytes / time against the copy
 bandwidth, beside the torch path they replace (dequantize, then matmul) and a dense bf16 matmul.
 --sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling, quant),
 for compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed beside results.
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_triton  # noqa: E402
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_triton  # noqa: E402
 from pagedecode.kernels.kv_write import write_kv  # noqa: E402
-from pagedecode.kernels.quant_matmul import (GEMV_MAX_ROWS, dequantize_blocks,  # noqa: E402
+from pagedecode.kernels.quant_matmul import (GEMM_MAX_ROWS, GEMV_MAX_ROWS, dequantize_blocks,  # noqa: E402
                                              quant_gemm_triton, quant_gemv_triton, quant_matmul, quant_matmul_ref,
                                              random_blocks)
 from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref  # noqa: E402
@@ -175,7 +176,7 @@ def quant_case(kind, rows, n, k, bw):
     base = bench(lambda: quant_matmul_ref(xs[next(i) % copies], weights[next(i) % copies], kind))
     dense_us = bench(lambda: torch.nn.functional.linear(xs[next(i) % copies], dense[next(i) % len(dense)]))
     gbs = nbytes / (ours * 1e-6) / 1e9
-    path = "gemv" if rows <= GEMV_MAX_ROWS else "gemm"
+    path = "gemv" if rows <= GEMV_MAX_ROWS else "gemm" if rows <= GEMM_MAX_ROWS else "dequantize+mm"
     row = {"kernel": f"quant {path} {kind} M={rows} {n}x{k}", "us": round(ours, 1), "torch_us": round(base, 1),
            "speedup": round(base / ours, 2), "dense_bf16_us": round(dense_us, 1), "weight_MB": round(nbytes / 1e6, 1),
            "GB/s": round(gbs), "of_bandwidth": round(gbs / bw, 3), "rel_err": err}
@@ -186,7 +187,7 @@ def quant_case(kind, rows, n, k, bw):
 
 # (block_n, block_k, warps) for the GEMV, (block_m, block_n, block_k, warps, stages) for the GEMM;
 # tests/kernels/compile_hopper.py compiles each for sm_90
-QUANT_GEMV_CONFIGS = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4))]
+QUANT_GEMV_CONFIGS = [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in ((4, 256, 1), (16, 256, 4), (8, 1024, 4))]
 QUANT_GEMM_CONFIGS = [dict(block_m=m, block_n=n, block_k=k, num_warps=w, num_stages=st) for m, n, k, w, st in
                       ((16, 32, 128, 4, 4), (32, 32, 128, 4, 4), (128, 128, 64, 8, 3), (16, 64, 128, 4, 3),
                        (64, 128, 64, 4, 4))]
@@ -310,7 +311,7 @@ def main(argv=None) -> int:
              ("kv write T=8192", lambda: kv_write_case(bw, 22))]
     if args.quant:
         cases = [(f"quant {kind} M={m}", lambda kind=kind, m=m: quant_case(kind, m, QUANT_N, QUANT_K, bw))
-                 for kind in ("q8_0", "q4_0") for m in (1, 4, 16, 4096)]
+                 for kind in ("q8_0", "q4_0") for m in (1, 4, 16, 1024, 4096)]
     for name, case in cases:
         try:
             rows.append(case())

@@ -53,7 +53,7 @@ def cases():
 # of each, and the GEMM's first three, are the wrappers' defaults on the GPU), in float16 / float32
 # the defaults (float16 for Q8_0 only: Q4_0 differs in its loads, not in the dot):
 # (block_n, block_k, warps) for the GEMV, (block_m, block_n, block_k, warps, stages) for the GEMM
-QUANT_GEMV = ((16, 256, 4), (16, 512, 4), (32, 256, 4))
+QUANT_GEMV = ((4, 256, 1), (16, 256, 4), (8, 1024, 4))
 QUANT_GEMM = ((16, 32, 128, 4, 4), (32, 32, 128, 4, 4), (128, 128, 64, 8, 3), (16, 64, 128, 4, 3),
               (64, 128, 64, 4, 4))
 

@@ -56,7 +56,8 @@ def test_kernel_matches_the_float64_product(kind, dtype, M, K, N):
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_input_shape_and_dispatch(kind, monkeypatch):
     """(B, T, K) in, (B, T, N) out; `backend` picks the kernel or the reference; the GEMV takes up
-    to GEMV_MAX_ROWS rows (one), the GEMM the rest; zero rows give an empty result."""
+    to GEMV_MAX_ROWS rows (one), the GEMM up to GEMM_MAX_ROWS, then dequantize + matmul; zero
+    rows give an empty result."""
     g = torch.Generator().manual_seed(7)
     blocks = random_blocks(40, 64, kind, generator=g).to(DEVICE)
     calls = []
@@ -72,6 +73,10 @@ def test_batched_input_shape_and_dispatch(kind, monkeypatch):
     ref = quant_matmul(x, blocks, kind, backend="torch")
     assert len(calls) == n and torch.allclose(ref, quant_matmul_ref(x, blocks, kind))
     assert quant_matmul(x[:, :0], blocks, kind, backend="triton").shape == (2, 0, 40)
+    monkeypatch.setattr(QM, "GEMM_MAX_ROWS", 5)                    # long prefills: dequantize + matmul
+    n = len(calls)
+    y = quant_matmul(x, blocks, kind, backend="triton")
+    assert len(calls) == n and rel_err(y, oracle(x.reshape(6, 64), blocks, kind).view(2, 3, 40)) < 1e-5
 
 
 def test_bad_blocks_are_refused():
