@@ -96,3 +96,65 @@ def test_page_pool_evicting_a_parent_drops_its_children():
     assert pool.register(taken, b"k5", [9], None)                           # the page number reused
     assert pool.lookup(b"k1", [2], taken) is None
     pool.check_integrity()
+
+
+def partition(pool):
+    """(free, evictable, in use) page sets, read through the public counts and maps."""
+    in_use = {p for p, c in enumerate(pool.ref_counts) if c > 0}
+    evictable = {p for p in pool.page_hash if pool.ref_counts[p] == 0}
+    free = set(range(pool.num_pages)) - in_use - evictable
+    return free, evictable, in_use
+
+
+def test_ref_counts_move_pages_between_free_evictable_and_in_use():
+    pool = PagePool(5)
+    a, b, c = pool.allocate(3)
+    assert partition(pool) == ({3, 4}, set(), {a, b, c}) and pool.free_pages == 2
+    pool.register(a, b"ka", [1], None)
+    pool.retain(a)                                  # shared by two requests
+    pool.release([a, b])
+    assert pool.ref_counts[a] == 1 and partition(pool) == ({b, 3, 4}, set(), {a, c})
+    pool.release([a])                               # the last owner: hashed, so kept as evictable
+    assert partition(pool) == ({b, 3, 4}, {a}, {c}) and pool.free_pages == 4 and pool.cached_pages == 1
+    assert pool.lookup(b"ka", [1], None) == a
+    pool.retain(a)                                  # a hit takes it back out of the evictable set
+    assert partition(pool) == ({b, 3, 4}, set(), {a, c}) and pool.free_pages == 3
+    with pytest.raises(pd.DoubleReleaseError):
+        pool.retain(b)                              # a free page cannot be shared
+    with pytest.raises(ValueError, match="outside the pool"):
+        pool.release([5])
+    pool.check_integrity()
+
+
+def test_eviction_takes_the_least_recently_used_cached_page():
+    pool = PagePool(3)
+    a, b, c = pool.allocate(3)
+    for page, key in ((a, b"ka"), (b, b"kb"), (c, b"kc")):
+        pool.register(page, key, [page], None)       # three one-page chains
+    pool.release([a, b, c])
+    assert pool.lookup(b"ka", [a], None) == a        # a is used again: now the most recent
+    taken = [pool.allocate(1)[0] for _ in range(2)]
+    assert taken == [b, c] and pool.cached_pages == 1 and pool.lookup(b"kb", [b], None) is None
+    assert pool.lookup(b"ka", [a], None) == a
+    pool.check_integrity()
+    assert pool.allocate(2) is None and pool.cached_pages == 1    # a failed allocation evicts nothing
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda pool, pages: pool.ref_counts.__setitem__(3, 1), "free and in use"),
+    (lambda pool, pages: pool._free.append(4), "twice in the free list"),
+    (lambda pool, pages: pool.ref_counts.__setitem__(pages[1], -1), "negative"),
+    (lambda pool, pages: pool._free.remove(3), "!= total"),
+    (lambda pool, pages: pool.by_hash.__setitem__(b"k0", pages[1]), "not inverse"),
+    (lambda pool, pages: pool._evictable.__setitem__(4, None), "evictable"),
+    (lambda pool, pages: pool._parent.__setitem__(pages[1], 4), "parent"),
+])
+def test_check_integrity_catches_a_corruption(corrupt, message):
+    pool = PagePool(5)
+    pages = pool.allocate(3)
+    pool.register(pages[0], b"k0", [1], None)
+    pool.register(pages[1], b"k1", [2], pages[0])
+    pool.check_integrity()
+    corrupt(pool, pages)
+    with pytest.raises(AssertionError, match=message):
+        pool.check_integrity()

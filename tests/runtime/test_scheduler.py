@@ -78,6 +78,69 @@ def test_a_write_into_a_shared_or_cached_page_is_caught():
         sch.check_integrity()
 
 
+def test_admission_is_first_come_and_the_head_waits_for_pages():
+    sch = scheduler(pages=2, page=4, slots=3, budget=64)
+    big, small = req("big", 12), req("small", 2)            # big needs 3 pages of 2
+    sch.add(big)
+    sch.add(small)
+    plan = sch.schedule(lambda r: True)
+    assert plan.empty and not plan.preempted                 # small does not overtake the head
+    assert list(sch.waiting) == [big, small] and sch.pool.free_pages == 2 and big.slot is None
+
+
+def test_admission_stops_at_the_free_slots_and_the_budget():
+    sch = scheduler(pages=20, page=4, slots=2, budget=64)
+    rs = [req(n, 3) for n in "abc"]
+    for r in rs:
+        sch.add(r)
+    plan = sch.schedule(lambda r: True)
+    assert [r.request_id for r in plan.admitted] == ["a", "b"] and list(sch.waiting) == [rs[2]]
+    sch2 = scheduler(pages=20, page=4, slots=3, budget=5)
+    rs = [req(n, 3) for n in "abc"]
+    for r in rs:
+        sch2.add(r)
+    plan = sch2.schedule(lambda r: True)
+    assert [(s.request.request_id, s.num_new, s.samples) for s in plan.prefill] == [("a", 3, True), ("b", 2, False)]
+    assert list(sch2.waiting) == [rs[2]]                    # the budget ran out before c
+
+
+def test_decode_goes_first_when_the_budget_is_tight():
+    sch = scheduler(pages=20, page=4, slots=3, budget=1)
+    a, b = req("a", 1), req("b", 1)
+    sch.add(a)
+    commit(sch.schedule(lambda r: True))                     # a: prompt done, decoding
+    sch.add(b)
+    plan = sch.schedule(lambda r: True)
+    assert [s.request.request_id for s in plan.decode] == ["a"] and not plan.prefill
+    assert list(sch.waiting) == [b]
+
+
+def test_a_paused_running_request_is_not_scheduled_and_keeps_its_pages():
+    sch = scheduler(pages=20, page=4, slots=3, budget=64)
+    a, b = req("a", 3), req("b", 3)
+    sch.add(a)
+    sch.add(b)
+    commit(sch.schedule(lambda r: True))
+    plan = sch.schedule(lambda r: r is not a)
+    assert [s.request.request_id for s in plan.decode] == ["b"] and not plan.preempted
+    assert a.pages and a.slot is not None and a in sch.running           # paused, not preempted
+
+
+def test_a_preempted_request_is_readmitted_first_and_recomputes():
+    sch = scheduler(pages=3, page=4, slots=3, budget=64)
+    old, mid, new = req("old", 4), req("mid", 4), req("new", 4)
+    for r in (old, mid, new):
+        sch.add(r)
+    commit(sch.schedule(lambda r: True))
+    sch.schedule(lambda r: True)                             # mid and new preempted for old
+    assert sch.preemptions == 2
+    sch.release(old)                                         # old ends: its two pages are free
+    plan = sch.schedule(lambda r: True)
+    assert [r.request_id for r in plan.admitted] == ["mid"]  # front of the queue, in order
+    assert [(s.num_new, s.samples) for s in plan.prefill] == [(5, True)]    # 4 prompt + 1 output, again
+    sch.check_integrity()
+
+
 # -- inside an engine ----------------------------------------------------------------------------
 
 
