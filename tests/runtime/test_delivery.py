@@ -7,13 +7,139 @@ import pytest
 
 import pagedecode as pd
 
-from .helpers import engine
+from .helpers import engine, run
 
 S, R = pd.RequestState, pd.FinishReason
 
 
 def slow_engine(script=(101, 102, 103), delay=0.002, **cfg):
     return engine(list(script), on_forward=lambda info: time.sleep(delay), **cfg)
+
+
+async def until(cond, timeout_s=10.0):
+    deadline = time.perf_counter() + timeout_s
+    while not cond():
+        assert time.perf_counter() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+# -- the engine: replay, newest_event, ack ---------------------------------------------------------
+
+def test_replay_and_newest_event_from_every_position():
+    eng = engine([101, 102, 103])
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=4))
+    (start,) = eng.replay(rid)                      # the start event, at once
+    assert isinstance(start, pd.StartEvent) and eng.newest_event(rid) == (0, False)
+    eng.step()
+    newest, ended = eng.newest_event(rid)
+    assert newest >= 0 and not ended and [e.seq for e in eng.replay(rid)] == list(range(newest + 1))
+    run(eng)
+    events = eng.replay(rid)
+    last = events[-1].seq
+    assert isinstance(events[-1], pd.TerminalEvent) and eng.newest_event(rid) == (last, True)
+    assert [e.seq for e in events] == list(range(last + 1))
+    for after in range(-1, last + 1):
+        assert eng.replay(rid, after) == events[after + 1:]
+    with pytest.raises(ValueError, match=f"after_seq {last + 1} is beyond"):
+        eng.replay(rid, last + 1)
+    with pytest.raises(KeyError):
+        eng.newest_event("never-existed")
+
+
+def test_unacked_events_pause_only_that_request_and_an_ack_resumes_it():
+    eng = engine([101], stream_max_events=3)
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=12), acked=True)
+    other = eng.add_request([5], pd.SamplingParams(max_tokens=12))          # not acked: never held
+    for _ in range(20):
+        eng.step()
+    req = eng.requests.get(rid)
+    newest, ended = eng.newest_event(rid)
+    assert req.paused_since is not None and not ended and newest == 2       # seqs 0..2 unacked: full
+    assert eng.result(other).state == S.FINISHED
+    assert any(r["kind"] == "backpressure.paused" for r in eng.trace(rid))
+    eng.ack(rid, 0)                                   # one event sent: room for one more
+    eng.step()
+    eng.step()
+    assert eng.newest_event(rid) == (3, False) and req.paused_since is not None
+    eng.ack(rid, -1)                                  # an older ack changes nothing
+    eng.ack(other, 100)                               # nor does an ack of a request that is not acked
+    for _ in range(200):
+        newest, ended = eng.newest_event(rid)
+        if ended:
+            break
+        eng.ack(rid, newest)
+        eng.step()
+    out = eng.result(rid)
+    assert out.state == S.FINISHED and out.text == "AB" * 12
+    assert any(r["kind"] == "backpressure.resumed" for r in eng.trace(rid))
+    assert [e.seq for e in eng.replay(rid)] == list(range(newest + 1))      # nothing lost while paused
+
+
+# -- AsyncEngine.follow -----------------------------------------------------------------------------
+
+def test_follow_a_finished_request_from_every_position():
+    async def main():
+        eng = slow_engine(delay=0)
+        async with pd.AsyncEngine(eng) as ae:
+            rid = eng.add_request([5], pd.SamplingParams(max_tokens=5))
+            events = await asyncio.wait_for(_collect(ae.follow(rid)), 5)
+            resumed = [await asyncio.wait_for(_collect(ae.follow(rid, after)), 5)
+                       for after in range(-1, events[-1].seq + 1)]
+            for past in (events[-1].seq + 1, events[-1].seq + 50):
+                with pytest.raises(ValueError, match="beyond"):
+                    await _collect(ae.follow(rid, past))
+            with pytest.raises(KeyError):
+                await _collect(ae.follow("never-existed"))
+        return events, resumed
+    events, resumed = asyncio.run(main())
+    assert isinstance(events[-1], pd.TerminalEvent) and [e.seq for e in events] == list(range(len(events)))
+    assert resumed == [events[after + 1:] for after in range(-1, len(events))]
+    assert resumed[-1] == []                                   # at the end: nothing, and no wait
+
+
+def test_follow_with_acks_drives_backpressure():
+    """A follower that stops acking pauses its request (the step loop serves on); acking again
+    resumes it, and the follower gets every event once."""
+    async def main():
+        eng = engine([101], stream_max_events=4)
+        async with pd.AsyncEngine(eng, idle_wait_s=0.01) as ae:
+            rid = eng.add_request([5], pd.SamplingParams(max_tokens=30), acked=True)
+            req = eng.requests.get(rid)
+            got = []
+            follower = ae.follow(rid)
+            async for ev in follower:
+                got.append(ev)
+                if len(got) == 4:
+                    break
+            await follower.aclose()
+            await until(lambda: req.paused_since is not None)
+            await asyncio.sleep(0.05)
+            assert eng.newest_event(rid) == (3, False)         # held: no event past the unacked four
+            eng.ack(rid, got[-1].seq)
+            async for ev in ae.follow(rid, got[-1].seq):
+                got.append(ev)
+                eng.ack(rid, ev.seq)
+        return eng, rid, got
+    eng, rid, got = asyncio.run(main())
+    assert [e.seq for e in got] == list(range(len(got))) and isinstance(got[-1], pd.TerminalEvent)
+    assert eng.result(rid).text == "AB" * 30
+    kinds = [r["kind"] for r in eng.trace(rid)]
+    assert "backpressure.paused" in kinds and "backpressure.resumed" in kinds
+
+
+def test_many_followers_of_one_request_each_get_every_event():
+    async def main():
+        eng = slow_engine(delay=0.001)
+        async with pd.AsyncEngine(eng, stream_interval_s=0) as ae:
+            rid = eng.add_request([5], pd.SamplingParams(max_tokens=40))
+            got = await asyncio.wait_for(asyncio.gather(*(_collect(ae.follow(rid)) for _ in range(30))), 20)
+            late = await asyncio.wait_for(_collect(ae.follow(rid, 10)), 5)
+        return eng, rid, got, late
+    eng, rid, got, late = asyncio.run(main())
+    history = eng.replay(rid)
+    assert isinstance(history[-1], pd.TerminalEvent)
+    assert all(g == history for g in got) and late == history[11:]
+    assert not eng.requests.live
 
 
 def test_every_follower_is_woken_for_its_events():
