@@ -5,8 +5,8 @@ beside a torch baseline, against the copy bandwidth measured in the same run.
     python3 benchmarks/kernel_sweep.py [--out FILE.json] [--sweep] [--quant] [--sanitize KERNEL]
 
 --quant times the Q8_0 / Q4_0 matmuls instead, on an 8B model's up projection 14336 x 4096 with
-bf16 activations: the GEMV at 1 row, the GEMM at 4, 16 and 1,024, dequantize + matmul at 4,096
-(past GEMM_MAX_ROWS; the sweep times the GEMM there): weight bytes / time against the copy
+bf16 activations: the GEMV at 1 row, the GEMM at 4 and 16, dequantize + matmul at 1,024 and 4,096
+(past GEMM_MAX_ROWS; the sweep times the GEMM at 4,096): weight bytes / time against the copy
 bandwidth, beside the torch path they replace (dequantize, then matmul) and a dense bf16 matmul.
 --sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling, quant),
 for compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed beside results.

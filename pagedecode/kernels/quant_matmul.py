@@ -40,9 +40,10 @@ BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
 # took 1.5x the GEMV at one
 GEMV_MAX_ROWS = 1
 # more rows than this: the weight is dequantized once and cuBLAS multiplies. On the H200 (14336 x
-# 4096 q8_0, bf16) the GEMM took 85 us at 16 rows and 3.4 ms at 4,096, dequantize + matmul 0.6 and
-# 1.2 ms: the GEMM's in-loop dequantization, repeated for every row tile, loses past ~800 rows
-GEMM_MAX_ROWS = 1024
+# 4096 q8_0, bf16) the GEMM / dequantize + matmul took 85 / 615 us at 16 rows, 526 / 667 at 512,
+# 899 / 728 at 1,024, 3,400 / 1,200 at 4,096: the GEMM's in-loop dequantization, repeated for
+# every row tile, loses past ~800 rows
+GEMM_MAX_ROWS = 512
 
 
 def dequantize_blocks(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
