@@ -91,10 +91,7 @@ class LlamaModel:
 
         self.embed = take("model.embed_tokens.weight")
         lm = take("lm_head.weight", required=False)
-        if lm is None:
-            if not c.tie_word_embeddings and "lm_head.weight" not in weights:
-                # some checkpoints tie without saying so; use the embedding as HF would then
-                pass
+        if lm is None:          # tied (also when a checkpoint ties without saying so, as HF then does)
             lm = self.embed
         if quantization and isinstance(lm, torch.Tensor) and lm.shape[1] % BLOCK == 0:
             lm = QuantizedWeight.quantize(lm, "q8_0")      # the head in Q8_0 whatever the layers take
