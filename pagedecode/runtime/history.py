@@ -74,10 +74,6 @@ class CompactHistory:
         return self._text
 
     @property
-    def num_ids(self) -> int:
-        return len(self._ids)
-
-    @property
     def token_ids(self) -> list[int]:
         """Every returned id, in order (what the deltas carried)."""
         return self._ids.tolist()
