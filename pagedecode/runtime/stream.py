@@ -11,14 +11,13 @@ from .events import DeltaEvent, Event
 
 
 class EventBuffer:
-    def __init__(self, max_events: int, max_bytes: int,
-                 on_push: Callable[[], None] | None = None) -> None:
+    def __init__(self, max_events: int, max_bytes: int) -> None:
         self.max_events = max_events
         self.max_bytes = max_bytes
         self._items: deque[tuple[float, Event]] = deque()
         self._bytes = 0
         self._lock = threading.Lock()
-        self.on_push = on_push
+        self.on_push: Callable[[], None] | None = None     # set by AsyncEngine.submit: wake its stream
         self.on_pop: Callable[[], None] | None = None
         self.wait_s = 0.0               # summed time events sat here before being read
 
