@@ -21,9 +21,9 @@
 # Failures are recorded by kernel and shape (kernels.json rows carry "error"); the script exits
 # non-zero when any step failed or timed out, after running the rest.
 #
-# The venv: .venv if its torch sees a GPU; else it is made here with --system-site-packages (the
-# machine's CUDA torch and triton), and pagedecode is installed into it without dependencies or
-# downloads (the device machine reaches no registry).
+# The interpreter: .venv if its torch sees a GPU; else the first python on the machine whose torch
+# sees one (the H200 image's is /opt/torch/.venv/bin/python3), with this checkout on PYTHONPATH:
+# nothing installed, nothing downloaded (the device machine reaches no registry).
 set -euo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -39,13 +39,19 @@ elif [ -x .venv/bin/python ]; then
   echo "error: .venv exists but its torch sees no GPU (a CPU build?): move it away and rerun" >&2
   exit 2
 else
-  echo "making .venv on this machine (system site packages: its CUDA torch and triton)"
-  python3 -m venv --system-site-packages .venv
-  PAGEDECODE_NO_CPU_EXT=1 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation --no-index -e . \
-    || { echo "error: installing pagedecode into .venv failed" >&2; exit 2; }
-  py_sees_gpu .venv/bin/python || { echo "error: the venv's torch sees no GPU" >&2; exit 2; }
+  # The machine's CUDA torch may live in another environment than the first python3 on PATH (the
+  # H200 image keeps it in /opt/torch/.venv, whose packages a --system-site-packages venv made
+  # from it would not see): run the first interpreter whose torch sees the GPU, with this
+  # checkout first on its path (no install, no downloads; the CPU extension is not needed).
+  PY=""
+  for cand in $(which -a python3 python 2>/dev/null) /opt/torch/.venv/bin/python3; do
+    if [ -x "$cand" ] && py_sees_gpu "$cand"; then PY="$cand"; break; fi
+  done
+  [ -n "$PY" ] || { echo "error: no python here has a torch that sees a GPU" >&2; exit 2; }
+  echo "using $PY with this checkout on PYTHONPATH"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-PY="$PWD/.venv/bin/python"
+PY="${PY:-$PWD/.venv/bin/python}"
 RESULTS="${OUT:-benchmarks/results/device-$(date +%F-%H%M%S)}"
 mkdir -p "$RESULTS"
 STEPS="${STEPS:-env tests kernels quant micro engine tp2}"
