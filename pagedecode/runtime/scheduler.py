@@ -67,16 +67,15 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def release(self, req: Request) -> tuple[bool, bool]:
-        """A request ended: forget it and give back its pages and slot. Returns (pages were
-        held, slot was held)."""
+    def release(self, req: Request) -> None:
+        """A request ended: forget it and give back its pages and slot (none, when it holds none)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        return self._give_back(req)
+        self._give_back(req)
 
-    def _give_back(self, req: Request) -> tuple[bool, bool]:
+    def _give_back(self, req: Request) -> None:
         pages, req.pages = req.pages, []
         slot, req.slot = req.slot, None
         req.pages_registered = 0
@@ -86,7 +85,6 @@ class Scheduler:
         finally:                              # a failing page release never keeps the slot
             if slot is not None:
                 self.slots.release(slot)
-        return bool(pages), slot is not None
 
     def schedule(self, runnable: Callable[[Request], bool]) -> SchedulerOutput:
         out = SchedulerOutput()

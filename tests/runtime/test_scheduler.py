@@ -60,9 +60,12 @@ def test_release_gives_back_pages_and_slot_once():
     r = req("r", 9)
     sch.add(r)
     sch.schedule(lambda q: True)
-    assert sch.release(r) == (True, True)
+    assert r.pages and r.slot is not None
+    sch.release(r)
+    assert not r.pages and r.slot is None and r not in sch.running
     assert sch.pool.free_pages == 11 and sch.slots.free_slots == 3
-    assert sch.release(r) == (False, False)                # nothing left to give back
+    sch.release(r)                                         # nothing left to give back: no double release
+    assert sch.pool.free_pages == 11 and sch.slots.free_slots == 3
     sch.pool.check_integrity()
 
 
