@@ -97,14 +97,22 @@ class OutputPipeline:
 
     def _match_strings(self) -> Emission:
         """Release what no stop string can still claim (the text is decoded, stop ids fed)."""
-        found = find_stop_string(self._text, self.stops) if self.stops else None
-        if found is not None:
-            return self._release(found.end if self.include_stop else found.start, cut=True, stop=found.stop)
+        stopped = self._stop_at_string(self._text)
+        if stopped is not None:
+            return stopped
         keep = stop_prefix_len(self._text, self.stops) if self.stops else 0
         end = len(self._text) - keep
         if self.stop_ids.held:
             end = min(end, self._pending[-self.stop_ids.held].fed_at - self._base)
         return self._release(end)
+
+    def _stop_at_string(self, text: str) -> Emission | None:
+        """The first stop string in `text` (the unreleased text, or a prefix of it) ends the
+        output: release up to it (or through it, include_stop) and cut. None when none is there."""
+        found = find_stop_string(text, self.stops) if self.stops else None
+        if found is None:
+            return None
+        return self._release(found.end if self.include_stop else found.start, cut=True, stop=found.stop)
 
     def _decode(self, token: int, logprob: float | None) -> None:
         self._pending.append(_Pending(token, logprob, self._top, self._base + len(self._text)))
@@ -126,9 +134,9 @@ class OutputPipeline:
         else:                                # its earlier tokens were decoded: cut where they began
             cut = self._pending[-(len(hit) - 1)].fed_at
         before = self._text[:cut - self._base]
-        found = find_stop_string(before, self.stops) if self.stops else None
-        if found is not None:                # a stop string ended earlier: it wins
-            return self._release(found.end if self.include_stop else found.start, cut=True, stop=found.stop)
+        stopped = self._stop_at_string(before)
+        if stopped is not None:              # a stop string ended earlier: it wins
+            return stopped
         return self._release(cut - self._base, cut=True, stop=hit)
 
     def _complete_tail(self) -> str:
@@ -150,9 +158,9 @@ class OutputPipeline:
         except Utf8TailError as e:
             tail, error = "", str(e)
         self._note_text(tail)
-        found = find_stop_string(self._text, self.stops) if self.stops else None
-        if found is not None:                # held ids completed a stop string after all
-            return self._release(found.end if self.include_stop else found.start, cut=True, stop=found.stop)
+        stopped = self._stop_at_string(self._text)
+        if stopped is not None:              # held ids completed a stop string after all
+            return stopped
         em = self._release(len(self._text), everything=True)
         em.error = error
         return em
