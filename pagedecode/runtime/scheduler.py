@@ -198,31 +198,32 @@ class Scheduler:
         """Give req the pages for n more tokens, preempting others if needed. False when req
         itself had to be preempted (it was the newest candidate)."""
         need = self.pages_for(req.num_computed + n) - len(req.pages)
-        while need > 0:
-            pages = self.pool.allocate(need)
-            if pages is not None:
-                req.pages.extend(pages)
-                return True
-            victim = self._victim(runnable, scheduled, allow_active=True)
-            self.preempt(victim if victim is not None else req)
-            out.preempted.append(victim if victim is not None else req)
-            if victim is None or victim is req:
-                return False
+        if need <= 0:
+            return True
+        pages = self._allocate(need, runnable, scheduled, out, allow_active=True, owner=req)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
         return True
 
     def _allocate(self, need: int, runnable: Callable[[Request], bool], protected: set[int],
-                  out: SchedulerOutput, allow_active: bool) -> list[int] | None:
+                  out: SchedulerOutput, allow_active: bool, owner: Request | None = None) -> list[int] | None:
         """`need` pages, preempting paused requests first, then (allow_active) the newest
-        running request outside `protected`; None when even that is not enough."""
+        running request outside `protected`; None when even that is not enough. A running
+        `owner` asking for more is a candidate like the others: when it is chosen, or no other
+        is left, it is preempted itself and None returned."""
         while True:
             pages = self.pool.allocate(need)
             if pages is not None:
                 return pages
             victim = self._victim(runnable, protected, allow_active)
+            victim = owner if victim is None else victim
             if victim is None:
                 return None
             self.preempt(victim)
             out.preempted.append(victim)
+            if victim is owner:
+                return None
 
     def _victim(self, runnable: Callable[[Request], bool], protected: set[int], allow_active: bool
                 ) -> Request | None:

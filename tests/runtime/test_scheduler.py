@@ -144,6 +144,25 @@ def test_a_preempted_request_is_readmitted_first_and_recomputes():
     sch.check_integrity()
 
 
+def test_a_request_that_outgrows_the_pool_preempts_itself():
+    sch = scheduler(pages=2, page=4, slots=2, budget=64)
+    a, b = req("a", 4), req("b", 4)
+    sch.add(a)
+    sch.add(b)
+    commit(sch.schedule(lambda r: True))                     # one page each, the pool empty
+    plan = sch.schedule(lambda r: r is not b)                # b paused: the paused one goes first
+    assert plan.preempted == [b] and [s.request for s in plan.decode] == [a] and len(a.pages) == 2
+    commit(plan)
+    sch.release(b)
+    solo = scheduler(pages=1, page=4, slots=1, budget=64)
+    c = req("c", 4)
+    solo.add(c)
+    commit(solo.schedule(lambda r: True))
+    plan = solo.schedule(lambda r: True)                     # c needs a second page: only its own
+    assert plan.preempted == [c] and plan.empty and list(solo.waiting) == [c] and not c.pages
+    solo.check_integrity()
+
+
 # -- inside an engine ----------------------------------------------------------------------------
 
 
