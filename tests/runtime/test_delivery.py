@@ -130,6 +130,8 @@ def test_follow_with_acks_drives_backpressure():
 def test_many_followers_of_one_request_each_get_every_event():
     async def main():
         eng = slow_engine(delay=0.001)
+        # a lost wake-up leaves its follower waiting for good (bounded below by wait_for); a loaded
+        # machine delays a woken one by far less than the 1 s threshold
         async with pd.AsyncEngine(eng, stream_interval_s=0) as ae:
             rid = eng.add_request([5], pd.SamplingParams(max_tokens=40))
             got = await asyncio.wait_for(asyncio.gather(*(_collect(ae.follow(rid)) for _ in range(30))), 20)
@@ -157,13 +159,16 @@ def test_every_follower_is_woken_for_its_events():
     async def main():
         eng = engine([101, 102, 103], on_forward=lambda info: time.sleep(0.0005), trace="lifecycle")
         late = []
+        # a lost wake-up leaves its follower waiting for good (bounded below by wait_for); a loaded
+        # machine delays a woken one by far less than the 1 s threshold
         async with pd.AsyncEngine(eng, stream_interval_s=0) as ae:
             for _ in range(trials // at_once):
                 rids = [eng.add_request([5], pd.SamplingParams(max_tokens=3)) for _ in range(at_once)]
-                got = await asyncio.gather(*(follower(ae, r, d) for r in rids for d in (0, 0.002)))
+                got = await asyncio.wait_for(
+                    asyncio.gather(*(follower(ae, r, d) for r in rids for d in (0, 0.002))), 60)
                 for rid, (fast, slow) in zip(rids, zip(got[::2], got[1::2])):
                     finish = next(r["t_us"] for r in eng.trace(rid) if r["kind"] == "finish")
-                    late += [t - finish for t in (fast, slow) if t - finish > 150_000]
+                    late += [t - finish for t in (fast, slow) if t - finish > 1_000_000]
         return late
     assert asyncio.run(main()) == []
 
