@@ -157,4 +157,6 @@ def test_a_schema_compiled_for_seconds_never_stalls_another_stream(stories_path,
     # < 100 ms on idle cores (42 ms measured; it was the whole parse, 1.4 s, before); a machine
     # busy with other work slows the baseline too, hence the margin over it
     assert max(hostile.gaps) < max(0.1, 2 * max(base.gaps)), report
-    assert max(hostile.health) < max(0.1, 2 * max(base.health)) and n_health >= took / 0.1, report
+    # /health answers throughout; one slow answer on a loaded machine (134 ms seen in a full run
+    # beside a benchmark) is not the stall, which held every answer for the whole 1.4 s parse
+    assert max(hostile.health) < max(0.25, 2 * max(base.health)) and n_health >= took / 0.1, report
