@@ -92,9 +92,7 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
         try:
             tenant = state.check_auth(request)
             body, raw = await state.body(request)
-            if isinstance(body, dict) and body.get("model") not in (None, state.o.model_name):
-                raise ApiError(404, f"model {body.get('model')!r} is not served here (try {state.o.model_name!r})",
-                               param="model", code="model_not_found")
+            state.check_model(body)
             parsed = parse_request(body, chat, state.o.generation_defaults, state.o.limits,
                                    state.o.max_prompts_per_request)
             await state.prepare_grammar(parsed, body)

@@ -395,9 +395,7 @@ def routes(state: ServerState) -> list[Route]:
         try:
             tenant = state.check_auth(request)
             body, _ = await state.body(request)
-            if isinstance(body, dict) and body.get("model") not in (None, state.o.model_name):
-                raise ApiError(404, f"model {body.get('model')!r} is not served here (try {state.o.model_name!r})",
-                               param="model", code="model_not_found")
+            state.check_model(body)
             parsed, meta = parse_body(body, state)
             await state.prepare_grammar(parsed, {"response_format": True})
             state.admit()

@@ -163,6 +163,12 @@ class ServerState:
             raise ApiError(404, f"unknown request id {request_id!r}", param="request_id", code="request_not_found")
         return track
 
+    def check_model(self, body: Any) -> None:
+        """404 for a body that names another model (no model field: this one)."""
+        if isinstance(body, dict) and body.get("model") not in (None, self.o.model_name):
+            raise ApiError(404, f"model {body.get('model')!r} is not served here (try {self.o.model_name!r})",
+                           param="model", code="model_not_found")
+
     async def body(self, request: Request) -> tuple[Any, bytes]:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.o.max_body_bytes:
