@@ -1,4 +1,9 @@
 """A real server on an ephemeral loopback port: uvicorn in a thread over stories260k."""
+import resource
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -61,3 +66,57 @@ def server(stories_path):
     s = start_server(stories_path, api_key="sekret")
     yield s
     stop_server(s)
+
+
+class Serve:
+    """`python -m pagedecode.cli serve ...` with its output collected by a thread."""
+
+    def __init__(self, stories_path, *args, fd_limit=None, session=False):
+        def limit():
+            if fd_limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+        self.p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "serve", "--model", str(stories_path),
+                                   "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, preexec_fn=limit, start_new_session=session)
+        self.lines = []
+        self.port = None
+        started = threading.Event()
+
+        def read():
+            for line in self.p.stdout:
+                self.lines.append(line)
+                if self.port is None and "Uvicorn running on" in line:
+                    self.port = int(line.rsplit(":", 1)[1].split()[0])
+                    started.set()
+            started.set()
+        threading.Thread(target=read, daemon=True).start()
+        started.wait(120)
+        assert self.port, "server did not start:\n" + "".join(self.lines)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def output(self):
+        return "".join(self.lines)
+
+    def connect(self):
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        return self.p.wait(timeout=60)
+
+
+@pytest.fixture
+def serve(stories_path):
+    started = []
+
+    def start(*args, **kw):
+        s = Serve(stories_path, *args, **kw)
+        started.append(s)
+        return s
+    yield start
+    for s in started:
+        if s.p.poll() is None:
+            s.p.kill()
+            s.p.wait()

@@ -3,8 +3,6 @@ requests (404 for another's), its own Idempotency-Keys per endpoint; /metrics be
 POST that is not JSON (415) or names a foreign Host (421) is refused; control tokens typed into
 chat content are plain text."""
 import re
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -139,28 +137,17 @@ def test_control_tokens_typed_into_chat_content_are_text(tenants, stories_path):
         stop_server(s)
 
 
-def test_serve_command_with_keys_file_and_allowed_host(tmp_path, stories_path):
+def test_serve_command_with_keys_file_and_allowed_host(tmp_path, serve):
     keys = tmp_path / "keys"
     keys.write_text("# tenants\nkey-b\n\n")
-    p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "serve", "--model", str(stories_path), "--port", "0",
-                          "--api-key", "key-a", "--api-keys-file", str(keys), "--allowed-host", "api.example"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        port = None
-        for line in p.stdout:
-            if "Uvicorn running on" in line:
-                port = int(line.rsplit(":", 1)[1].split()[0])
-                break
-        assert port, "server did not start"
-        url = f"http://127.0.0.1:{port}"
-        ra = httpx.post(url + "/v1/completions", headers=A, json={"prompt": "Once", "max_tokens": 2}, timeout=30)
-        rid = ra.json()["id"]
-        assert ID.fullmatch(rid)
-        assert httpx.get(f"{url}/v1/requests/{rid}/trace", headers=B).status_code == 404
-        assert httpx.get(f"{url}/v1/requests/{rid}/trace", headers=A).status_code == 200
-        assert httpx.get(url + "/metrics").status_code == 401
-        assert httpx.get(url + "/v1/models", headers={**B, "Host": "api.example"}).status_code == 200
-        assert httpx.get(url + "/v1/models", headers={**B, "Host": "evil.example"}).status_code == 421
-    finally:
-        p.terminate()
-        p.wait(timeout=30)
+    s = serve("--api-key", "key-a", "--api-keys-file", str(keys), "--allowed-host", "api.example")
+    url = s.url
+    ra = httpx.post(url + "/v1/completions", headers=A, json={"prompt": "Once", "max_tokens": 2}, timeout=30)
+    rid = ra.json()["id"]
+    assert ID.fullmatch(rid)
+    assert httpx.get(f"{url}/v1/requests/{rid}/trace", headers=B).status_code == 404
+    assert httpx.get(f"{url}/v1/requests/{rid}/trace", headers=A).status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={**B, "Host": "api.example"}).status_code == 200
+    assert httpx.get(url + "/v1/models", headers={**B, "Host": "evil.example"}).status_code == 421
+    assert s.stop() == 0
