@@ -18,7 +18,7 @@ PY="${PYTHON:-$HERE/../.venv/bin/python}"
 
 build() {
   local tool
-  for tool in llama-bench llama-batched-bench llama-parallel llama-quantize pd-greedy; do
+  for tool in llama-bench llama-batched-bench llama-parallel llama-quantize llama-lookup pd-greedy; do
     [ -x "$CACHE/bin/$tool" ] || break
   done
   if [ -x "$CACHE/bin/$tool" ]; then
@@ -32,7 +32,7 @@ build() {
   cmake -S "$CACHE/src/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_SERVER=OFF >/dev/null
-  cmake --build "$CACHE/build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-parallel llama-quantize
+  cmake --build "$CACHE/build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-parallel llama-quantize llama-lookup
   mkdir -p "$CACHE/bin"
   cp "$CACHE"/build/bin/llama-* "$CACHE/bin/"
   # pd-greedy (peers/greedy.cpp): greedy token ids for prompts given as ids, against the same libraries
