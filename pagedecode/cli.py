@@ -40,7 +40,7 @@ def _engine(args: argparse.Namespace) -> Any:
     from .runtime.engine import Engine
     _check_device(args.device)
     path = args.model or default_model_path()
-    options = {"max_batch_size": max(8, getattr(args, "requests", 1))}
+    options = {"max_batch_size": max(8, getattr(args, "requests", 1)), "deterministic": getattr(args, "deterministic", False)}
     return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
                                   tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                                   tokenizer=args.tokenizer, **options)
@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn per request)")
         p.add_argument("--logprobs", action="store_true", help="report the chosen tokens' logprobs (generate)")
         p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+        p.add_argument("--deterministic", action="store_true",
+                       help="batch-invariant kernels: the same prompt and seed give the same bits whatever else runs")
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")
         else:

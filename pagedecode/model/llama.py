@@ -71,6 +71,9 @@ class LlamaModel:
         self.dtype = dtype
         self.attention_backend = attention_backend
         self.quantization = quantization
+        # batch-invariant kernels (EngineConfig.deterministic sets it): every reduction in one order
+        # whatever the batch, chunking or thread count
+        self.deterministic = False
         c = config
 
         def take(name: str, required: bool = True) -> Any:

@@ -37,6 +37,9 @@ class EngineConfig:
     grammar_cache_bytes: int = 256 << 20     # ... and at most this many bytes of them (xgrammar's own count)
     max_schema_depth: int = 64               # JSON nesting depth of a json_schema constraint (deeper: refused)
     max_schema_bytes: int = 32 << 10         # size of any constraint: schema JSON, regex, EBNF, choices
+    deterministic: bool = False              # a request's logits the same bits whatever else runs (batch,
+                                             # chunking, prefix cache, preemption, threads): batch-invariant
+                                             # kernels (csrc/cpu_forward.cpp, kernels/), fixed-order all-reduce
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -61,5 +64,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
         if self.trace not in TRACE_LEVELS:
             raise ValueError(f"trace must be one of {TRACE_LEVELS}, got {self.trace!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         if self.max_finished_bytes is not None and self.max_finished_bytes < 1:
             raise ValueError(f"max_finished_bytes must be >= 1 or None, got {self.max_finished_bytes}")

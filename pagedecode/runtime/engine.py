@@ -70,6 +70,11 @@ class Engine(ConsumerSide, RequestEndings):
         self.config = config = config or EngineConfig()
         if config.attention_backend != "auto" and hasattr(model, "attention_backend"):
             model.attention_backend = config.attention_backend
+        if config.deterministic:
+            if not hasattr(model, "deterministic"):
+                raise ValueError(f"deterministic=True needs a model with a batch-invariant forward (a `deterministic` "
+                                 f"attribute, as pagedecode's own models have); {type(model).__name__} has none")
+            model.deterministic = True
         mc = model.config
         self.device = torch.device(getattr(model, "device", "cpu"))
         self.bytes_per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype)
@@ -237,7 +242,8 @@ class Engine(ConsumerSide, RequestEndings):
 
     def _enqueue(self, req: Request) -> None:
         self.requests.add(req)
-        req.trace.add("added", prompt_tokens=len(req.prompt_ids), seed=req.seed)
+        req.trace.add("added", prompt_tokens=len(req.prompt_ids), seed=req.seed,
+                      deterministic=self.config.deterministic)
         req.transition(S.QUEUED)
         self._prompt_tokens += len(req.prompt_ids)
         self._emit(req, StartEvent(req.request_id, req.take_seq(), self.model_name), self._outbox)

@@ -85,12 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         kind: Any = type(default) if default is not None else None
+        extra: dict[str, Any] = {}
         if isinstance(default, bool):
-            kind = _bool
+            kind, extra = _bool, {"nargs": "?", "const": True}     # `--deterministic` alone means true
         if f.name in ("max_cache_tokens", "memory_budget_bytes", "max_context", "seed", "max_finished_bytes"):
             kind = int
         p.add_argument(flag, type=kind, default=default, dest="engine_" + f.name, metavar=f.name.upper(),
-                       help=f"EngineConfig.{f.name}")
+                       help=f"EngineConfig.{f.name}", **extra)
 
 
 def _bool(text: str) -> bool:
