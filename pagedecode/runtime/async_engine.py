@@ -1,15 +1,17 @@
 """AsyncEngine: the step loop in a background thread; each request an async stream of events.
 
-Events reach a stream through its request's bounded buffer, so a slow reader pauses only its
-own request (backpressure). A stream closed or dropped before its terminal event cancels the
-request as transport_error (on_disconnect="cancel", the default) or lets it run to the end
-unread ("continue"); so does a stream whose pending `__anext__` is cancelled (as an async
-generator's is) or whose iterating task ends cancelled, and leaving `async with stream:`.
-Leaving the AsyncEngine's `async with` block ends every live request exactly once.
+One delivery path (runtime/delivery.py): every reader reads a request's history after its own
+cursor. `submit` returns a RequestStream that does so and acks what it takes (the request is
+added with acked=True), so a slow reader pauses only its own request (backpressure);
+`follow` reads without acking (for a reconnecting client, or a server that acks what it sent).
+Each reader arms its own future before it looks at the history, and the step thread resolves
+the futures of every request a step gave events to, so no reader can miss a wake-up.
 
-`follow` reads a request's history instead: each follower arms its own future before it looks,
-and the step thread resolves the futures of every request a step gave events to, so no
-follower can miss a wake-up.
+A stream closed or dropped before its terminal event cancels the request as transport_error
+(on_disconnect="cancel", the default) or lets it run to the end unread ("continue"); so does a
+stream whose pending `__anext__` is cancelled (as an async generator's is) or whose iterating
+task ends cancelled, and leaving `async with stream:`. Leaving the AsyncEngine's `async with`
+block ends every live request exactly once.
 """
 from __future__ import annotations
 
@@ -27,19 +29,20 @@ from ..params import SamplingParams
 from .engine import Engine
 from .events import Event, TerminalEvent
 from .lifecycle import FinishReason
-from .stream import EventBuffer
 
 log = logging.getLogger("pagedecode")
 DISCONNECT_POLICIES = ("cancel", "continue")
 
 
 class RequestStream:
-    def __init__(self, owner: "AsyncEngine", request_id: str, buffer: EventBuffer) -> None:
+    """A submitted request's events: read from its history after this stream's cursor, each
+    batch acked as it is taken. Holds a pin on the request until it ends or is closed, so the
+    events are there to read however long the reader takes."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str) -> None:
         self._owner = owner
         self.request_id = request_id
-        self._buffer = buffer
-        self._waiter: asyncio.Future[None] | None = None
-        self.armed = False           # the consumer waits: the next push must wake it
+        self._cursor = -1            # the seq of the last event taken (and acked)
         self._pending: deque[Event] = deque()
         self.done = False
         self._closed = False
@@ -66,12 +69,6 @@ class RequestStream:
                 stream._disconnect()
         task.add_done_callback(done)
 
-    def _notify(self) -> None:
-        """On the event loop: wake the consumer if it is waiting."""
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def __aiter__(self) -> "RequestStream":
         return self
 
@@ -80,25 +77,17 @@ class RequestStream:
         while not self._pending:
             if self.done or self._closed:
                 raise StopAsyncIteration
-            events = self._buffer.pop()
-            if not events:
-                # arm, then look again: a push between the two is seen here, a later one wakes us
-                self._waiter = asyncio.get_running_loop().create_future()
-                self.armed = True
-                events = self._buffer.pop()
-                if not events:
-                    try:
-                        await self._waiter
-                    except asyncio.CancelledError:       # as an async generator's: the stream ends
-                        self._disconnect()
-                        raise
-                    continue
-                self.armed = False
-                self._waiter = None
+            try:
+                events = await self._owner._events_after(self.request_id, self._cursor)
+            except asyncio.CancelledError:       # as an async generator's: the stream ends
+                self._disconnect()
+                raise
+            self._cursor = events[-1].seq
+            self._owner.engine.ack(self.request_id, self._cursor)
             self._pending.extend(events)
         event = self._pending.popleft()
         if isinstance(event, TerminalEvent):
-            self.done = True
+            self._end()
         return event
 
     async def cancel(self) -> bool:
@@ -109,6 +98,12 @@ class RequestStream:
         """The consumer goes away before the end: a transport matter, per on_disconnect."""
         self._disconnect()
 
+    def _end(self) -> None:
+        """The terminal event is taken: the reader needs the request no more."""
+        if not self.done:
+            self.done = True
+            self._owner.engine.unpin(self.request_id)
+
     def _disconnect(self) -> None:
         if self.done or self._closed:
             return
@@ -118,17 +113,13 @@ class RequestStream:
             engine.cancel(self.request_id, reason=FinishReason.TRANSPORT_ERROR)
         else:
             engine.detach_stream(self.request_id)
+        engine.unpin(self.request_id)
 
     def __del__(self) -> None:
         try:
             self._disconnect()
         except Exception:   # never raise from a finalizer
             pass
-
-
-def _notify_all(streams: list[RequestStream]) -> None:
-    for stream in streams:
-        stream._notify()
 
 
 class AsyncEngine:
@@ -138,8 +129,8 @@ class AsyncEngine:
         this AsyncEngine runs (restored at shutdown). Otherwise torch's OpenMP workers spin on
         every core between ops and the event-loop thread has to preempt them for each event:
         on 2 cores that made a stream 2.6x slower than Engine.generate.
-        stream_interval_s: streams are woken at most this often (and always when the engine
-        goes idle). Each wake costs the step thread two GIL hand-offs; on a model whose steps
+        stream_interval_s: streams and followers are woken at most this often (and always when
+        the engine goes idle). Each wake costs the step thread two GIL hand-offs; on a model whose steps
         take under a millisecond, waking every step cost ~15% of throughput. 0 wakes every step;
         the default adds at most about a millisecond (plus a step shorter than that) of latency."""
         if on_disconnect not in DISCONNECT_POLICIES:
@@ -153,9 +144,10 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._to_wake: list[RequestStream] = []    # woken once per step, in one loop callback
-        # follow(): request id -> the futures its followers wait on, one per follower (loop thread)
+        # request id -> the futures its readers (streams and followers) wait on, one per reader;
+        # changed on the loop thread only
         self._followers: dict[str, set[asyncio.Future[None]]] = {}
+        self._due: set[str] = set()     # step thread: followed requests with events not yet woken for
         self.stream_interval_s = stream_interval_s
         self._last_wake = 0.0
 
@@ -178,44 +170,44 @@ class AsyncEngine:
     def _run(self) -> None:
         if self._saved_threads is not None:      # OpenMP's thread count is per thread: set it here too
             torch.set_num_threads(self._saved_threads - 1)
+        engine = self.engine
         while not self._stopping.is_set():
-            if not self.engine.has_unfinished():
+            if not engine.has_unfinished():
                 self._work.wait(self.idle_wait_s)
                 self._work.clear()
                 continue
+            steps = engine.steps
             try:
-                events = self.engine.step()
+                events = engine.step()
             except Exception:
                 log.exception("engine step failed")
                 events = None
-            self._wake_followers(events)
-            self._wake_streams(force=self.engine.idle or not self.engine.has_unfinished())
-            if self.engine.idle:     # everything paused or waiting: sleep until work arrives
+            idle = engine.steps == steps        # nothing ran: all waiting or paused
+            self._wake_followers(events, force=idle or not engine.has_unfinished())
+            if idle:                            # sleep until work arrives
                 self._work.wait(self.idle_wait_s)
                 self._work.clear()
 
-    def _wake_streams(self, force: bool = False) -> None:
-        """One hop to the event loop for all the streams that got events, at most every
-        stream_interval_s (each hop costs the step thread two GIL hand-offs)."""
-        if not self._to_wake or self._loop is None:
+    def _wake_followers(self, events: list[Event] | None, force: bool) -> None:
+        """On the step thread: wake the readers of every request these events belong to (None:
+        the step failed, wake them all), in one hop to the loop at most every stream_interval_s
+        (each hop costs the step thread two GIL hand-offs). A reader arms its future before it
+        reads the history, so events it did not see always come with a wake-up."""
+        followed = self._followers
+        if self._loop is None:
+            return
+        if events is None:
+            self._due.update(followed)
+        elif followed:
+            self._due.update(ev.request_id for ev in events if ev.request_id in followed)
+        if not self._due:
             return
         now = time.perf_counter()
         if not force and now - self._last_wake < self.stream_interval_s:
             return
         self._last_wake = now
-        streams, self._to_wake = self._to_wake, []
-        self._loop.call_soon_threadsafe(_notify_all, streams)
-
-    def _wake_followers(self, events: list[Event] | None) -> None:
-        """On the step thread: wake the followers of every request these events belong to (None:
-        the step failed, wake them all). A follower arms its future before it reads the history,
-        so events it did not see always come with a wake-up."""
-        followed = self._followers
-        if not followed or self._loop is None:
-            return
-        rids = None if events is None else {ev.request_id for ev in events if ev.request_id in followed}
-        if rids is None or rids:
-            self._loop.call_soon_threadsafe(self._resolve_followers, rids)
+        rids, self._due = self._due, set()
+        self._loop.call_soon_threadsafe(self._resolve_followers, rids)
 
     def _resolve_followers(self, rids: set[str] | None = None) -> None:
         """On the loop: resolve the futures waiting on these requests (None: all of them)."""
@@ -233,55 +225,44 @@ class AsyncEngine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
                ) -> RequestStream:
-        """Queue a request; its events arrive through the returned async iterator. Raises
-        InvalidRequestError at once for a request that can never be served."""
+        """Queue a request; its events arrive through the returned async iterator, which acks
+        what it takes (backpressure). Raises InvalidRequestError at once for a request that can
+        never be served."""
         if self._thread is None:
             raise RuntimeError("AsyncEngine is not running: use `async with AsyncEngine(engine)`")
         if self._stopping.is_set():
             raise RuntimeError("AsyncEngine is shutting down")
-        rid = self.engine.add_request(prompt, params, request_id, stream=True)
-        buffer = self.engine._get(rid).buffer
-        assert buffer is not None and self._loop is not None
-        stream = RequestStream(self, rid, buffer)
-        loop = self._loop
-        ref = weakref.ref(stream)          # a dropped stream must be collectable (disconnect)
+        rid = self.engine.add_request(prompt, params, request_id, acked=True, pinned=True)
+        return RequestStream(self, rid)
 
-        step_thread = self._thread
-
-        def wake() -> None:               # after each push
-            live = ref()
-            if live is not None and live.armed:
-                live.armed = False
-                if threading.current_thread() is step_thread:
-                    self._to_wake.append(live)       # sent after the step
-                else:
-                    loop.call_soon_threadsafe(live._notify)
-        buffer.on_push = wake
-        return stream
-
-    async def follow(self, request_id: str, after_seq: int = -1) -> AsyncIterator[Event]:
-        """Every event of a request with seq > after_seq, then its live events until the terminal
-        one: for a client that reconnects (dedupe by (request id, seq)). after_seq equal to the
-        terminal event's seq (a client that has seen everything) ends at once. Raises ValueError
-        when after_seq is beyond the request's newest event, KeyError for an unknown or forgotten
-        request."""
-        newest, ended = self.engine.newest_event(request_id)
-        if after_seq > newest:
-            raise ValueError(f"after_seq {after_seq} is beyond request {request_id!r}'s newest event ({newest})")
-        if ended and after_seq == newest:
-            return
+    async def _events_after(self, request_id: str, after_seq: int) -> list[Event]:
+        """The request's events with seq > after_seq, waiting until there is at least one: this
+        caller's own future is armed before it looks, so a step's events always wake it."""
         loop = asyncio.get_running_loop()
         while True:
             waiter: asyncio.Future[None] = loop.create_future()
             self._followers.setdefault(request_id, set()).add(waiter)    # arm, then look
             try:
                 events = self.engine.replay(request_id, after_seq)
-                if not events:
-                    await waiter
-                    continue
+                if events:
+                    return events
+                await waiter
             finally:
                 self._unfollow(request_id, waiter)
-            for ev in events:
+
+    async def follow(self, request_id: str, after_seq: int = -1) -> AsyncIterator[Event]:
+        """Every event of a request with seq > after_seq, then its live events until the terminal
+        one: for a client that reconnects (dedupe by (request id, seq)). after_seq equal to the
+        terminal event's seq (a client that has seen everything) ends at once. Raises ValueError
+        when after_seq is beyond the request's newest event, KeyError for an unknown or forgotten
+        request. Acks nothing: a consumer that holds the request back acks what it sent."""
+        newest, ended = self.engine.newest_event(request_id)
+        if after_seq > newest:
+            raise ValueError(f"after_seq {after_seq} is beyond request {request_id!r}'s newest event ({newest})")
+        if ended and after_seq == newest:
+            return
+        while True:
+            for ev in await self._events_after(request_id, after_seq):
                 yield ev
                 after_seq = ev.seq
                 if isinstance(ev, TerminalEvent):

@@ -25,21 +25,20 @@ from ..params import SamplingParams
 from ..protocols import Model
 from .batching import build_batch
 from .config import DEFAULT_CACHE_TOKENS, EngineConfig
-from .consumer import ConsumerSide
 from .endings import check_ending, is_eos
 from .grammar import CompileJob, Constraints, GrammarCompiler, TokenBitmask
-from .events import Event, RequestOutput, StartEvent
+from .delivery import Attachment, Delivery, output
+from .events import Event, RequestOutput
 from .intake import make_request
 from .lifecycle import FinishReason, RequestState
 from .page_pool import PagePool
 from .prefix_cache import namespace, register as register_pages
 from .registry import RequestRegistry
-from .request import Attachment, Request
+from .request import Request
 from .scheduler import Scheduler, SchedulerOutput
 from .selector import Selection, TokenSelector, TopLogprobs, prompt_logprobs
 from .slots import SlotTable
 from .snapshot import EngineSnapshot
-from .stream import EventBuffer
 from .terminations import RequestEndings
 from .trace import now_us
 
@@ -61,7 +60,7 @@ def nothing_allowed(req: Request) -> str:
     return f"no token is allowed at output position {len(req.output_ids) + 1}: every token is -inf after {masks}"
 
 
-class Engine(ConsumerSide, RequestEndings):
+class Engine(RequestEndings):
     def __init__(self, model: Model, tokenizer: Any, config: EngineConfig | None = None) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model must be a pd.Model (config, device, dtype, forward), got {type(model).__name__}")
@@ -101,14 +100,14 @@ class Engine(ConsumerSide, RequestEndings):
         self._lock = threading.RLock()
         self._outbox: list[Event] = []
         self._rng = random.Random(config.seed)
-        self._step_no = 0           # steps that ran the model
+        self.steps = 0              # steps that ran the model (a step that found nothing to run is not one)
         self._prompt_tokens = 0     # counters for snapshot(): prompt tokens added, tokens chosen
         self._generated_tokens = 0
         self.step_records: deque[dict[str, Any]] = deque(maxlen=4096 if config.trace != "off" else 0)
         self.selector = TokenSelector(self.eos_ids, config.max_batch_size, self.vocab_size, self.device,
                                       config.sampling_backend)
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
-        self.idle = True            # the last step found nothing to run (all waiting or paused)
+        self.delivery = Delivery(self.requests, self._lock, config, self._wake)
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids, config.max_batch_size,
                                        self.device, cache_size=config.grammar_cache_size,
                                        cache_bytes=config.grammar_cache_bytes,
@@ -182,13 +181,13 @@ class Engine(ConsumerSide, RequestEndings):
 
     # -- requests in ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False, acked: bool = False,
+                    request_id: str | None = None, acked: bool = False,
                     attachment: Attachment | None = None, pinned: bool = False) -> str:
         """Queue a request; returns its id. Raises InvalidRequestError (nothing queued) when the
-        request can never be served. stream=True keeps its events in a bounded buffer for
-        `read_events`; acked=True lets a consumer read the history (`replay`) and `ack` what it
-        has sent instead. Either way backpressure applies (stream_max_events unread events
-        pause the request); otherwise `step()`'s return is the delivery. `attachment` (anything
+        request can never be served. Its events are kept in its history (`replay`); acked=True
+        gives it an ack cursor: a consumer acks what it has taken (`ack`, or `read_events` for a
+        caller that steps the engine itself), and stream_max_events unacked events (or
+        stream_max_bytes of text) pause the request (backpressure). `attachment` (anything
         with `kept_bytes()`, such as the server's Track) is kept with the request, as long as the
         engine keeps it, and counts against the finished budget. pinned=True takes
         a pin (see `pin`) as the request is added, so no moment exists where it could be forgotten."""
@@ -198,12 +197,11 @@ class Engine(ConsumerSide, RequestEndings):
             raise ModelUnavailableError(f"the engine serves no more requests: {failure}")
         job = self._prepare_grammar(params)          # outside the lock: the step loop goes on
         with self._lock:
-            req = self._make_request(prompt, params, request_id, stream, job)
-            req.attachment = attachment
-            if acked:
-                req.acked_seq, req.max_unacked = -1, self.config.stream_max_events
-            req.pins = int(pinned)
+            req = self._make_request(prompt, params, request_id, job)
+            self.delivery.open(req, acked, attachment)
             self._enqueue(req)
+            if pinned:
+                self.requests.pin(req.request_id)
         return req.request_id
 
     def prepare_grammar(self, params: SamplingParams | None) -> CompileJob | None:
@@ -221,7 +219,7 @@ class Engine(ConsumerSide, RequestEndings):
         return job
 
     def _make_request(self, prompt: object, params: SamplingParams | None, request_id: str | None,
-                      stream: bool, job: CompileJob | None) -> Request:
+                      job: CompileJob | None) -> Request:
         if request_id is None:
             request_id = self.requests.new_id()
         req = make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
@@ -230,9 +228,6 @@ class Engine(ConsumerSide, RequestEndings):
         if req.params.structured_output is not None:
             assert job is not None, "a constrained request's grammar is prepared before the lock"
             req.grammar = self.constraints.attach(req.params.structured_output, job)
-        if stream:
-            req.buffer = EventBuffer(self.config.stream_max_events, self.config.stream_max_bytes)
-            req.buffer.on_pop = self._wake
         return req
 
     def _namespace(self, salt: str | None) -> bytes:
@@ -246,7 +241,7 @@ class Engine(ConsumerSide, RequestEndings):
                       deterministic=self.config.deterministic)
         req.transition(S.QUEUED)
         self._prompt_tokens += len(req.prompt_ids)
-        self._emit(req, StartEvent(req.request_id, req.take_seq(), self.model_name), self._outbox)
+        self.delivery.start(req, self.model_name, self._outbox)
         self.scheduler.add(req)
         self._wake()
 
@@ -265,6 +260,44 @@ class Engine(ConsumerSide, RequestEndings):
         self._wake()
         return True
 
+    # -- the consumer's side: delivery.py answers ----------------------------------------------
+    def replay(self, request_id: str, after_seq: int = -1) -> list[Event]:
+        return self.delivery.replay(request_id, after_seq)
+
+    def newest_event(self, request_id: str) -> tuple[int, bool]:
+        return self.delivery.newest_event(request_id)
+
+    def ack(self, request_id: str, seq: int) -> None:
+        self.delivery.ack(request_id, seq)
+
+    def read_events(self, request_id: str, max_events: int | None = None) -> list[Event]:
+        return self.delivery.read_events(request_id, max_events)
+
+    def detach_stream(self, request_id: str) -> None:
+        self.delivery.detach(request_id)
+
+    def result(self, request_id: str) -> RequestOutput:
+        return self.delivery.result(request_id)
+
+    def trace(self, request_id: str) -> list[dict[str, Any]]:
+        return self.delivery.trace(request_id)
+
+    def pin(self, request_id: str) -> None:
+        self.delivery.pin(request_id)
+
+    def unpin(self, request_id: str) -> None:
+        self.delivery.unpin(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.delivery.forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests.live)
+
+    def _wake(self) -> None:
+        if self.wakeup is not None:
+            self.wakeup()
+
     def cancel_all(self, reason: FinishReason = R.CANCELLED) -> int:
         """Ask every live request to cancel (thread-safe, effective at the next safe point);
         returns how many were asked."""
@@ -280,7 +313,6 @@ class Engine(ConsumerSide, RequestEndings):
             events, self._outbox = self._outbox, []
             self._safe_point(events)
             plan = self.scheduler.schedule(self._runnable)
-            self.idle = plan.empty
             if plan.empty:
                 return events
             self._begin(plan)
@@ -294,8 +326,8 @@ class Engine(ConsumerSide, RequestEndings):
             else:
                 self._fail_step(plan, failure, events)
             self._safe_point(events)
-            self._step_no += 1
-            self.step_records.append({"step": self._step_no, "t_us": t0, "dur_us": now_us() - t0,
+            self.steps += 1
+            self.step_records.append({"step": self.steps, "t_us": t0, "dur_us": now_us() - t0,
                                       "decode": len(plan.decode), "prefill": len(plan.prefill)})
         return events
 
@@ -315,8 +347,8 @@ class Engine(ConsumerSide, RequestEndings):
         one pass over the running and waiting requests)."""
         with self._lock:
             sch, pool, slots = self.scheduler, self.pool, self.slots
-            paused = sum(r.paused_since is not None for r in sch.running) + \
-                sum(r.paused_since is not None for r in sch.waiting)
+            paused = sum(r.delivery.paused_since is not None for r in sch.running) + \
+                sum(r.delivery.paused_since is not None for r in sch.waiting)
             return EngineSnapshot(
                 running=len(sch.running), waiting=len(sch.waiting), paused=paused,
                 finished_kept=self.requests.num_finished,
@@ -324,7 +356,7 @@ class Engine(ConsumerSide, RequestEndings):
                 pages_total=pool.num_pages, slots_used=slots.num_slots - slots.free_slots,
                 slots_total=slots.num_slots, preemptions=sch.preemptions,
                 prefix_cache_queries=sch.cache_queries, prefix_cache_hits=sch.cache_hits,
-                steps=self._step_no, prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens)
+                steps=self.steps, prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens)
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: no step wrote a shared or cached page."""
@@ -408,7 +440,7 @@ class Engine(ConsumerSide, RequestEndings):
         if not is_eos(req, token, self.eos_ids):
             assert req.pipeline is not None, "a live request has its output pipeline"
             em = req.pipeline.push(token, logprob, t, top)
-            self._deliver(req, em, events)
+            self.delivery.deliver(req, em, events)
             stop = em.stop
             if stop is not None:
                 self._stop_hit(req, stop)
@@ -445,11 +477,11 @@ class Engine(ConsumerSide, RequestEndings):
         return False
 
     def _runnable(self, req: Request) -> bool:
-        """Not scheduled: a request being cancelled, held back by its full outgoing buffer, or
+        """Not scheduled: a request being cancelled, held back by its consumer (backpressure), or
         waiting for its grammar's compile."""
         if req.grammar is not None and not self.constraints.ready(req.grammar):
             return False
-        return req.state != S.CANCEL_REQUESTED and not req.backpressured()
+        return req.state != S.CANCEL_REQUESTED and not self.delivery.held_back(req)
 
     def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
@@ -466,7 +498,7 @@ class Engine(ConsumerSide, RequestEndings):
             reqs: list[Request] = []
             try:
                 for p, sp, job in zip(prompts, plist, jobs):
-                    reqs.append(self._make_request(p, sp, None, False, job))
+                    reqs.append(self._make_request(p, sp, None, job))
                     self.requests.live[reqs[-1].request_id] = reqs[-1]   # reserve its id meanwhile
             finally:
                 for req in reqs:
@@ -475,7 +507,7 @@ class Engine(ConsumerSide, RequestEndings):
                 self._enqueue(req)
         while any(not r.state.terminal for r in reqs):
             self.step()
-        return [r.to_output() for r in reqs]
+        return [output(r) for r in reqs]
 
     def end_all(self) -> list[Event]:
         """End every live request (cancelled) now, each exactly once, and keep serving; returns

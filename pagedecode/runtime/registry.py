@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidRequestError
-from .request import Request
+
+if TYPE_CHECKING:
+    from .request import Request
 
 FORGOTTEN_IDS_KEPT = 100_000      # ids of forgotten requests, so a lookup can say what happened
 
@@ -28,6 +31,7 @@ class RequestRegistry:
         self._finished: OrderedDict[str, tuple[Request, int]] = OrderedDict()   # oldest first
         self._finished_bytes = 0
         self._forgotten: OrderedDict[str, None] = OrderedDict()
+        self._pins: dict[str, int] = {}      # request id -> consumers yet to read it (never 0)
 
     @property
     def finished_bytes(self) -> int:
@@ -50,6 +54,7 @@ class RequestRegistry:
             raise InvalidRequestError(f"request id {req.request_id!r} is still live")
         self._drop(req.request_id)             # reuse once the earlier one is terminal
         self._forgotten.pop(req.request_id, None)
+        self._pins.pop(req.request_id, None)
         self.live[req.request_id] = req
 
     def finish(self, req: Request) -> None:
@@ -71,7 +76,7 @@ class RequestRegistry:
             over_bytes = excess_bytes > 0 and len(self._finished) - len(victims) > 1
             if excess <= 0 and not over_bytes:
                 break
-            if req.pins:
+            if rid in self._pins:
                 continue
             victims.append(rid)
             excess -= 1
@@ -84,16 +89,18 @@ class RequestRegistry:
 
     def pin(self, rid: str) -> None:
         """Keep the request readable until unpin (live or kept; KeyError when it is not)."""
-        self.get(rid).pins += 1
+        self.get(rid)
+        self._pins[rid] = self._pins.get(rid, 0) + 1
 
     def unpin(self, rid: str) -> None:
-        req = self.live.get(rid)
-        entry = self._finished.get(rid)
-        req = req if req is not None else (entry[0] if entry is not None else None)
-        if req is None or req.pins <= 0:
+        left = self._pins.get(rid, 0) - 1
+        if left < 0:
             return
-        req.pins -= 1
-        if req.pins == 0 and entry is not None:
+        if left:
+            self._pins[rid] = left
+            return
+        del self._pins[rid]
+        if rid in self._finished:
             self._evict()
 
     def _drop(self, rid: str) -> None:
@@ -102,7 +109,9 @@ class RequestRegistry:
             self._finished_bytes -= entry[1]
 
     def forget(self, rid: str) -> None:
-        self._drop(rid)
+        if rid in self._finished:
+            self._drop(rid)
+            self._pins.pop(rid, None)
 
     def get(self, rid: str) -> Request:
         req = self.live.get(rid)

@@ -9,9 +9,9 @@ import logging
 import time
 
 from .config import EngineConfig
-from .events import Event, TerminalEvent
+from .delivery import Delivery
+from .events import Event
 from .lifecycle import FinishReason, RequestState
-from .output import Emission
 from .registry import RequestRegistry
 from .request import RESOURCES, Request
 from .scheduler import Scheduler, SchedulerOutput
@@ -24,6 +24,7 @@ class RequestEndings:
     config: EngineConfig
     scheduler: Scheduler
     requests: RequestRegistry
+    delivery: Delivery
 
     def _stop_hit(self, req: Request, stop: str | tuple[int, ...]) -> None:
         req.stop_reason = stop[0] if isinstance(stop, tuple) and len(stop) == 1 else stop
@@ -36,7 +37,7 @@ class RequestEndings:
         req.finish_reason = reason
         if reason != R.STOP_SEQUENCE and req.pipeline is not None:
             em = req.pipeline.finish("drop" if reason == R.DEADLINE_EXCEEDED else None)
-            self._deliver(req, em, events)
+            self.delivery.deliver(req, em, events)
             if em.stop is not None:
                 self._stop_hit(req, em.stop)
                 reason = R.STOP_SEQUENCE
@@ -61,8 +62,7 @@ class RequestEndings:
         if req.pipeline is not None:
             req.timings.hold_s = req.pipeline.hold_s
         req.trace.add("finish", state=state.value, reason=reason.value, error=error)
-        self._emit(req, TerminalEvent(req.request_id, req.take_seq(), state, reason, req.usage(),
-                                      error, req.stop_reason), events)
+        self.delivery.terminal(req, state, reason, error, events)
         self._release_all(req)
         self.requests.finish(req)
 
@@ -77,8 +77,8 @@ class RequestEndings:
         for resource in RESOURCES:
             req.mark_released(resource)
             req.trace.add("release", resource=resource)
-        # "rng": the seed is the whole generator state; "stream": the engine stops writing to
-        # the buffer, which stays with its consumer until read; "trace": closed below
+        # "rng": the seed is the whole generator state; "stream": its history ends with the
+        # terminal event (kept compactly for replay); "trace": closed below
         req.trace.closed = True
         req.grammar = None
         req.compact()
@@ -111,19 +111,7 @@ class RequestEndings:
                                     "deadline passed before decoding started", events)
             elif req.grammar is not None and (why := req.grammar.failure()) is not None:
                 self._terminate(req, S.FAILED, R.MODEL_ERROR, why, events)
-            elif (req.paused_since is not None and self.config.backpressure == "fail"
-                  and now - req.paused_since > self.config.backpressure_timeout_s):
+            elif ((paused := req.delivery.paused_since) is not None and self.config.backpressure == "fail"
+                  and now - paused > self.config.backpressure_timeout_s):
                 self._terminate(req, S.FAILED, R.TRANSPORT_ERROR,
                                 f"consumer did not read for {self.config.backpressure_timeout_s}s", events)
-
-    # -- events out ---------------------------------------------------------------------------
-    def _deliver(self, req: Request, em: Emission, events: list[Event]) -> None:
-        if em.text or em.token_ids:
-            self._emit(req, req.delta(em), events)
-
-    def _emit(self, req: Request, ev: Event, events: list[Event]) -> None:
-        assert isinstance(req.history, list), "a live request's history is a list"
-        req.history.append(ev)
-        events.append(ev)
-        if req.buffer is not None and "stream" not in req.released:
-            req.buffer.push(ev)

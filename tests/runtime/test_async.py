@@ -167,9 +167,9 @@ def test_cancelling_the_reading_task_ends_the_request_at_once(where):
                 await asyncio.sleep(0.05)          # the buffer fills: the reader waits in __anext__
             task.cancel()
             await asyncio.wait([task])
-            at_cancel = eng._step_no
+            at_cancel = eng.steps
             await until_terminal(eng, rid)
-            steps = eng._step_no - at_cancel
+            steps = eng.steps - at_cancel
             eng.check_integrity()
             return eng, rid, task, steps
     gc.disable()

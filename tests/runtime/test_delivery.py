@@ -54,13 +54,13 @@ def test_unacked_events_pause_only_that_request_and_an_ack_resumes_it():
         eng.step()
     req = eng.requests.get(rid)
     newest, ended = eng.newest_event(rid)
-    assert req.paused_since is not None and not ended and newest == 2       # seqs 0..2 unacked: full
+    assert req.delivery.paused_since is not None and not ended and newest == 2       # seqs 0..2 unacked: full
     assert eng.result(other).state == S.FINISHED
     assert any(r["kind"] == "backpressure.paused" for r in eng.trace(rid))
     eng.ack(rid, 0)                                   # one event sent: room for one more
     eng.step()
     eng.step()
-    assert eng.newest_event(rid) == (3, False) and req.paused_since is not None
+    assert eng.newest_event(rid) == (3, False) and req.delivery.paused_since is not None
     eng.ack(rid, -1)                                  # an older ack changes nothing
     eng.ack(other, 100)                               # nor does an ack of a request that is not acked
     for _ in range(200):
@@ -75,7 +75,45 @@ def test_unacked_events_pause_only_that_request_and_an_ack_resumes_it():
     assert [e.seq for e in eng.replay(rid)] == list(range(newest + 1))      # nothing lost while paused
 
 
-# -- AsyncEngine.follow -----------------------------------------------------------------------------
+def test_an_ack_past_the_newest_event_does_not_lift_backpressure_for_good():
+    """A consumer cannot have taken an event that does not exist: an ack past the newest counts
+    up to the newest. (It set the cursor there, so the request ran unheld for that many events.)"""
+    eng = engine([101], stream_max_events=3)
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=40), acked=True)
+    eng.ack(rid, 1000)
+    for _ in range(20):
+        eng.step()
+    newest, ended = eng.newest_event(rid)
+    assert eng.requests.get(rid).delivery.paused_since is not None and not ended and newest == 3
+
+
+def test_unacked_text_bytes_pause_an_acked_request_too():
+    """stream_max_bytes bounds what a consumer has not acked (it bounded only the stream=True
+    buffer: a request read by acks ran on with any amount of unacked text)."""
+    eng = engine([120], stream_max_events=1000, stream_max_bytes=20)      # " café": 6 bytes a token
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=40), acked=True)
+    for _ in range(20):
+        eng.step()
+    got = eng.read_events(rid)
+    text = "".join(e.text for e in got if isinstance(e, pd.DeltaEvent))
+    assert eng.requests.get(rid).delivery.paused_since is not None and 20 <= len(text.encode()) < 20 + 12
+    for _ in range(200):
+        got += eng.read_events(rid)
+        if isinstance(got[-1], pd.TerminalEvent):
+            break
+        eng.step()
+    assert eng.result(rid).text == " café" * 40 and [e.seq for e in got] == list(range(len(got)))
+    assert eng.result(rid).timings.send_s > 0                # events waited for their consumer
+
+
+def test_read_events_needs_an_ack_cursor():
+    eng = engine([101])
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="acked=True"):
+        eng.read_events(rid)
+
+
+# -- AsyncEngine.submit and follow -----------------------------------------------------------------------------
 
 def test_follow_a_finished_request_from_every_position():
     async def main():
@@ -112,7 +150,7 @@ def test_follow_with_acks_drives_backpressure():
                 if len(got) == 4:
                     break
             await follower.aclose()
-            await until(lambda: req.paused_since is not None)
+            await until(lambda: req.delivery.paused_since is not None)
             await asyncio.sleep(0.05)
             assert eng.newest_event(rid) == (3, False)         # held: no event past the unacked four
             eng.ack(rid, got[-1].seq)
@@ -191,6 +229,27 @@ def test_follow_at_or_past_the_end():
     events, at_end, middle = asyncio.run(main())
     assert at_end == [] and middle == events[2:]
     assert isinstance(events[-1], pd.TerminalEvent)
+
+
+def test_a_stream_read_late_gets_every_event_past_the_finished_budget():
+    """submit's stream reads the history: its request stays readable (pinned) until the stream
+    has taken its terminal event, however many requests finish meanwhile."""
+    async def main():
+        eng = slow_engine(delay=0, max_finished_kept=1)
+        async with pd.AsyncEngine(eng) as ae:
+            late = ae.submit([5], pd.SamplingParams(max_tokens=5))
+            for _ in range(5):
+                await asyncio.wait_for(_collect(ae.submit([5], pd.SamplingParams(max_tokens=2))), 10)
+            await until(lambda: eng.result(late.request_id).state.terminal)
+            events = await asyncio.wait_for(_collect(late), 10)
+            unpinned = eng.add_request([5], pd.SamplingParams(max_tokens=1))
+            await asyncio.wait_for(_collect(ae.follow(unpinned)), 10)
+            with pytest.raises(KeyError):                   # read: no longer held past the budget
+                eng.result(late.request_id)
+        return events
+    events = asyncio.run(main())
+    assert [e.seq for e in events] == list(range(len(events))) and isinstance(events[-1], pd.TerminalEvent)
+    assert "".join(e.text for e in events if isinstance(e, pd.DeltaEvent)) == "ABCDEFEFEF"
 
 
 async def _collect(aiter):

@@ -76,7 +76,7 @@ def test_backpressure_pauses_only_the_slow_request_and_resumes_exactly(stories_e
     params = pd.SamplingParams(max_tokens=24, temperature=1.0, seed=11)
     eng = stories_engine_factory(stream_max_events=3)
     want = eng.generate("Once upon a time", params)[0]
-    slow = eng.add_request("Once upon a time", params, stream=True)
+    slow = eng.add_request("Once upon a time", params, acked=True)
     fast = eng.add_request("The cat", pd.SamplingParams(max_tokens=24))
     for _ in range(10):
         eng.step()
@@ -88,7 +88,7 @@ def test_backpressure_pauses_only_the_slow_request_and_resumes_exactly(stories_e
     while eng.has_unfinished():
         got += eng.read_events(slow, 2)
         eng.step()
-        assert len(eng._get(slow).buffer) <= 3 + 2                 # bounded (one step's overshoot)
+        assert eng.newest_event(slow)[0] - got[-1].seq <= 3 + 2     # bounded (one step's overshoot)
     got += eng.read_events(slow)
     out = eng.result(slow)
     assert out.token_ids == want.token_ids and out.text == want.text
@@ -99,7 +99,7 @@ def test_backpressure_pauses_only_the_slow_request_and_resumes_exactly(stories_e
 
 def test_backpressure_fail_policy_ends_with_its_own_reason():
     eng = engine([101], stream_max_events=2, backpressure="fail", backpressure_timeout_s=0.02)
-    rid = eng.add_request([5], pd.SamplingParams(max_tokens=1000), stream=True)
+    rid = eng.add_request([5], pd.SamplingParams(max_tokens=1000), acked=True)
     t0 = time.perf_counter()
     while eng.has_unfinished() and time.perf_counter() - t0 < 5:
         eng.step()

@@ -76,7 +76,7 @@ def test_prompt_logprobs_equal_transformers_under_chunking_and_preemption(which,
     chunked.scheduler.preempt(req)                      # forced: its pages go, it recomputes
     while not req.state.terminal:
         chunked.step()
-    out = req.to_output()
+    out = chunked.result(rid)
     assert any(r["kind"] == "preempted" for r in chunked.trace(rid))
     if backend == "auto":
         assert out.prompt_logprobs == whole.prompt_logprobs and out.prompt_top_logprobs == whole.prompt_top_logprobs

@@ -27,7 +27,7 @@ request = st.fixed_dictionaries({
     "stop_ids": st.lists(st.sampled_from([12, [10, 11], [13, 14, 10]]), max_size=2),
     "cancel_at": st.none() | st.integers(0, 30),
     "deadline": st.sampled_from([None, None, None, 1e-6]),
-    "stream": st.booleans(),
+    "acked": st.booleans(),
     "read": st.integers(0, 3),                    # events read per step (0: a stalled consumer)
     "arrive": st.integers(0, 10),
     "temperature": st.sampled_from([0.0, 0.0, 1.0]),
@@ -52,7 +52,7 @@ def test_random_workloads_keep_every_invariant(reqs, pages, page_size, budget, b
                                            stop_token_ids=r["stop_ids"],
                                            temperature=r["temperature"], seed=i, utf8_errors="replace")
                 try:
-                    rid = eng.add_request(r["prompt"], params, stream=r["stream"])
+                    rid = eng.add_request(r["prompt"], params, acked=r["acked"])
                 except pd.InvalidRequestError:
                     assert len(r["prompt"]) > eng.max_context
                     continue
@@ -68,7 +68,7 @@ def test_random_workloads_keep_every_invariant(reqs, pages, page_size, budget, b
         for e in events:
             seen[e.request_id].append(e)
         for rid, r in rids.items():
-            if r["stream"] and r["read"]:
+            if r["acked"] and r["read"]:
                 read[rid] += eng.read_events(rid, r["read"])
         for rid, evs in seen.items():
             seqs = [e.seq for e in evs]
@@ -92,9 +92,9 @@ def test_random_workloads_keep_every_invariant(reqs, pages, page_size, budget, b
         assert sum(len(e.token_ids) for e in evs if isinstance(e, pd.DeltaEvent)) == out.usage.returned_tokens
         releases = [x["resource"] for x in eng.trace(rid) if x["kind"] == "release"]
         assert sorted(releases) == sorted(["pages", "slot", "rng", "stream", "trace", "grammar"])
-        if r["stream"]:
+        if r["acked"]:
             got = read[rid] + eng.read_events(rid)
-            assert got == evs                                   # the buffer lost and reordered nothing
+            assert got == evs                                   # the ack cursor lost and reordered nothing
         assert not any(s in out.text for s in r["stop"])        # a stop never leaks into the text
         for kind in ("preempted", "backpressure.paused", "cancel.effective", "stop.hit"):
             event(kind) if any(x["kind"] == kind for x in eng.trace(rid)) else None

@@ -196,10 +196,10 @@ def test_admission_waits_for_pages_and_slots():
 
 def test_a_paused_consumer_does_not_block_admission_and_is_preempted_first():
     eng = engine([101], page_size=4, max_cache_tokens=16, stream_max_events=2, max_batch_size=4)
-    slow = eng.add_request([5] * 3, pd.SamplingParams(max_tokens=10), stream=True)   # never read
+    slow = eng.add_request([5] * 3, pd.SamplingParams(max_tokens=10), acked=True)   # never read
     for _ in range(6):
         eng.step()
-    assert eng.requests.get(slow).paused_since is not None
+    assert eng.requests.get(slow).delivery.paused_since is not None
     others = [eng.add_request([6] * 6, pd.SamplingParams(max_tokens=6)) for _ in range(2)]
     for _ in range(200):
         if all(eng.result(r).state.terminal for r in others):

@@ -64,7 +64,7 @@ def test_preemptions_under_a_tiny_pool_match_the_traces():
 
 def test_a_paused_consumer_is_counted_until_it_reads():
     eng = engine([101], page_size=4, stream_max_events=2, max_batch_size=4)
-    slow = eng.add_request([5] * 3, pd.SamplingParams(max_tokens=10), stream=True)   # not read yet
+    slow = eng.add_request([5] * 3, pd.SamplingParams(max_tokens=10), acked=True)   # not read yet
     other = eng.add_request([6] * 3, pd.SamplingParams(max_tokens=10))
     for _ in range(20):
         eng.step()

@@ -96,7 +96,7 @@ def test_a_finished_request_keeps_neither_its_body_nor_its_schema(stories_path):
         assert kept < 25_000, kept
         assert 0.7 < estimated / kept < 1.4, (estimated, kept)   # the budget counts what it keeps
         rid = next(reversed(s.engine.requests._finished))
-        assert s.engine._get(rid).params.structured_output is None
+        assert s.engine.requests.get(rid).params.structured_output is None
         assert s.state.tracks[rid].request_id == rid and not hasattr(s.state.tracks[rid], "parsed")
     finally:
         stop_server(s)
