@@ -9,6 +9,16 @@ class InvalidRequestError(PageDecodeError, ValueError):
     """A request that can never be served as given; nothing was queued."""
 
 
+class InvalidFieldError(InvalidRequestError):
+    """An InvalidRequestError about one field of a parameter object: `invalid OWNER.FIELD: REASON`.
+    `field` and `reason` let a caller (the server) name the field as its own client spelled it."""
+
+    def __init__(self, owner: str, field: str, reason: str) -> None:
+        super().__init__(f"invalid {owner}.{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 class IllegalTransitionError(PageDecodeError, RuntimeError):
     """A request lifecycle move that the transition table does not allow."""
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from .errors import InvalidRequestError
+from .errors import InvalidFieldError
 from .structured import StructuredOutput
 
 MAX_STOPS = 16          # stop strings plus stop id sequences
@@ -24,11 +24,12 @@ REPETITION_RANGE = (0.01, 100.0)
 UTF8_POLICIES = ("strict", "replace")
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """An integer, and not a bool (JSON's true is no token id)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _is_real(x: Any) -> bool:
+def is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
@@ -43,7 +44,8 @@ def unicode_error(s: str) -> str | None:
     return None
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A value as an error message quotes it: repr, cut at 200 characters."""
     try:
         text = repr(value)
     except ValueError:                      # an int over sys.get_int_max_str_digits() digits
@@ -51,19 +53,79 @@ def _show(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _bad(name: str, msg: str, value: Any) -> InvalidRequestError:
-    return InvalidRequestError(f"invalid SamplingParams.{name}: {msg}, got {_show(value)}")
+def int_error(v: Any, lo: int, hi: int) -> str | None:
+    """Why v is not an integer in [lo, hi], or None."""
+    if not is_int(v) or not lo <= v <= hi:
+        return f"must be an integer in [{lo}, {hi}]"
+    return None
 
 
-def _int(name: str, v: Any, lo: int, hi: int) -> None:
-    if not _is_int(v) or not lo <= v <= hi:
-        raise _bad(name, f"must be an integer in [{lo}, {hi}]", v)
-
-
-def _real(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+def real_error(v: Any, lo: float, hi: float, lo_open: bool = False) -> str | None:
+    """Why v is not a finite number in [lo, hi] ((lo, hi] when lo_open), or None."""
     # an int beyond float's range is out of range (math.isfinite would raise OverflowError on it)
-    if not _is_real(v) or (not _is_int(v) and not math.isfinite(v)) or v < lo or v > hi or (lo_open and v == lo):
-        raise _bad(name, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]", v)
+    if not is_real(v) or (not is_int(v) and not math.isfinite(v)) or v < lo or v > hi or (lo_open and v == lo):
+        return f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]"
+    return None
+
+
+def _bad(name: str, msg: str, value: Any) -> InvalidFieldError:
+    return InvalidFieldError("SamplingParams", name, f"{msg}, got {show(value)}")
+
+
+Check = Callable[[str, Any], None]      # (field name, value): raises InvalidFieldError naming the field
+
+
+def _ints(lo: int, hi: int) -> Check:
+    def check(name: str, v: Any) -> None:
+        why = int_error(v, lo, hi)
+        if why is not None:
+            raise _bad(name, why, v)
+    return check
+
+
+def _reals(lo: float, hi: float, lo_open: bool = False) -> Check:
+    def check(name: str, v: Any) -> None:
+        why = real_error(v, lo, hi, lo_open)
+        if why is not None:
+            raise _bad(name, why, v)
+    return check
+
+
+def _optional(check: Check) -> Check:
+    def optional(name: str, v: Any) -> None:
+        if v is not None:
+            check(name, v)
+    return optional
+
+
+def _flag(name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise _bad(name, "must be a bool", v)
+
+
+def _logit_bias(name: str, bias: Any) -> None:
+    if not isinstance(bias, Mapping):
+        raise _bad(name, "must be a mapping of token id to bias", bias)
+    for tok, b in bias.items():
+        if not is_int(tok) or not 0 <= tok <= MAX_INT32:
+            raise _bad(name, "keys must be token ids", tok)
+        if not is_real(b) or not (abs(b) <= MAX_BIAS or b == -math.inf):
+            raise _bad(name, f"values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] or -inf", b)
+
+
+def _structured(name: str, v: Any) -> None:
+    if not isinstance(v, StructuredOutput):
+        raise _bad(name, "must be a pd.StructuredOutput", v)
+
+
+def _cache_salt(name: str, v: Any) -> None:
+    if not isinstance(v, str) or unicode_error(v):
+        raise _bad(name, "must be a string of valid Unicode", v)
+
+
+def _utf8_policy(name: str, v: Any) -> None:
+    if v not in UTF8_POLICIES:
+        raise _bad(name, f"must be one of {UTF8_POLICIES}", v)
 
 
 def _stop_strings(v: Any) -> tuple[str, ...]:
@@ -88,13 +150,17 @@ def _stop_id_seqs(v: Any) -> tuple[tuple[int, ...], ...]:
         raise _bad("stop_token_ids", "must be a list of token ids or of id sequences", v)
     seqs = []
     for item in v:
-        seq = (item,) if _is_int(item) else tuple(item) if isinstance(item, (list, tuple)) else None
-        if not seq or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in seq):
+        seq = (item,) if is_int(item) else tuple(item) if isinstance(item, (list, tuple)) else None
+        if not seq or not all(is_int(t) and 0 <= t <= MAX_INT32 for t in seq):
             raise _bad("stop_token_ids", "entries must be token ids or non-empty id sequences", item)
         if len(seq) > MAX_STOP_IDS:
             raise _bad("stop_token_ids", f"an id sequence is longer than {MAX_STOP_IDS}", item)
         seqs.append(tuple(int(t) for t in seq))
     return tuple(seqs)
+
+
+def _check(normalize: Callable[[Any], Any], v: Any) -> None:
+    normalize(v)
 
 
 @dataclass(frozen=True)
@@ -126,51 +192,17 @@ class SamplingParams:
     stop_id_seqs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.prompt_logprobs is not None:
-            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        for name, check in FIELD_CHECKS.items():
+            check(name, getattr(self, name))
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise _bad("max_tokens", "0 asks for nothing (it is allowed only with prompt_logprobs)", 0)
-        _int("max_tokens", self.max_tokens, 0, MAX_INT32)
-        _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
-        _int("top_k", self.top_k, 0, MAX_INT32)
-        _real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _real("min_p", self.min_p, 0.0, 1.0)
-        _real("repetition_penalty", self.repetition_penalty, *REPETITION_RANGE)
-        _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, Mapping):
-                raise _bad("logit_bias", "must be a mapping of token id to bias", self.logit_bias)
-            for tok, b in self.logit_bias.items():
-                if not _is_int(tok) or not 0 <= tok <= MAX_INT32:
-                    raise _bad("logit_bias", "keys must be token ids", tok)
-                if not _is_real(b) or not (abs(b) <= MAX_BIAS or b == -math.inf):
-                    raise _bad("logit_bias", f"values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}] or -inf", b)
-        if self.seed is not None:
-            _int("seed", self.seed, 0, 2**64 - 1)
         stops = _stop_strings(self.stop)
         id_seqs = _stop_id_seqs(self.stop_token_ids)
         if len(stops) + len(id_seqs) > MAX_STOPS:
             raise _bad("stop", f"at most {MAX_STOPS} stops (strings and id sequences together)",
                        len(stops) + len(id_seqs))
-        _int("min_tokens", self.min_tokens, 0, MAX_INT32)
         if self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.logprobs is not None:
-            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        if self.deadline_s is not None:
-            _real("deadline_s", self.deadline_s, 0.0, 1e9, lo_open=True)
-        if self.first_token_timeout_s is not None:
-            _real("first_token_timeout_s", self.first_token_timeout_s, 0.0, 1e9, lo_open=True)
-        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
-            raise _bad("structured_output", "must be a pd.StructuredOutput", self.structured_output)
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or unicode_error(self.cache_salt)):
-            raise _bad("cache_salt", "must be a string of valid Unicode", self.cache_salt)
-        if self.utf8_errors not in UTF8_POLICIES:
-            raise _bad("utf8_errors", f"must be one of {UTF8_POLICIES}", self.utf8_errors)
-        for flag in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
-            if not isinstance(getattr(self, flag), bool):
-                raise _bad(flag, "must be a bool", getattr(self, flag))
         object.__setattr__(self, "stop_strings", stops)
         object.__setattr__(self, "stop_id_seqs", id_seqs)
 
@@ -185,3 +217,39 @@ class SamplingParams:
             out = [t for t in ids if t >= vocab_size]
             if out:
                 raise _bad(name, f"token ids outside the vocabulary of {vocab_size}", out[:5])
+
+
+# Each field's type and range, checked on construction in this order; the rules that join two
+# fields (max_tokens 0, the stop count, min_tokens <= max_tokens) are in __post_init__.
+FIELD_CHECKS: dict[str, Check] = {
+    "prompt_logprobs": _optional(_ints(0, MAX_LOGPROBS)),
+    "max_tokens": _ints(0, MAX_INT32),
+    "temperature": _reals(0.0, FLOAT32_MAX),
+    "top_k": _ints(0, MAX_INT32),
+    "top_p": _reals(0.0, 1.0, lo_open=True),
+    "min_p": _reals(0.0, 1.0),
+    "repetition_penalty": _reals(*REPETITION_RANGE),
+    "presence_penalty": _reals(-2.0, 2.0),
+    "frequency_penalty": _reals(-2.0, 2.0),
+    "logit_bias": _optional(_logit_bias),
+    "seed": _optional(_ints(0, 2**64 - 1)),
+    "stop": lambda name, v: _check(_stop_strings, v),
+    "stop_token_ids": lambda name, v: _check(_stop_id_seqs, v),
+    "min_tokens": _ints(0, MAX_INT32),
+    "logprobs": _optional(_ints(0, MAX_LOGPROBS)),
+    "deadline_s": _optional(_reals(0.0, 1e9, lo_open=True)),
+    "first_token_timeout_s": _optional(_reals(0.0, 1e9, lo_open=True)),
+    "structured_output": _optional(_structured),
+    "cache_salt": _optional(_cache_salt),
+    "utf8_errors": _utf8_policy,
+    "include_stop_str_in_output": _flag,
+    "ignore_eos": _flag,
+    "skip_special_tokens": _flag,
+}
+
+
+def check_field(name: str, value: Any) -> None:
+    """One SamplingParams field's type and range check, as construction makes it, for a caller
+    that needs the value checked before it builds the params (the server, to apply its caps):
+    raises InvalidFieldError naming the field."""
+    FIELD_CHECKS[name](name, value)

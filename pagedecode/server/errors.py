@@ -27,6 +27,11 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def bad(param: str, message: str) -> ApiError:
+    """400: the request's field `param` holds a value this server will not take."""
+    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
 def _printable(text: str, limit: int = 1000) -> str:
     """Error text as a client can always receive it: lone surrogates escaped (UTF-8 cannot carry
     them), a value quoted from a huge request cut short."""

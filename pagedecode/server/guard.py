@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from starlette.responses import JSONResponse
 
-from .protocol import ApiError
+from .errors import ApiError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[Any]]

@@ -1,46 +1,39 @@
-"""OpenAI-compatible request parsing and response shapes.
+"""OpenAI-compatible request parsing: a JSON body into (prompts or messages, SamplingParams,
+the reply's options), or an ApiError naming the field.
 
-Parsing turns a JSON body into (prompt, SamplingParams, options) or raises ApiError naming the
-field; the engine's own validation (InvalidRequestError) is mapped to the same 400 shape.
+Parsing is the table FIELDS: each entry names one request field, the endpoints that read it,
+and what reading it does. A field the sampler takes goes to SamplingParams as the client gave
+it (SamplingParams checks every type and range: params.FIELD_CHECKS); the server adds only its
+own caps (Limits, MAX_N, the prompts per request) and the fields that are its own (n, echo,
+stream, stream_options, on_disconnect, ...). The rules that join fields run after the table
+(`_conclude`). The engine's own validation (InvalidRequestError) becomes the same 400, naming
+the field as the request spelled it.
 """
 from __future__ import annotations
 
-import math
-import re
-import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from ..errors import InvalidRequestError
-from ..params import MAX_LOGPROBS, SamplingParams
-from ..runtime.events import RequestOutput, Usage
-from ..runtime.lifecycle import FinishReason
-from .errors import ApiError
+from ..errors import InvalidFieldError, InvalidRequestError
+from ..params import MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, check_field, int_error, is_int, is_real, show
+from .constraints import structured_output
+from .errors import ApiError, bad
 
-# pagedecode's reasons as OpenAI clients know them; every other reason keeps its own name
-OPENAI_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop", FinishReason.GRAMMAR_COMPLETE: "stop",
-                 FinishReason.MAX_OUTPUT_TOKENS: "length", FinishReason.CONTEXT_LIMIT: "length"}
-
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
-
-
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+MAX_N = 16              # n's own cap; a batch's choices (prompts x n) are at most max(MAX_N, max_prompts)
+COMPLETIONS_LOGPROBS = 5     # /v1/completions' logprobs: at most 5 alternatives (OpenAI's bound)
+BIAS_RANGE = 100        # OpenAI's logit_bias values are in [-100, 100]
 
 
 @dataclass
 class Limits:
-    """Server-wide caps (safe defaults): what one request may ask for."""
+    """Server-wide caps (safe defaults): what one request may ask for. Each is at most what
+    SamplingParams itself allows (params.py); lower, the server refuses more."""
     max_tokens: int = 4096
     max_stops: int = 8
-    max_stop_chars: int = 256
+    max_stop_chars: int = MAX_STOP_CHARS
     max_logit_bias: int = 300
     max_top_logprobs: int = MAX_LOGPROBS
     max_request_seconds: float | None = None
-
-
-MAX_N = 16              # n's own cap; a batch's choices (prompts x n) are at most max(MAX_N, max_prompts)
 
 
 Prompt = str | list[int]
@@ -51,7 +44,7 @@ class Parsed:
     prompt: Prompt | None                 # the first (or only) prompt; chat: None
     messages: list[dict[str, Any]] | None
     params: SamplingParams
-    stream: bool
+    sse: bool                             # the request's stream: true (the answer is server-sent events)
     include_usage: bool
     n: int
     first_token_timeout: float | None
@@ -63,32 +56,61 @@ class Parsed:
     prompt_logprobs: int | None = None    # vLLM's prompt_logprobs field: the choices carry them
 
 
+@dataclass
+class Draft:
+    """What the table has read so far: the request's own fields, and SamplingParams' keyword
+    arguments as the request gave them (`sampling`, under SamplingParams' names)."""
+    chat: bool
+    limits: Limits
+    max_prompts: int
+    sampling: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, str] = field(default_factory=dict)      # SamplingParams' names -> the request's
+    messages: list[dict[str, Any]] | None = None
+    prompts: list[Prompt] = field(default_factory=list)
+    echo: bool = False
+    sse: bool = False
+    include_usage: bool = False
+    n: int = 1
+    on_disconnect: str | None = None
+    max_name: str | None = None           # the field max_tokens came from (chat: max_completion_tokens first)
+    wants_logprobs: bool = False          # chat's logprobs: true
+    top_logprobs: Any = None              # chat's top_logprobs, as given
+    logprobs: int | None = None           # completions' logprobs
+    vllm_prompt_logprobs: int | None = None
 
-def _number(body: Mapping[str, Any], name: str) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise bad(name, f"must be a number, got {v!r}")
+
+Reader = Callable[[Any, Draft], None]     # (the field's value, never None; the draft so far)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field: its name, what reading it does, the endpoints that read it, and
+    whether it must be given (else a field that is absent or null is not read)."""
+    name: str
+    read: Reader
+    on: tuple[str, ...] = ("completions", "chat")
+    required: bool = False
+
+
+def _checked(name: str, to: str, value: Any) -> Any:
+    """value checked as SamplingParams' field `to` (a 400 naming the request's field `name`)."""
     try:
-        f = float(v)
-    except OverflowError:                   # an integer beyond float's range
-        f = math.inf
-    if not math.isfinite(f):
-        raise bad(name, f"must be a finite number, got {v!r}")
-    return f
+        check_field(to, value)
+    except InvalidRequestError as e:
+        raise invalid(e, {to: name}) from None
+    return value
 
 
-def _int(body: Mapping[str, Any], name: str) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(name, f"must be an integer, got {v!r}")
-    return v
+def sampled(to: str, name: str | None = None) -> Reader:
+    """A field passed to SamplingParams' `to` as given: SamplingParams checks it."""
+    def read(value: Any, d: Draft) -> None:
+        d.sampling[to] = value
+        d.fields[to] = name or to
+    return read
 
 
-def _bool(body: Mapping[str, Any], name: str, default: bool = False, within: str = "") -> bool:
+def boolean(body: Mapping[str, Any], name: str, default: bool = False, within: str = "") -> bool:
+    """body[name] as true / false (absent or null: default); a 400 naming within + name otherwise."""
     v = body.get(name)
     if v is None:
         return default
@@ -97,9 +119,177 @@ def _bool(body: Mapping[str, Any], name: str, default: bool = False, within: str
     return v
 
 
-def _given(body: Mapping[str, Any], name: str, default: Any) -> Any:
-    v = body.get(name)
-    return default if v is None else v
+# -- the server's own fields ----------------------------------------------------------------------
+def _echo(value: Any, d: Draft) -> None:
+    d.echo = boolean({"echo": value}, "echo")
+    if d.echo and d.chat:
+        raise bad("echo", "is supported on /v1/completions only")
+
+
+def _prompt_logprobs(value: Any, d: Draft) -> None:
+    if d.chat:
+        raise bad("prompt_logprobs", "is supported on /v1/completions only")
+    cap = d.limits.max_top_logprobs
+    if _checked("prompt_logprobs", "prompt_logprobs", value) > cap:
+        raise bad("prompt_logprobs", f"must be in [0, {cap}], got {value}")
+    d.vllm_prompt_logprobs = value
+
+
+def _unsupported(name: str, ok: Callable[[Any], bool]) -> Reader:
+    def read(value: Any, d: Draft) -> None:
+        if not ok(value):
+            raise bad(name, "is not supported by this server")
+    return read
+
+
+def _user(value: Any, d: Draft) -> None:
+    if not isinstance(value, str):
+        raise bad("user", "must be a string")
+
+
+def _messages(value: Any, d: Draft) -> None:
+    if not isinstance(value, list) or not value:
+        raise bad("messages", "must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}]", "must be an object with a string role")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+    d.messages = value
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
+
+
+def _prompts(value: Any, d: Draft) -> None:
+    """A completions request's prompts: a string, a list of token ids, or a batch (a list of
+    strings or of token-id lists, at most max_prompts); a batch of one is that one prompt."""
+    if isinstance(value, str) and value or _token_ids(value):
+        d.prompts = [value]
+        return
+    if not isinstance(value, list) or not value or not all(isinstance(p, (str, list)) for p in value):
+        raise bad("prompt", "must be a non-empty string, a list of token ids, or a list of them (a batch)")
+    if len(value) > d.max_prompts:
+        raise bad("prompt", f"at most {d.max_prompts} prompts per request, got {len(value)}")
+    for i, p in enumerate(value):
+        if not (isinstance(p, str) and p or _token_ids(p)):
+            raise bad("prompt", f"prompt[{i}] must be a non-empty string or a non-empty list of token ids")
+    d.prompts = list(value)
+
+
+def _max_tokens(name: str) -> Reader:
+    """max_tokens (chat: max_completion_tokens, which wins when both are given), in
+    [1, limits.max_tokens] ([0, ...] with echo: true)."""
+    def read(value: Any, d: Draft) -> None:
+        if d.max_name is not None:
+            return
+        cap = d.limits.max_tokens
+        if not (1 if not d.echo else 0) <= _checked(name, "max_tokens", value) <= cap:
+            raise bad(name, f"must be in [1, {cap}] ([0, ...] with echo: true), got {value}")
+        d.max_name = name
+        sampled("max_tokens", name)(value, d)
+    return read
+
+
+def _n(value: Any, d: Draft) -> None:
+    why = int_error(value, 1, MAX_N)
+    if why is not None:
+        raise bad("n", f"{why}, got {show(value)}")
+    d.n = value
+
+
+def _stop(value: Any, d: Draft) -> None:
+    stops = _checked("stop", "stop", value)
+    stops = (stops,) if isinstance(stops, str) else stops
+    lim = d.limits
+    if len(stops) > lim.max_stops or any(len(s) > lim.max_stop_chars for s in stops):
+        raise bad("stop", f"at most {lim.max_stops} stops of at most {lim.max_stop_chars} characters")
+    sampled("stop")(value, d)
+
+
+def _logit_bias(value: Any, d: Draft) -> None:
+    """JSON's keys are strings: token ids written as text; values in OpenAI's [-100, 100]."""
+    most = d.limits.max_logit_bias
+    if not isinstance(value, dict) or len(value) > most:
+        raise bad("logit_bias", f"must be an object of at most {most} token ids")
+    bias = {}
+    for k, v in value.items():
+        try:
+            bias[int(k)] = v
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"key {k!r} is not a token id") from None
+    _checked("logit_bias", "logit_bias", bias)
+    for k, v in value.items():
+        if not -BIAS_RANGE <= v <= BIAS_RANGE:
+            raise bad("logit_bias", f"bias for {k} must be in [-{BIAS_RANGE}, {BIAS_RANGE}], got {v!r}")
+    sampled("logit_bias")({tok: float(v) for tok, v in bias.items()}, d)
+
+
+def _completions_logprobs(value: Any, d: Draft) -> None:
+    most = min(COMPLETIONS_LOGPROBS, d.limits.max_top_logprobs)
+    if _checked("logprobs", "logprobs", value) > most:
+        raise bad("logprobs", f"must be in [0, {COMPLETIONS_LOGPROBS}] for completions")
+    d.logprobs = value
+
+
+def _chat_logprobs(value: Any, d: Draft) -> None:
+    d.wants_logprobs = boolean({"logprobs": value}, "logprobs")
+
+
+def _chat_top_logprobs(value: Any, d: Draft) -> None:
+    d.top_logprobs = value           # checked with logprobs (_logprobs)
+
+
+def _stream(value: Any, d: Draft) -> None:
+    d.sse = boolean({"stream": value}, "stream")
+
+
+def _stream_options(value: Any, d: Draft) -> None:
+    if not isinstance(value, dict):
+        raise bad("stream_options", "must be an object")
+    d.include_usage = boolean(value, "include_usage", within="stream_options.")
+
+
+def _on_disconnect(value: Any, d: Draft) -> None:
+    if value not in ("cancel", "continue"):
+        raise bad("on_disconnect", 'must be "cancel" or "continue"')
+    d.on_disconnect = value
+
+
+CHAT, COMPLETIONS = ("chat",), ("completions",)
+# SamplingParams' fields a request names alike, passed as given
+SAMPLED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+           "seed", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output")
+# in the order a body is read (of several fields in error, the first is named)
+FIELDS: tuple[Field, ...] = (
+    Field("echo", _echo),
+    Field("prompt_logprobs", _prompt_logprobs),
+    Field("best_of", _unsupported("best_of", lambda v: v == 1)),
+    Field("suffix", _unsupported("suffix", lambda v: not v)),
+    Field("tools", _unsupported("tools", lambda v: not v)),
+    Field("user", _user),
+    Field("messages", _messages, CHAT, required=True),
+    Field("prompt", _prompts, COMPLETIONS, required=True),
+    Field("max_completion_tokens", _max_tokens("max_completion_tokens"), CHAT),
+    Field("max_tokens", _max_tokens("max_tokens")),
+    Field("n", _n),
+    Field("stop", _stop),
+    Field("logit_bias", _logit_bias),
+    Field("logprobs", _chat_logprobs, CHAT),
+    Field("top_logprobs", _chat_top_logprobs, CHAT),
+    Field("logprobs", _completions_logprobs, COMPLETIONS),
+    Field("stream_options", _stream_options),
+    Field("stream", _stream),
+    Field("timeout", sampled("deadline_s", "timeout")),
+    Field("first_token_timeout", sampled("first_token_timeout_s", "first_token_timeout")),
+    Field("on_disconnect", _on_disconnect),
+    *(Field(name, sampled(name)) for name in SAMPLED),
+)
+# the sampling fields a model's generation_config.json may default (serve.generation_defaults)
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed")
 
 
 def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits, max_prompts: int = 64
@@ -107,241 +297,86 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
     """max_prompts: the most prompts one completions request may batch (--max-prompts-per-request)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    echo = _bool(body, "echo")
-    if echo and chat:
-        raise bad("echo", "is supported on /v1/completions only")
-    if echo and _bool(body, "stream"):
-        raise bad("echo", "is not supported with stream: true")
-    vllm_prompt_lps = _int(body, "prompt_logprobs")
-    if vllm_prompt_lps is not None:
-        if chat:
-            raise bad("prompt_logprobs", "is supported on /v1/completions only")
-        if not 0 <= vllm_prompt_lps <= limits.max_top_logprobs:
-            raise bad("prompt_logprobs", f"must be in [0, {limits.max_top_logprobs}], got {vllm_prompt_lps}")
-    for name, ok in (("best_of", lambda v: v in (None, 1)), ("suffix", lambda v: not v), ("tools", lambda v: not v)):
-        if name in body and not ok(body[name]):
-            raise bad(name, "is not supported by this server")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad("user", "must be a string")
-    if "chat_template" in body:
+    d = Draft(chat, limits, max_prompts)
+    endpoint = "chat" if chat else "completions"
+    if "chat_template" in body:              # even null
         raise bad("chat_template", "templates come from the model (or --chat-template), never from a request")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad("messages", "must be a non-empty list of {role, content} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise bad(f"messages[{i}]", "must be an object with a string role")
-            content = m.get("content")
-            if content is not None and not isinstance(content, (str, list)):
-                raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
-        prompt, prompts = None, []
-    else:
-        messages = None
-        prompts = _prompts(body.get("prompt"), max_prompts)
-        prompt = prompts[0]
-    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, max_name)
-    if max_tokens is None:
-        max_tokens = min(limits.max_tokens, 16 if not chat else limits.max_tokens)
-    if not (1 if not echo else 0) <= max_tokens <= limits.max_tokens:
-        raise bad(max_name, f"must be in [1, {limits.max_tokens}] ([0, ...] with echo: true), got {max_tokens}")
-    n = _int(body, "n")
-    n = 1 if n is None else n
-    if not 1 <= n <= MAX_N:
-        raise bad("n", f"must be in [1, {MAX_N}], got {n}")
-    most = max(MAX_N, max_prompts)
-    if not chat and len(prompts) * n > most:
-        raise bad("n", f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices, over this server's {most}")
-    stop = body.get("stop")
-    stops: tuple[str, ...] = ()
-    if stop is not None:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
-        if not isinstance(stop, (str, list)) or not all(isinstance(s, str) for s in stops):
-            raise bad("stop", "must be a string or a list of strings")
-        if len(stops) > limits.max_stops or any(len(s) > limits.max_stop_chars for s in stops):
-            raise bad("stop", f"at most {limits.max_stops} stops of at most {limits.max_stop_chars} characters")
-    bias = body.get("logit_bias")
-    logit_bias = None
-    if bias is not None:
-        if not isinstance(bias, dict) or len(bias) > limits.max_logit_bias:
-            raise bad("logit_bias", f"must be an object of at most {limits.max_logit_bias} token ids")
-        logit_bias = {}
-        for k, v in bias.items():
-            try:
-                tok = int(k)
-            except (TypeError, ValueError):
-                raise bad("logit_bias", f"key {k!r} is not a token id") from None
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-                raise bad("logit_bias", f"bias for {k} must be in [-100, 100], got {v!r}")
-            logit_bias[tok] = float(v)
-    top_logprobs = 0
-    logprobs: int | None = None
-    if chat:
-        if _bool(body, "logprobs"):
-            top_logprobs = _int(body, "top_logprobs") or 0
-            if not 0 <= top_logprobs <= limits.max_top_logprobs:
-                raise bad("top_logprobs", f"must be in [0, {limits.max_top_logprobs}]")
-            logprobs = top_logprobs
-        elif body.get("top_logprobs"):
-            raise bad("top_logprobs", "needs logprobs: true")
-    else:
-        lp = _int(body, "logprobs")
-        if lp is not None:
-            if not 0 <= lp <= min(5, limits.max_top_logprobs):
-                raise bad("logprobs", "must be in [0, 5] for completions")
-            logprobs, top_logprobs = lp, lp
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise bad("stream_options", "must be an object")
-    include_usage = _bool(opts or {}, "include_usage", within="stream_options.")
-    stream = _bool(body, "stream")
-    timeout = _number(body, "timeout")
-    first = _number(body, "first_token_timeout")
-    for name, v in (("timeout", timeout), ("first_token_timeout", first)):
-        if v is not None and v <= 0:
-            raise bad(name, "must be > 0 seconds")
-    cap = limits.max_request_seconds
-    if cap is not None:
-        timeout = cap if timeout is None else min(timeout, cap)
-        first = None if first is None else min(first, cap)
-    on_disconnect = body.get("on_disconnect")
-    if on_disconnect not in (None, "cancel", "continue"):
-        raise bad("on_disconnect", 'must be "cancel" or "continue"')
-    sampling: dict[str, Any] = {}
-    for name in SAMPLING_FIELDS:
-        v = _int(body, name) if name in ("top_k", "seed") else _number(body, name)
-        if v is None:
-            v = defaults.get(name)
-        if v is not None:
-            sampling[name] = v
+    for f in FIELDS:
+        if endpoint in f.on:
+            value = body.get(f.name)
+            if value is not None or f.required:
+                f.read(value, d)
+    return _conclude(body, d, defaults)
+
+
+def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any]) -> Parsed:
+    """The rules that join fields, then SamplingParams (every type and range) and the caps that
+    need its checked values."""
+    if d.echo and d.sse:
+        raise bad("echo", "is not supported with stream: true")
+    if not d.chat and len(d.prompts) * d.n > max(MAX_N, d.max_prompts):
+        most = max(MAX_N, d.max_prompts)
+        raise bad("n", f"{len(d.prompts)} prompts x n={d.n} is {len(d.prompts) * d.n} choices, over this server's {most}")
+    top_logprobs, logprobs = _logprobs(d)
+    sampling = {**{k: defaults[k] for k in DEFAULTED if defaults.get(k) is not None}, **d.sampling}
     sampling.setdefault("temperature", 1.0)
-    if sampling.get("top_k") == -1:
+    if is_int(sampling.get("top_k")) and sampling["top_k"] == -1:
         sampling["top_k"] = 0                     # vLLM's "disabled"
+    sampling.setdefault("max_tokens", min(d.limits.max_tokens, 16 if not d.chat else d.limits.max_tokens))
+    d.fields.setdefault("max_tokens", "max_tokens")
+    _cap_seconds(sampling, d.limits.max_request_seconds)
     structured = structured_output(body)
     # the engine's prompt logprobs: echoed with logprobs N, asked by vLLM's field, or all that
     # max_tokens 0 with echo computes (it still runs the prefill)
-    asked = [v for v in (logprobs if echo else None, vllm_prompt_lps) if v is not None]
-    prompt_logprobs = max(asked) if asked else 0 if echo and max_tokens == 0 else None
-    fields = {"prompt": "messages" if chat else "prompt", "max_tokens": max_name, "deadline_s": "timeout",
-              "first_token_timeout_s": "first_token_timeout",
+    asked = [v for v in (logprobs if d.echo else None, d.vllm_prompt_logprobs) if v is not None]
+    prompt_logprobs = max(asked) if asked else 0 if d.echo and sampling["max_tokens"] == 0 else None
+    fields = {**d.fields, "prompt": "messages" if d.chat else "prompt", "logprobs": "top_logprobs" if d.chat
+              else "logprobs",
               "structured_output": "structured_outputs" if body.get("response_format") is None else "response_format"}
     try:
-        params = SamplingParams(structured_output=structured,
-            max_tokens=max_tokens, stop=stops, stop_token_ids=_given(body, "stop_token_ids", ()),
-            ignore_eos=_bool(body, "ignore_eos"), min_tokens=_int(body, "min_tokens") or 0,
-            logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            deadline_s=timeout, first_token_timeout_s=first,
-            skip_special_tokens=_bool(body, "skip_special_tokens", True),
-            include_stop_str_in_output=_bool(body, "include_stop_str_in_output"), **sampling)
+        params = SamplingParams(structured_output=structured, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                **sampling)
     except InvalidRequestError as e:
         raise invalid(e, fields) from None
-    return Parsed(prompt, messages, params, stream, include_usage, n, first,
-                  on_disconnect, top_logprobs, fields, prompts, echo, vllm_prompt_lps)
+    return Parsed(d.prompts[0] if d.prompts else None, d.messages, params, d.sse, d.include_usage, d.n,
+                  params.first_token_timeout_s,
+                  d.on_disconnect, top_logprobs, fields, d.prompts, d.echo, d.vllm_prompt_logprobs)
 
 
-def _token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+def _logprobs(d: Draft) -> tuple[int, int | None]:
+    """(top logprobs per token, SamplingParams.logprobs): chat's logprobs: true with
+    top_logprobs N, or completions' logprobs N."""
+    if not d.chat:
+        return (d.logprobs or 0), d.logprobs
+    if not d.wants_logprobs:
+        if d.top_logprobs:
+            raise bad("top_logprobs", "needs logprobs: true")
+        return 0, None
+    top = _checked("top_logprobs", "logprobs", d.top_logprobs or 0)
+    if top > d.limits.max_top_logprobs:
+        raise bad("top_logprobs", f"must be in [0, {d.limits.max_top_logprobs}]")
+    return top, top
 
 
-def _prompts(value: Any, most: int) -> list[Prompt]:
-    """A completions request's prompts: a string, a list of token ids, or a batch (a list of
-    strings or of token-id lists, at most `most`); a batch of one is that one prompt."""
-    if isinstance(value, str) and value or _token_ids(value):
-        return [value]
-    if not isinstance(value, list) or not value or not all(isinstance(p, (str, list)) for p in value):
-        raise bad("prompt", "must be a non-empty string, a list of token ids, or a list of them (a batch)")
-    if len(value) > most:
-        raise bad("prompt", f"at most {most} prompts per request, got {len(value)}")
-    for i, p in enumerate(value):
-        if not (isinstance(p, str) and p or _token_ids(p)):
-            raise bad("prompt", f"prompt[{i}] must be a non-empty string or a non-empty list of token ids")
-    return list(value)
-
-
-def structured_output(body: Mapping[str, Any]) -> Any:
-    """OpenAI's response_format ({"type": "json_schema" | "json_object" | "text"}) or vLLM's
-    structured_outputs ({"json" | "regex" | "choice" | "grammar": ...}) as a StructuredOutput."""
-    from ..structured import StructuredOutput
-    rf, so = body.get("response_format"), body.get("structured_outputs")
-    if rf is not None and so is not None:
-        raise bad("response_format", "give response_format or structured_outputs, not both")
-    try:
-        if rf is not None:
-            if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-                raise bad("response_format", 'type must be "text", "json_object" or "json_schema"')
-            if rf["type"] == "text":
-                return None
-            if rf["type"] == "json_object":
-                return StructuredOutput(json_object=True)
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
-                raise bad("response_format", "json_schema.schema must be a JSON schema object")
-            return StructuredOutput(json_schema=spec["schema"])
-        if so is not None:
-            if not isinstance(so, dict):
-                raise bad("structured_outputs", "must be an object")
-            names = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
-            given = {names[k]: v for k, v in so.items() if k in names and v is not None}
-            if isinstance(given.get("json_schema"), str):     # a schema as JSON text is JSON: the body's checks
-                from .jsonbody import load
-                given["json_schema"] = load(given["json_schema"], "structured_outputs.json")
-            if _bool(so, "json_object", within="structured_outputs."):
-                given["json_object"] = True
-            return StructuredOutput(**given)
-    except InvalidRequestError as e:
-        raise ApiError(400, str(e), param="response_format" if rf is not None else "structured_outputs",
-                       code="invalid_value") from None
-    except TypeError as e:
-        raise bad("structured_outputs", str(e)) from None
-    return None
+def _cap_seconds(sampling: dict[str, Any], cap: float | None) -> None:
+    """--max-request-seconds bounds both timeouts (a request without a timeout gets the cap).
+    A value that is no number stays as given, for SamplingParams to refuse."""
+    if cap is None:
+        return
+    deadline: Any = sampling.get("deadline_s")
+    first: Any = sampling.get("first_token_timeout_s")
+    sampling["deadline_s"] = cap if deadline is None else min(deadline, cap) if is_real(deadline) else deadline
+    if is_real(first):
+        sampling["first_token_timeout_s"] = min(first, cap)
 
 
 def invalid(e: InvalidRequestError, fields: Mapping[str, str]) -> ApiError:
-    """The engine's own validation as a 400 naming the request's field (the engine says
-    `SamplingParams.<name>: ...`; `fields` maps its names to the request's where they differ)."""
-    msg = str(e)
-    param = None
-    if "SamplingParams." in msg:
-        param = re.split(r"\W", msg.split("SamplingParams.", 1)[1], maxsplit=1)[0]
-    elif "prompt" in msg:
-        param = "prompt"
-    if param is not None:
-        param = fields.get(param, param)
-    return ApiError(400, msg, param=param, code="invalid_value")
-
-
-def finish_reason(reason: FinishReason | None) -> str | None:
-    if reason is None:
-        return None
-    return OPENAI_FINISH.get(reason, reason.value)
-
-
-def usage_body(u: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.returned_tokens,
-            "total_tokens": u.prompt_tokens + u.returned_tokens, "selected_tokens": u.selected_tokens,
-            "processed_tokens": u.processed_tokens,
-            "prompt_tokens_details": {"cached_tokens": getattr(u, "cached_tokens", 0)}}
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def stop_reason(out_stop: object) -> Any:
-    if isinstance(out_stop, tuple):
-        return list(out_stop)
-    return out_stop
-
-
-def completion_choice(index: int, out: RequestOutput, text: str, logprobs: Any) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish_reason),
-            "stop_reason": stop_reason(out.stop_reason),
-            "pagedecode_finish_reason": out.finish_reason.value if out.finish_reason else None}
-
-
-def chat_choice(index: int, out: RequestOutput, text: str, logprobs: Any) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason(out.finish_reason), "stop_reason": stop_reason(out.stop_reason),
-            "pagedecode_finish_reason": out.finish_reason.value if out.finish_reason else None}
+    """The engine's own validation as a 400 naming the request's field (the engine names its
+    own field, `SamplingParams.<name>`; `fields` maps its names to the request's where they
+    differ; a prompt the engine refuses is the prompt)."""
+    param: str | None = None
+    if isinstance(e, InvalidFieldError):
+        param = fields.get(e.field, e.field)
+    elif "prompt" in str(e):
+        param = fields.get("prompt", "prompt")
+    return ApiError(400, str(e), param=param, code="invalid_value")

@@ -10,10 +10,16 @@ import socket
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ..runtime.config import EngineConfig
 from ..runtime.heap import thaw_heap
+
+if TYPE_CHECKING:           # starlette and the server load only when serving
+    from starlette.applications import Starlette
+
+    from ..runtime.async_engine import AsyncEngine
+    from .state import ServerState
 
 log = logging.getLogger("pagedecode.server")
 ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name",)]
@@ -210,7 +216,8 @@ def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(args.allowed_host or []) + (() if wildcard else (args.host,))
 
 
-def lifespan(ae: Any, app: Any, grace_s: float) -> Any:
+def lifespan(ae: AsyncEngine, app: Starlette, grace_s: float
+             ) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def run(_: Any) -> AsyncIterator[None]:
         warming = ae.engine.grammar.warm()      # the first constrained request then stalls nobody
@@ -228,7 +235,7 @@ def lifespan(ae: Any, app: Any, grace_s: float) -> Any:
     return run
 
 
-async def drain(ae: Any, state: Any, grace_s: float, hurry: Callable[[], bool] = lambda: False) -> None:
+async def drain(ae: AsyncEngine, state: ServerState, grace_s: float, hurry: Callable[[], bool] = lambda: False) -> None:
     """Stop admitting (/health and new requests answer 503); let live requests finish for up to
     grace_s (or until hurry() says stop waiting); then cancel the rest, each ending once, and wait
     until every one has ended, so its client gets its final chunk and [DONE] (or its result)."""

@@ -1,0 +1,178 @@
+"""The Responses API's request body: validated, and turned into a chat body (`instructions` a
+system message first, then `input`; text.format as response_format; max_output_tokens as
+max_completion_tokens) that protocol.parse_request parses, so sampling, limits, the chat
+template's escaping and structured output are the chat path's; errors name the Responses
+field. StoredResponse keeps what the response object echoes besides its output.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import ApiError, bad
+from .protocol import Limits, Parsed, boolean, parse_request
+
+# the request's fields under their chat names, for parse_request; errors name the Responses field
+RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+# pagedecode's own extras, taken as on chat
+PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+          "timeout", "first_token_timeout", "on_disconnect", "ignore_eos", "min_tokens")
+# taken and not acted on (a server without tools or tiers has nothing to do with them)
+IGNORED = ("parallel_tool_calls", "user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options",
+           "truncation")
+UNSUPPORTED = {
+    "tools": "tools are not supported by this server",
+    "reasoning": "reasoning (and reasoning items) is not supported by this server",
+    "previous_response_id": "previous_response_id is not supported: send the conversation as input messages",
+    "conversation": "conversations are not supported: send the conversation as input messages",
+    "prompt": "prompt templates are not supported",
+    "include": "include is not supported",
+    "top_logprobs": "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
+    "max_tool_calls": "tools are not supported by this server",
+}
+TAKEN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "store",
+         "background", "metadata", "text", "tool_choice", *PASSED, *IGNORED, *UNSUPPORTED}
+
+@dataclass
+class StoredResponse:
+    """What a response object echoes besides its output, kept with its Track."""
+    store: bool
+    background: bool
+    instructions: str | None
+    metadata: dict[str, str]
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    tool_choice: str
+    text: dict[str, Any] = field(default_factory=dict)
+    deleted: bool = False
+
+    def kept_bytes(self) -> int:
+        return 300 + len(json.dumps([self.instructions, self.metadata, self.text]))
+
+
+# -- parsing --------------------------------------------------------------------------------------
+def parse_body(body: Any, defaults: Mapping[str, Any], limits: Limits) -> tuple[Parsed, StoredResponse]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name in body:
+        if name not in TAKEN:
+            raise ApiError(400, f"unknown parameter {name!r}", param=name, code="unknown_parameter")
+    for name, why in UNSUPPORTED.items():
+        if body.get(name) not in (None, [], {}, 0):
+            raise ApiError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise ApiError(400, 'tool_choice: only "none" or "auto" (there are no tools here)', param="tool_choice",
+                       code="unsupported_parameter")
+    if body.get("truncation") not in (None, "disabled", "auto"):
+        raise bad("truncation", 'must be "disabled" or "auto"')
+    store = boolean(body, "store", True)
+    background = boolean(body, "background")
+    if background and not store:
+        raise bad("background", "background responses need store: true (the result is fetched later)")
+    chat: dict[str, Any] = {"messages": messages(body), "stream": body.get("stream"),
+                            "max_completion_tokens": body.get("max_output_tokens"),
+                            "response_format": text_format(body.get("text"))}
+    for name in ("temperature", "top_p", *PASSED):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if background:
+        chat["on_disconnect"] = "continue"      # it outlives the connection that made it
+    try:
+        parsed = parse_request({k: v for k, v in chat.items() if v is not None}, True,
+                               defaults, limits)
+    except ApiError as e:
+        raise renamed(e) from None
+    p = parsed.params
+    text: dict[str, Any] = body["text"] if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}
+    return parsed, StoredResponse(store, background, body.get("instructions"), metadata(body.get("metadata")),
+                                  body.get("max_output_tokens"), p.temperature, p.top_p,
+                                  body.get("tool_choice") or "auto", text)
+
+
+def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`instructions` as a system message first, then `input` (a string: one user message)."""
+    out: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad("instructions", "must be a string")
+        out.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str) and given:
+        return out + [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise bad("input", "must be a non-empty string or a non-empty list of messages")
+    for i, item in enumerate(given):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad(where, "must be a message object {role, content}")
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise ApiError(400, f"{where}.type: {kind!r} items are not supported (only messages)",
+                           param=f"{where}.type", code="unsupported_parameter")
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise bad(f"{where}.role", f'must be "user", "assistant", "system" or "developer", got {role!r}')
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": content_text(item.get("content"), where)})
+    return out
+
+
+def content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content", "must be a string or a list of input_text / output_text parts")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio", "refusal"):
+            raise ApiError(400, f"{where}.content[{j}]: {kind} parts are not supported (text only)",
+                           param=f"{where}.content[{j}]", code="unsupported_parameter")
+        else:
+            raise bad(f"{where}.content[{j}]", "must be an input_text or output_text part {type, text}")
+    return "".join(parts)
+
+
+def text_format(text: Any) -> dict[str, Any] | None:
+    """text.format as chat's response_format."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad("text", "must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("text.format", 'type must be "text", "json_object" or "json_schema"')
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    if not isinstance(fmt.get("schema"), (dict, bool)):
+        raise bad("text.format.schema", "must be a JSON schema object")
+    return {"type": "json_schema", "json_schema": {"schema": fmt["schema"], "name": fmt.get("name"),
+                                                   "strict": fmt.get("strict")}}
+
+
+def metadata(value: Any) -> dict[str, str]:
+    """OpenAI's bounds: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items()):
+        raise bad("metadata", "must be an object of at most 16 string values (keys <= 64, values <= 512 characters)")
+    return dict(value)
+
+
+def renamed(e: ApiError) -> ApiError:
+    """An error of the chat path, naming the Responses field."""
+    if e.param in RENAMED:
+        old = e.param
+        e.param = RENAMED[old]
+        e.message = e.message.replace(old, e.param)
+        if e.param not in e.message:
+            e.message = f"{e.param}: {e.message}"
+    return e
