@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from .lifecycle import FinishReason, RequestState
 
 STOP_RULE_VERSION = 1   # earliest end, then longest, then list order
+TopLogprobs = tuple[tuple[int, float], ...]     # one token's N most likely alternatives: (id, logprob) x N
 
 
 @dataclass
@@ -41,7 +42,7 @@ class DeltaEvent:
     text: str                          # complete UTF-8: never half a character
     token_ids: tuple[int, ...]
     logprobs: tuple[float | None, ...] | None = None
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None   # per token: (id, logprob) x N
+    top_logprobs: tuple[TopLogprobs, ...] | None = None   # per token: (id, logprob) x N
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,12 @@ class RequestOutput:
     error: str | None = None
     selected_token_ids: list[int] = field(default_factory=list)   # every decision, EOS included
     logprobs: list[float | None] | None = None
-    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
     stop_rule_version: int = STOP_RULE_VERSION
     # SamplingParams.prompt_logprobs: prompt token j's logprob (None for the first token), and its
     # N most likely alternatives at that position ((id, logprob) x N; None when N is 0)
     prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[tuple[tuple[int, float], ...] | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs | None] | None = None
     timings: Timings = field(default_factory=Timings)
 
     @property

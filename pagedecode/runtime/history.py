@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 from typing import Iterator
 
-from .events import DeltaEvent, Event, StartEvent, TerminalEvent
+from .events import DeltaEvent, Event, StartEvent, TerminalEvent, TopLogprobs
 
 
 class CompactHistory:
@@ -24,7 +24,7 @@ class CompactHistory:
         self._ids = array("q")
         self._seqs = array("I")
         self._logprobs: list[float | None] | None = None
-        self._top: list[tuple[tuple[int, float], ...]] | None = None
+        self._top: list[TopLogprobs] | None = None
         length = 0
         for ev in events:
             if isinstance(ev, StartEvent):
@@ -83,7 +83,7 @@ class CompactHistory:
         return None if self._logprobs is None else list(self._logprobs)
 
     @property
-    def top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
+    def top_logprobs(self) -> list[TopLogprobs] | None:
         return None if self._top is None else list(self._top)
 
     def kept_bytes(self) -> int:

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from ..model.tokenizer import TokenizerLike
 from ..params import SamplingParams
 from .detokenizer import Utf8TailError, make_detokenizer
+from .events import TopLogprobs
 from .stop import StopIdMatcher, find_stop_string, stop_prefix_len
-
-TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass

@@ -14,10 +14,9 @@ from ..kernels.penalties import PenaltyInputs, PenaltyState, apply_penalties_ref
 from ..kernels.philox import seed_to_int64
 from ..kernels.sampling import make_sampling_inputs, sample, unpack_bitmask
 from ..params import SamplingParams
+from .events import TopLogprobs
 from .request import Request
 
-
-TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass
