@@ -22,7 +22,10 @@ if HAS_TRITON:
     import triton.language as tl
 
 # Tokens per split. Fixed, never derived from the batch, so a sequence's result is the same
-# whichever batch it is in (the merge always sees the same partials in the same order).
+# whichever batch it is in (the merge always sees the same partials in the same order). The
+# number of split programs follows the batch's longest sequence, but a shorter sequence's extra
+# splits are empty and its merge stops at its own last split, so it runs exactly the operations
+# it runs alone; extend attention's deterministic mode relies on this.
 SPLIT_TOKENS = 256
 
 
@@ -152,8 +155,8 @@ if HAS_TRITON:
         tl.store(part_lse_ptr + base, lse, mask=g_ok)
 
     @triton.jit
-    def _decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _decode_merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
@@ -162,7 +165,10 @@ if HAS_TRITON:
         m = tl.full([1], float("-inf"), tl.float32)
         total = tl.zeros([1], tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for s in range(0, num_splits):
+        # this sequence's own splits only: the batch's longest sequence sets num_splits, and folding
+        # an empty split in (x * 1 + 0) could still turn an exact -0 into +0
+        own_splits = tl.cdiv(tl.load(lens_ptr + b), SPLIT)
+        for s in range(0, own_splits):
             lse = tl.load(part_lse_ptr + base + s + tl.zeros([1], tl.int32))
             part = tl.load(part_out_ptr + (base + s) * HEAD_DIM + d, mask=d_ok, other=0.0)
             m_new = tl.maximum(m, lse)
@@ -202,8 +208,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, sca
         GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, SPLIT=split_tokens, BLOCK_G=block_g,
         BLOCK_N=block_n, BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q),
         num_warps=num_warps, num_stages=num_stages)
-    _decode_merge_kernel[(B, Hq)](part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-                                  HEAD_DIM=D, BLOCK_D=block_d)
+    _decode_merge_kernel[(B, Hq)](part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
+                                  HEAD_DIM=D, BLOCK_D=block_d, SPLIT=split_tokens)
     return out
 
 

@@ -12,6 +12,15 @@ Shapes:
 Positions: sequence s has n = cu_q[s+1] - cu_q[s] new tokens at logical positions
 seq_len - n .. seq_len - 1; new token i sees cache positions 0 .. seq_len - n + i.
 A prefix of 0 (plain prefill) and n = 1 (a decode step) are both allowed.
+
+Deterministic mode (`deterministic=True`, Triton path): every new token is attended as a decode
+query of its own, by decode_attention's kernel, over the context it sees (its sequence's pages,
+length position + 1). A query's bits then depend only on its position and context, never on
+the chunk it came in, the other tokens of its chunk or the batch: the same fixed 256-token
+splits, the same tiles inside each split, the same tile shapes in every tl.dot and the same
+merge order as the decode step that would compute it (one compiled kernel; only the grid
+differs). The price: each token reads its context itself (the default kernel reads it once per
+block of tokens), and a decode tile pads the head group to 16 rows.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
-from .decode_attention import gather_pages
+from .decode_attention import gather_pages, paged_decode_attention
 
 if HAS_TRITON:
     from .decode_attention import _kv_tile, _online_softmax_step
@@ -135,11 +144,30 @@ def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_len
     return out
 
 
+def extend_rows_as_decode(page_table, cu_q, seq_lens, num_tokens: int):
+    """Each packed new token as a decode sequence of its own: (T, max_pages) page-table rows (its
+    sequence's) and (T,) lengths (its position + 1), computed on the device without a host sync.
+
+        token t of sequence s (n new tokens, seq_len L): position L - n + (t - cu_q[s])
+                                                       = L - (cu_q[s + 1] - t)
+    """
+    counts = (cu_q[1:] - cu_q[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(counts.shape[0], device=cu_q.device), counts,
+                                  output_size=num_tokens)
+    t = torch.arange(num_tokens, device=cu_q.device)
+    lens = seq_lens.long()[seq] - (cu_q[1:].long()[seq] - t) + 1
+    return page_table[seq], lens.to(torch.int32)
+
+
 def paged_extend_attention(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float | None = None,
-                           backend: str = "auto", max_new: int | None = None):
-    """Causal attention of packed new tokens over cached prefix + themselves (module docstring)."""
+                           backend: str = "auto", max_new: int | None = None, deterministic: bool = False):
+    """Causal attention of packed new tokens over cached prefix + themselves (module docstring).
+    deterministic: on the Triton path, the bits decode attention gives each token (see above)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(q, backend):
+        if deterministic and q.shape[0]:
+            rows, lens = extend_rows_as_decode(page_table, cu_q, seq_lens, q.shape[0])
+            return paged_decode_attention(q, k_cache, v_cache, rows, lens, scale, backend=backend)
         return paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale, max_new)
     return paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale)

@@ -11,7 +11,9 @@ from triton.compiler import ASTSource
 import pagedecode.kernels.decode_attention as DA
 import pagedecode.kernels.extend_attention as EA
 import pagedecode.kernels.kv_write as KW
+import pagedecode.kernels.matmul as MM
 import pagedecode.kernels.quant_matmul as QM
+import pagedecode.kernels.rmsnorm as RN
 import pagedecode.kernels.sampling as S
 
 DTYPES = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
@@ -39,7 +41,8 @@ def cases():
         for block_n in ((32, 64, 128) if dt == "bf16" else (64,)):
             yield f"decode split {dt} n={block_n}", DA._decode_split_kernel, kv, dict(
                 GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=256, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=128, DOT_DTYPE=tdt)
-        yield f"decode merge {dt}", DA._decode_merge_kernel, kv, dict(HEAD_DIM=128, BLOCK_D=128)
+        yield f"decode merge {dt}", DA._decode_merge_kernel, kv, dict(HEAD_DIM=128, BLOCK_D=128,
+                                                                            SPLIT=256)
         for bm, bn in (((64, 64), (128, 64), (128, 32), (64, 32)) if dt == "bf16" else ((64, 64),)):
             yield f"extend {dt} m={bm} n={bn}", EA._extend_kernel, kv, dict(
                 GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=bm // 4, BLOCK_N=bn, BLOCK_D=128,
@@ -47,6 +50,21 @@ def cases():
         yield f"kv write {dt}", KW._write_kv_kernel, kv, dict(PAGE_SIZE=16, HEADS=8, HEAD_DIM=128, BLOCK_H=8,
                                                             BLOCK_D=128)
     yield from quant_cases()
+    yield from deterministic_cases()
+
+
+def deterministic_cases():
+    """Deterministic mode's matmul (the config matmul_config gives on the GPU, with and without a
+    bias) and RMSNorm (one row per program; 16 warps for an 8192-wide row)."""
+    import torch
+    for dt, tdt in DTYPES.items():
+        cfg = MM.matmul_config(4096, 4096, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt])
+        types = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "eps": "fp32"}
+        for bias in ((False, True) if dt == "bf16" else (False,)):
+            yield f"deterministic matmul {dt} bias={bias}", MM._matmul_kernel, types, dict(
+                HAS_BIAS=bias, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=8,
+                DOT_DTYPE=tdt), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        yield f"rmsnorm {dt}", RN._rms_norm_kernel, types, dict(BLOCK_H=8192), dict(num_warps=16)
 
 
 # the quantized matmuls: in bfloat16 every config kernel_sweep.py --quant --sweep times (the first
