@@ -19,7 +19,8 @@ from ..kernels._backend import use_triton
 from ..kernels.decode_attention import attend_gathered, context_slots, paged_decode_attention
 from ..kernels.extend_attention import paged_extend_attention
 from ..kernels.kv_write import write_kv
-from ..kernels.rmsnorm import rms_norm
+from ..kernels.matmul import deterministic_linear
+from ..kernels.rmsnorm import rms_norm, rms_norm_triton
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .batch import ForwardBatch
 from .config import ModelConfig
@@ -225,28 +226,44 @@ class LlamaModel:
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)
         ctx = self._decode_context(batch, kv)
         H, Hkv = c.num_heads, c.num_kv_heads
-        qmm, backend = self._quant_kernel, self.attention_backend   # CUDA: kernels/quant_matmul.py
+        # deterministic on the Triton path: RMSNorm one row per program, float projections through
+        # kernels/matmul.py (one K order whatever the row count), attention in decode's order
+        norm = rms_norm_triton if self._triton_deterministic(h) else rms_norm
+        lin = self._linear
         for i, L in enumerate(self.layers):
-            x = rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = linear(x, L.qkv_w, L.qkv_b, qmm, backend)                # (T, (H + 2 Hkv) D)
+            x = norm(h, L.ln1, c.rms_norm_eps)
+            qkv = lin(x, L.qkv_w, L.qkv_b)                               # (T, (H + 2 Hkv) D)
             v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, c.head_dim)
             if L.q_norm is None:     # rotate q and k in one go
                 qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, c.head_dim), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
             else:
                 assert L.k_norm is not None
-                q = rms_norm(qkv[:, :self._q_size].view(T, H, c.head_dim), L.q_norm, c.rms_norm_eps)
-                k = rms_norm(qkv[:, self._q_size:self._q_size + self._kv_size].view(T, Hkv, c.head_dim),
-                             L.k_norm, c.rms_norm_eps)
+                q = norm(qkv[:, :self._q_size].view(T, H, c.head_dim), L.q_norm, c.rms_norm_eps)
+                k = norm(qkv[:, self._q_size:self._q_size + self._kv_size].view(T, Hkv, c.head_dim),
+                         L.k_norm, c.rms_norm_eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend=self.attention_backend)
             attn = self._attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, heads, head_dim)
-            h = h + self._reduce(linear(attn.reshape(T, self._q_size), L.o_w, L.o_b, qmm, backend))
-            x = rms_norm(h, L.ln2, c.rms_norm_eps)
-            gate, up = linear(x, L.gate_up_w, None, qmm, backend).chunk(2, dim=-1)
-            h = h + self._reduce(linear(F.silu(gate) * up, L.down_w, None, qmm, backend))
-        h = rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
+            h = h + self._reduce(lin(attn.reshape(T, self._q_size), L.o_w, L.o_b))
+            x = norm(h, L.ln2, c.rms_norm_eps)
+            gate, up = lin(x, L.gate_up_w, None).chunk(2, dim=-1)
+            h = h + self._reduce(lin(F.silu(gate) * up, L.down_w, None))
+        h = norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return self._logits(h)                                           # (N, vocab)
+
+    def _triton_deterministic(self, x: torch.Tensor) -> bool:
+        """Deterministic mode's Triton kernels run: deterministic, and the Triton path (CUDA, or
+        attention_backend "triton" under the interpreter)."""
+        return self.deterministic and use_triton(x, self.attention_backend)
+
+    def _linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+        """Every projection and the LM head. Float weights in deterministic mode on the Triton path
+        take kernels/matmul.py (cuBLAS chooses its reduction by shape); otherwise quant.linear
+        (quantized layers: the CPU int8 kernel, or on CUDA kernels/quant_matmul.py)."""
+        if isinstance(w, torch.Tensor) and self._triton_deterministic(x):
+            return deterministic_linear(x, w, b, self.attention_backend)
+        return linear(x, w, b, self._quant_kernel, self.attention_backend)
 
     # -- the three places tensor parallelism changes (model/parallel.py); identity at N = 1 --------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -256,7 +273,7 @@ class LlamaModel:
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(h, self.lm_head, None, self._quant_kernel, self.attention_backend).float()
+        return self._linear(h, self.lm_head, None).float()
 
     def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On the torch path, the cache slots of every decode sequence's context, computed once per
@@ -276,8 +293,9 @@ class LlamaModel:
             return paged_decode_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, self.scale,
                                           backend=self.attention_backend)
         if nd == 0:
-            return paged_extend_attention(q, k_cache, v_cache, b.page_table, b.cu_q, b.seq_lens,
-                                          self.scale, backend=self.attention_backend, max_new=b.max_new)
+            return paged_extend_attention(q, k_cache, v_cache, b.page_table, b.cu_q, b.seq_lens, self.scale,
+                                          backend=self.attention_backend, max_new=b.max_new,
+                                          deterministic=self.deterministic)
         # decode rows come first (see ForwardBatch): one vectorised decode call, one extend call
         out = torch.empty_like(q)
         if ctx is not None:
@@ -289,5 +307,5 @@ class LlamaModel:
         cu = b.cu_q[nd:] - b.cu_q[nd]
         out[nd:] = paged_extend_attention(q[nd:], k_cache, v_cache, b.page_table[nd:], cu,
                                           b.seq_lens[nd:], self.scale, backend=self.attention_backend,
-                                          max_new=b.max_new)
+                                          max_new=b.max_new, deterministic=self.deterministic)
         return out

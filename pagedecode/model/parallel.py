@@ -40,7 +40,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..errors import ModelLoadError, PageDecodeError
 from .batch import ForwardBatch
@@ -140,7 +139,7 @@ class ShardedLlama(LlamaModel):
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        part = F.linear(h, self.lm_head).float().contiguous()                       # (N, V / world)
+        part = self._linear(h, self.lm_head, None).float().contiguous()                # (N, V / world)
         parts = [torch.empty_like(part) for _ in range(self.world)]
         t = time.perf_counter()
         dist.all_gather(parts, part, group=self.group)

@@ -25,7 +25,7 @@ def test_extension_is_built_where_a_compiler_is():
     assert cpu_extension_available()
 
 
-def random_model(dtype, heads=6, kv_heads=2, head_dim=16, bias=True, seed=0, max_pos=128):
+def random_model(dtype, heads=6, kv_heads=2, head_dim=16, bias=True, seed=0, max_pos=128, device="cpu"):
     cfg = ModelConfig(vocab_size=97, hidden_size=heads * head_dim, intermediate_size=72, num_layers=2,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
                       rms_norm_eps=1e-5)
@@ -51,7 +51,7 @@ def random_model(dtype, heads=6, kv_heads=2, head_dim=16, bias=True, seed=0, max
         put(p + "mlp.gate_proj.weight", 72, hid)
         put(p + "mlp.up_proj.weight", 72, hid)
         put(p + "mlp.down_proj.weight", hid, 72)
-    return LlamaModel(cfg, w, dtype=dtype)
+    return LlamaModel(cfg, w, dtype=dtype, device=device)
 
 
 def leading_decode(specs):
