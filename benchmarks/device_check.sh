@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check: one call on a lent CUDA GPU (an H200), in the project's own venv; every
-# step together at most 510 s (STEPS= a few of them for a rerun within a 15-minute lease).
+# step together at most 570 s (STEPS= a few of them for a rerun within a 15-minute lease).
 #
 #   bash benchmarks/device_check.sh            run every step (results under $OUT, else
 #                                             benchmarks/results/device-<date>-<time>/)
@@ -10,9 +10,12 @@
 # Steps, each with its own timeout, each writing its JSON as it finishes (a timeout or a kill
 # keeps what was done; steps.json says which ran, how long, and how each ended):
 #   env      GPU, driver, torch / triton versions                                   env.json
-#   tests    kernel tests and the CUDA engine test, compiled (not interpreted)      tests.json
+#   tests    kernel tests, the CUDA engine test and deterministic mode's model
+#            test, compiled (not interpreted)                                       tests.json
 #   kernels  copy bandwidth; decode attention vs HBM bandwidth, prefill TFLOP/s,
-#            sampling us, KV write, each beside its torch baseline; config sweep     kernels.json
+#            sampling us, KV write, each beside its torch baseline; deterministic
+#            mode's matmul / RMSNorm vs torch and its extend vs the default extend,
+#            with their bitwise checks ("det ..." rows); config sweep              kernels.json
 #   quant    copy bandwidth; Q8_0 / Q4_0 GEMV and GEMM: weight GB/s vs it, beside
 #            dequantize + matmul and a dense bf16 matmul; config sweep              quant.json
 #   micro    the pytest-benchmark micro-benchmarks (benchmarks/micro) on CUDA       micro.json
@@ -88,7 +91,8 @@ env = {'gpu': torch.cuda.get_device_name(), 'nvidia_smi': smi, 'torch': torch.__
 print(env); open('$RESULTS/env.json', 'w').write(json.dumps(env, indent=1) + '\n')"
 
 # (the sm_90 ahead-of-time compile is CI's check: here every kernel compiles for real)
-step tests 100 "$PY" -m pytest tests/kernels tests/model/test_cuda_engine.py -q -p no:cacheprovider -o addopts= \
+step tests 120 "$PY" -m pytest tests/kernels tests/model/test_cuda_engine.py tests/model/test_deterministic_triton.py \
+  -q -p no:cacheprovider -o addopts= \
   --ignore=tests/kernels/test_compile_hopper.py --junitxml="$RESULTS/tests.xml"
 [ -f "$RESULTS/tests.xml" ] && "$PY" - "$RESULTS/tests.xml" "$RESULTS/tests.json" <<'PY' || true
 import json, sys, xml.etree.ElementTree as ET
@@ -101,7 +105,7 @@ for c in ET.parse(sys.argv[1]).iter("testcase"):
 open(sys.argv[2], "w").write(json.dumps(cases, indent=1) + "\n")
 PY
 
-step kernels 120 "$PY" benchmarks/kernel_sweep.py --sweep --out "$RESULTS/kernels.json"
+step kernels 160 "$PY" benchmarks/kernel_sweep.py --sweep --out "$RESULTS/kernels.json"
 
 step quant 90 "$PY" benchmarks/kernel_sweep.py --quant --sweep --out "$RESULTS/quant.json"
 

@@ -8,8 +8,17 @@ beside a torch baseline, against the copy bandwidth measured in the same run.
 bf16 activations: the GEMV at 1 row, the GEMM at 4 and 16, dequantize + matmul at 1,024 and 4,096
 (past GEMM_MAX_ROWS; the sweep times the GEMM at 4,096): weight bytes / time against the copy
 bandwidth, beside the torch path they replace (dequantize, then matmul) and a dense bf16 matmul.
---sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling, quant),
-for compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed beside results.
+--sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling, quant,
+deterministic), for compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed
+beside results.
+
+The default run also times deterministic mode's kernels (issue 22) beside what they replace:
+kernels/matmul.py against torch's matmul (cuBLAS) on an 8B model's gate+up projection (28672 x 4096)
+at 1, 64 and 4096 rows and its LM head (128256 x 4096) at 64 rows, each with "row_invariant" (row i
+of the M-row product equals the same row computed alone, bitwise, on this GPU); the one-row-per-program
+RMSNorm against torch's; deterministic extend attention (each token through the decode kernel) against
+the default extend kernel on a prefill of 4096, a 512-token chunk after 3584 cached and 64 verifications
+of 4 tokens at 2048, each with "same_bits_as_decode" (its rows equal the decode kernel's, bitwise).
 """
 from __future__ import annotations
 
@@ -26,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_triton  # noqa: E402
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_triton  # noqa: E402
 from pagedecode.kernels.kv_write import write_kv  # noqa: E402
+from pagedecode.kernels.matmul import deterministic_linear  # noqa: E402
+from pagedecode.kernels.rmsnorm import rms_norm, rms_norm_deterministic  # noqa: E402
 from pagedecode.kernels.quant_matmul import (GEMM_MAX_ROWS, GEMV_MAX_ROWS, dequantize_blocks,  # noqa: E402
                                              quant_gemm_triton, quant_gemv_triton, quant_matmul, quant_matmul_ref,
                                              random_blocks)
@@ -101,6 +112,71 @@ def prefill_case(n, goal_tflops):
     tf = flops / (ours * 1e-6) / 1e12
     return {"kernel": f"prefill causal n={n}", "us": round(ours, 1), "torch_us": round(base, 1),
             "speedup": round(base / ours, 2), "TFLOP/s": round(tf, 1), "goal_TFLOP/s": goal_tflops, "rel_err": err}
+
+
+def det_matmul_case(m, n, k):
+    """Deterministic matmul vs torch's F.linear (cuBLAS) at m rows of a (n, k) bf16 weight."""
+    copies = max(1, -(-3 * L2_BYTES // (n * k * 2)))                  # weights rotated past the L2
+    ws = [torch.randn(n, k, dtype=DT, device="cuda") * 0.02 for _ in range(copies)]
+    xs = [torch.randn(m, k, dtype=DT, device="cuda") for _ in range(COPIES)]
+    out = deterministic_linear(xs[0], ws[0])
+    ref = xs[0].float() @ ws[0].float().t()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    rows = [0, m // 2, m - 1] if m > 1 else [0]
+    invariant = all(torch.equal(deterministic_linear(xs[0][r:r + 1], ws[0])[0], out[r]) for r in rows)
+    if m >= 3:
+        invariant = invariant and torch.equal(deterministic_linear(xs[0][1:4], ws[0]), out[1:4])
+    i = iter(range(10**9))
+    ours = bench(lambda: deterministic_linear(xs[next(i) % COPIES], ws[next(i) % copies]))
+    base = bench(lambda: torch.nn.functional.linear(xs[next(i) % COPIES], ws[next(i) % copies]))
+    row = {"kernel": f"det matmul M={m} {n}x{k}", "us": round(ours, 1), "torch_us": round(base, 1),
+           "speedup": round(base / ours, 2), "rel_err": err, "row_invariant": invariant}
+    if m >= 64:
+        row["TFLOP/s"] = round(2 * m * n * k / (ours * 1e-6) / 1e12, 1)
+    else:
+        row["of_bandwidth"] = round(n * k * 2 / (ours * 1e-6) / 1e9 / COPY_BW[0], 3)
+    return row
+
+
+def det_rmsnorm_case(m, h=4096):
+    xs = [torch.randn(m, h, dtype=DT, device="cuda") for _ in range(COPIES)]
+    w = torch.rand(h, dtype=DT, device="cuda") + 0.5
+    out = rms_norm_deterministic(xs[0], w, 1e-5)
+    err = ((out.float() - rms_norm(xs[0], w, 1e-5).float()).norm() / out.float().norm()).item()
+    invariant = torch.equal(rms_norm_deterministic(xs[0][-1:], w, 1e-5)[0], out[-1])
+    i = iter(range(10**9))
+    ours = bench(lambda: rms_norm_deterministic(xs[next(i) % COPIES], w, 1e-5))
+    base = bench(lambda: rms_norm(xs[next(i) % COPIES], w, 1e-5))
+    return {"kernel": f"det rmsnorm M={m} H={h}", "us": round(ours, 1), "torch_us": round(base, 1),
+            "speedup": round(base / ours, 2), "rel_err": err, "row_invariant": invariant}
+
+
+def det_extend_case(seqs, prefix, new):
+    """Deterministic extend (every token through the decode kernel) vs the default extend kernel:
+    `seqs` sequences of `prefix` cached + `new` new tokens each."""
+    ctx = prefix + new
+    kc, vc, tables, _ = paged_setup(seqs, ctx, copies=1)
+    table = tables[0]
+    q = torch.randn(seqs * new, HQ, D, dtype=DT, device="cuda")
+    cu = torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * new
+    lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    det = paged_extend_attention(q, kc, vc, table, cu, lens, max_new=new, deterministic=True)
+    default = paged_extend_attention(q, kc, vc, table, cu, lens, max_new=new)
+    err = ((det.float() - default.float()).norm() / default.float().norm()).item()
+    last = torch.arange(seqs, device="cuda") * new + new - 1                 # each sequence's last token
+    dec = paged_decode_attention(q[last], kc, vc, table, lens)
+    mid = torch.arange(seqs, device="cuda") * new + new // 2                # and a middle one
+    dec_mid = paged_decode_attention(q[mid], kc, vc, table, lens - (new - 1 - new // 2))
+    same = torch.equal(dec, det[last]) and torch.equal(dec_mid, det[mid])
+    ours = bench(lambda: paged_extend_attention(q, kc, vc, table, cu, lens, max_new=new, deterministic=True))
+    base = bench(lambda: paged_extend_attention(q, kc, vc, table, cu, lens, max_new=new))
+    tf = 4 * seqs * new * (prefix + (new + 1) / 2) * HQ * D / (ours * 1e-6) / 1e12
+    return {"kernel": f"det extend {seqs}x(+{new} after {prefix})", "us": round(ours, 1), "default_us": round(base, 1),
+            "speedup": round(base / ours, 2), "TFLOP/s": round(tf, 1), "rel_err_vs_default": err,
+            "same_bits_as_decode": same}
+
+
+COPY_BW = [0.0]                       # set by main: the copy bandwidth measured in this run
 
 
 def torch_sort_sampler(logits, temperature, top_k, top_p):
@@ -273,6 +349,14 @@ def sanitize(kernel):
             for rows in (3, 17):                   # the GEMV, then the GEMM
                 x = torch.randn(rows, 288, dtype=DT, device="cuda")
                 quant_matmul(x, random_blocks(111, 288, kind, device="cuda"), kind)
+    elif kernel == "deterministic":
+        w = torch.randn(111, 288, dtype=DT, device="cuda")
+        for rows in (1, 70):
+            deterministic_linear(torch.randn(rows, 288, dtype=DT, device="cuda"), w, w[:, 0].contiguous())
+        rms_norm_deterministic(torch.randn(5, 288, dtype=DT, device="cuda"), w[0].contiguous(), 1e-5)
+        cu = torch.tensor([0, 10, 11, 40], dtype=torch.int32, device="cuda")
+        paged_extend_attention(torch.randn(40, HQ, D, dtype=DT, device="cuda"), kc, vc, tables[0], cu, lens,
+                               deterministic=True)
     elif kernel == "sampling":
         inp = make_sampling_inputs([0.8, 0, 1], [5, 0, 0], [0.9, 1, 0.5], [0, 0, 0.1], [1, 2, 3], [0, 1, 2],
                                    device="cuda")
@@ -296,6 +380,7 @@ def main(argv=None) -> int:
         return 0
     torch.manual_seed(0)
     bw = copy_bandwidth()
+    COPY_BW[0] = bw
     rows = [{"kernel": "device copy (read+write)", "GB/s": round(bw)}]
     result = {"date": str(date.today()), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "results": rows, "sweep": []}
@@ -309,6 +394,11 @@ def main(argv=None) -> int:
              ("prefill causal n=8192", lambda: prefill_case(8192, 300)),
              ("sampling 64x128256 T=0.8 k=50 p=0.9", lambda: sampling_case(60)),
              ("kv write T=8192", lambda: kv_write_case(bw, 22))]
+    cases += [(f"det matmul M={m} {n}x{k}", lambda m=m, n=n, k=k: det_matmul_case(m, n, k))
+              for m, n, k in ((1, 28672, 4096), (64, 28672, 4096), (4096, 28672, 4096), (64, 128256, 4096))]
+    cases += [(f"det rmsnorm M={m}", lambda m=m: det_rmsnorm_case(m)) for m in (1, 4096)]
+    cases += [(f"det extend {s}x(+{n} after {p})", lambda s=s, p=p, n=n: det_extend_case(s, p, n))
+              for s, p, n in ((1, 0, 4096), (1, 3584, 512), (64, 2048, 4))]
     if args.quant:
         cases = [(f"quant {kind} M={m}", lambda kind=kind, m=m: quant_case(kind, m, QUANT_N, QUANT_K, bw))
                  for kind in ("q8_0", "q4_0") for m in (1, 4, 16, 1024, 4096)]
@@ -330,8 +420,10 @@ def main(argv=None) -> int:
     print(f"{'kernel':<40}{'us':>9}{'torch us':>10}{'x':>7}  fraction / rate")
     for r in rows[1:]:
         rate = r.get("of_bandwidth", r.get("TFLOP/s", r.get("agrees_with_reference", r.get("error", ""))))
-        print(f"{r['kernel']:<40}{r.get('us', float('nan')):>9}{r.get('torch_us', float('nan')):>10}"
-              f"{r.get('speedup', float('nan')):>7}  {rate}")
+        bits = {k: r[k] for k in ("row_invariant", "same_bits_as_decode") if k in r}   # deterministic rows
+        base = r.get("torch_us", r.get("default_us", float("nan")))                    # det extend: the default
+        print(f"{r['kernel']:<40}{r.get('us', float('nan')):>9}{base:>10}"
+              f"{r.get('speedup', float('nan')):>7}  {rate}{'  ' + str(bits) if bits else ''}")
     print(f"copy bandwidth {bw:.0f} GB/s")
     return 0
 
