@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
-from .decode_attention import gather_pages, paged_decode_attention
+from .decode_attention import SPLIT_TOKENS, gather_pages, paged_decode_attention
 
 if HAS_TRITON:
     from .decode_attention import _kv_tile, _online_softmax_step
@@ -159,6 +159,26 @@ def extend_rows_as_decode(page_table, cu_q, seq_lens, num_tokens: int):
     return page_table[seq], lens.to(torch.int32)
 
 
+# deterministic extend: the decode kernel's float32 partials (rows x q_heads x splits x head_dim)
+# stay under this many bytes per launch; tokens beyond it go in further launches (each token's
+# result depends on its own row only, so how they are grouped changes no bits)
+DETERMINISTIC_PARTIALS_BYTES = 256 * 1024**2
+
+
+def _extend_as_decode(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float):
+    rows, lens = extend_rows_as_decode(page_table, cu_q, seq_lens, q.shape[0])
+    T, Hq, D = q.shape
+    splits = -(-int(lens.max()) // SPLIT_TOKENS)
+    per_launch = max(1, DETERMINISTIC_PARTIALS_BYTES // (Hq * splits * D * 4))
+    if per_launch >= T:
+        return paged_decode_attention(q, k_cache, v_cache, rows, lens, scale, backend="triton")
+    out = torch.empty_like(q)
+    for i in range(0, T, per_launch):
+        out[i:i + per_launch] = paged_decode_attention(q[i:i + per_launch], k_cache, v_cache, rows[i:i + per_launch],
+                                                       lens[i:i + per_launch], scale, backend="triton")
+    return out
+
+
 def paged_extend_attention(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float | None = None,
                            backend: str = "auto", max_new: int | None = None, deterministic: bool = False):
     """Causal attention of packed new tokens over cached prefix + themselves (module docstring).
@@ -167,7 +187,6 @@ def paged_extend_attention(q, k_cache, v_cache, page_table, cu_q, seq_lens, scal
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(q, backend):
         if deterministic and q.shape[0]:
-            rows, lens = extend_rows_as_decode(page_table, cu_q, seq_lens, q.shape[0])
-            return paged_decode_attention(q, k_cache, v_cache, rows, lens, scale, backend=backend)
+            return _extend_as_decode(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale)
         return paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale, max_new)
     return paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale)

@@ -132,7 +132,7 @@ if HAS_TRITON:
             acc += tl.sum(part * d, axis=1)                # each block's sum scaled once
         tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])         # one compiled kernel for every row count (deterministic mode)
     def _gemm_kernel(x_ptr, q_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stride_om, row_bytes,
                      Q4: tl.constexpr, BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -240,6 +240,28 @@ def quant_matmul_triton(x: torch.Tensor, blocks: torch.Tensor, kind: str,
     else:
         quant_gemm_triton(x2, blocks, kind, out, **gemm_config(M))
     return out.view(*x.shape[:-1], N)
+
+
+def deterministic_gemm_config() -> dict:
+    """Deterministic mode's one GEMM config for every row count (the GEMV for one row and
+    dequantize + matmul past GEMM_MAX_ROWS reduce in other orders than the GEMM)."""
+    if interpreting():
+        return dict(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=1)
+    return dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)    # compiled in the sweep
+
+
+def quant_matmul_deterministic(x: torch.Tensor, blocks: torch.Tensor, kind: str, backend: str = "auto") -> torch.Tensor:
+    """x @ w.T with one reduction order over K for every row count: always the GEMM, always
+    deterministic_gemm_config's tiles (row i is the same bits for 1 row or 4,096). The
+    reference elsewhere (which is not batch-invariant on CPU)."""
+    if not use_triton(x, backend):
+        return quant_matmul(x, blocks, kind, backend)
+    _check(x, blocks, kind)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty((x2.shape[0], blocks.shape[0]), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        quant_gemm_triton(x2, blocks, kind, out, **deterministic_gemm_config())
+    return out.view(*x.shape[:-1], blocks.shape[0])
 
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, backend: str = "auto") -> torch.Tensor:

@@ -20,6 +20,7 @@ from ..kernels.decode_attention import attend_gathered, context_slots, paged_dec
 from ..kernels.extend_attention import paged_extend_attention
 from ..kernels.kv_write import write_kv
 from ..kernels.matmul import deterministic_linear
+from ..kernels.quant_matmul import quant_matmul_deterministic
 from ..kernels.rmsnorm import rms_norm, rms_norm_triton
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .batch import ForwardBatch
@@ -258,11 +259,15 @@ class LlamaModel:
         return self.deterministic and use_triton(x, self.attention_backend)
 
     def _linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-        """Every projection and the LM head. Float weights in deterministic mode on the Triton path
-        take kernels/matmul.py (cuBLAS chooses its reduction by shape); otherwise quant.linear
-        (quantized layers: the CPU int8 kernel, or on CUDA kernels/quant_matmul.py)."""
-        if isinstance(w, torch.Tensor) and self._triton_deterministic(x):
-            return deterministic_linear(x, w, b, self.attention_backend)
+        """Every projection and the LM head. In deterministic mode on the Triton path, float weights
+        take kernels/matmul.py (cuBLAS chooses its reduction by shape) and quantized ones the
+        quantized GEMM with one config for every row count; otherwise quant.linear (quantized
+        layers: the CPU int8 kernel, or on CUDA kernels/quant_matmul.py's GEMV / GEMM by rows)."""
+        if self._triton_deterministic(x):
+            if isinstance(w, torch.Tensor):
+                return deterministic_linear(x, w, b, self.attention_backend)
+            y = quant_matmul_deterministic(x, w.blocks, w.kind, self.attention_backend)
+            return y if b is None else y + b
         return linear(x, w, b, self._quant_kernel, self.attention_backend)
 
     # -- the three places tensor parallelism changes (model/parallel.py); identity at N = 1 --------

@@ -55,7 +55,7 @@ def cases():
 
 def deterministic_cases():
     """Deterministic mode's matmul (the config matmul_config gives on the GPU, with and without a
-    bias) and RMSNorm (one row per program; 16 warps for an 8192-wide row)."""
+    bias), RMSNorm (one row per program; 16 warps for an 8192-wide row) and quantized GEMM config."""
     import torch
     for dt, tdt in DTYPES.items():
         cfg = MM.matmul_config(4096, 4096, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt])
@@ -65,6 +65,14 @@ def deterministic_cases():
                 HAS_BIAS=bias, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=8,
                 DOT_DTYPE=tdt), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         yield f"rmsnorm {dt}", RN._rms_norm_kernel, types, dict(BLOCK_H=8192), dict(num_warps=16)
+    # the quantized GEMM's one deterministic config where the sweep's list lacks it (bf16 has it)
+    for kind, dt, tdt in (("q8_0", "fp16", tl.float16), ("q8_0", "fp32", tl.float32), ("q4_0", "fp32", tl.float32)):
+        q4 = kind == "q4_0"
+        types = {"x_ptr": f"*{dt}", "q_ptr": "*u8" if q4 else "*i8", "d_ptr": "*fp16", "out_ptr": f"*{dt}"}
+        c = QM.deterministic_gemm_config()
+        yield f"deterministic quant gemm {kind} {dt}", QM._gemm_kernel, types, dict(
+            Q4=q4, BYTES=QM.BLOCK_BYTES[kind], BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_K=c["block_k"],
+            GROUP_M=8, DOT_DTYPE=tdt), dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 # the quantized matmuls: in bfloat16 every config kernel_sweep.py --quant --sweep times (the first

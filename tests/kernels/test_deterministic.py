@@ -8,6 +8,7 @@ import torch
 from pagedecode.kernels.decode_attention import paged_decode_attention
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
 from pagedecode.kernels.matmul import deterministic_linear, matmul_ref
+from pagedecode.kernels.quant_matmul import dequantize_blocks, quant_matmul_deterministic, random_blocks
 from pagedecode.kernels.rmsnorm import rms_norm, rms_norm_deterministic
 
 from .conftest import DEVICE, TOL, needs_triton, random_page_tables, rel_err
@@ -82,6 +83,24 @@ def test_decode_extend_and_chunked_extend_give_the_same_bits(hq, hkv, d, page, s
         assert torch.equal(whole[r], decoded[r]), f"row {rows[r]}: extend vs decode"
 
 
+def test_deterministic_extend_in_several_launches_gives_the_same_bits(monkeypatch):
+    """Long prefills go through the decode kernel in slices of tokens (its float32 partials
+    bounded per launch): slicing changes no bits."""
+    import pagedecode.kernels.extend_attention as EA
+    g = torch.Generator().manual_seed(9)
+    page, hq, hkv, d, spans = 8, 2, 1, 32, [(0, 7), (4, 3)]
+    lens = [p + n for p, n in spans]
+    kc = torch.randn(6, page, hkv, d, generator=g).to(DEVICE)
+    vc = torch.randn(6, page, hkv, d, generator=g).to(DEVICE)
+    table = random_page_tables(lens, page, 6, g).to(DEVICE)
+    q = torch.randn(10, hq, d, generator=g).to(DEVICE)
+    cu, seq_lens = packed(spans)
+    whole = paged_extend_attention(q, kc, vc, table, cu, seq_lens, backend="triton", deterministic=True)
+    monkeypatch.setattr(EA, "DETERMINISTIC_PARTIALS_BYTES", 3 * hq * d * 4)      # 3 tokens a launch
+    sliced = paged_extend_attention(q, kc, vc, table, cu, seq_lens, backend="triton", deterministic=True)
+    assert torch.equal(whole, sliced)
+
+
 def test_deterministic_extend_differs_from_the_default_only_in_order():
     """The default kernel (one pass over the context per block of tokens) is kept for the default
     mode; across the 256 split it sums in another order, so the bits may differ but not the value."""
@@ -144,3 +163,22 @@ def test_rmsnorm_rows_are_the_same_bits_for_every_row_count(dtype):
     view = wide[:, :3 * H].view(5, 3, H)
     out = rms_norm_deterministic(view, w, 1e-5, backend="triton")
     assert torch.equal(out, rms_norm_deterministic(view.reshape(15, H), w, 1e-5, backend="triton").view(5, 3, H))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_matmul_rows_are_the_same_bits_for_every_row_count(kind, dtype):
+    """Deterministic mode's quantized path: always the GEMM with one config (the default path
+    takes the GEMV for one row, whose reduction order differs)."""
+    g = torch.Generator().manual_seed(stable_seed("det-qmm", kind, dtype))
+    M, K, N = 64, 96, 45
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    blocks = random_blocks(N, K, kind, generator=g).to(DEVICE)
+    full = quant_matmul_deterministic(x, blocks, kind, backend="triton")
+    ref = x.double() @ dequantize_blocks(blocks, kind, torch.float64).t()
+    assert full.dtype == dtype and rel_err(full, ref) < TOL[dtype]
+    for m in ROW_COUNTS[:-1]:
+        for start in (0, M - m):
+            part = quant_matmul_deterministic(x[start:start + m], blocks, kind, backend="triton")
+            assert torch.equal(part, full[start:start + m]), f"{m} rows from {start}"
+    assert quant_matmul_deterministic(x[:0], blocks, kind, backend="triton").shape == (0, N)
