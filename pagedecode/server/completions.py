@@ -11,7 +11,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .errors import ApiError
 from .idempotency import IdempotencyEntry, key_of
 from .protocol import Parsed, parse_request
-from .responses import chat_choice, completion_choice, echo_logprobs_body, logprobs_body, prompt_logprobs_body, sum_usage
+from .responses import (chat_choice, completion_choice, echo_logprobs_body, logprobs_body, prompt_logprobs_body,
+                        sum_usage)
 from .sse import check_resume, choices_sse, last_event_id, one_sse, pin
 from .state import ServerState, state_of
 from .tracks import Track

@@ -314,9 +314,9 @@ def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any]) ->
     need its checked values."""
     if d.echo and d.sse:
         raise bad("echo", "is not supported with stream: true")
-    if not d.chat and len(d.prompts) * d.n > max(MAX_N, d.max_prompts):
-        most = max(MAX_N, d.max_prompts)
-        raise bad("n", f"{len(d.prompts)} prompts x n={d.n} is {len(d.prompts) * d.n} choices, over this server's {most}")
+    most, choices = max(MAX_N, d.max_prompts), len(d.prompts) * d.n
+    if not d.chat and choices > most:
+        raise bad("n", f"{len(d.prompts)} prompts x n={d.n} is {choices} choices, over this server's {most}")
     top_logprobs, logprobs = _logprobs(d)
     sampling = {**{k: defaults[k] for k in DEFAULTED if defaults.get(k) is not None}, **d.sampling}
     sampling.setdefault("temperature", 1.0)

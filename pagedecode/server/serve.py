@@ -20,6 +20,7 @@ if TYPE_CHECKING:           # starlette and the server load only when serving
 
     from ..runtime.async_engine import AsyncEngine
     from .state import ServerState
+    from .transport import ConnectionLimits
 
 log = logging.getLogger("pagedecode.server")
 ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name",)]
@@ -109,14 +110,10 @@ def _bool(text: str) -> bool:
 
 
 def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None) -> int:
-    import uvicorn
-
     import pagedecode as pd
 
-    from .app import build_app
-    from .chat import ChatTemplate, load_template
-    from .protocol import Limits
-    from .transport import BACKLOG, ConnectionLimits, DrainingServer, GuardedH11Protocol, default_max_connections
+    from ..model.default_model import default_model_path
+    from .transport import ConnectionLimits, default_max_connections
     if parsed is None:
         ap = argparse.ArgumentParser(prog="pagedecode serve", formatter_class=HelpFormatter)
         add_arguments(ap)
@@ -135,7 +132,6 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     except OSError as e:
         print(f"pagedecode serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    from ..model.default_model import default_model_path
     model_dir = Path(args.model) if args.model else default_model_path()
     options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS}
     name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
@@ -143,36 +139,54 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
                                        tensor_parallel_size=args.tensor_parallel_size,
                                        quantization=args.quantization, tokenizer=args.tokenizer, **options)
     try:
-        source, specials = load_template(model_dir, args.chat_template)
-        template = ChatTemplate(source, specials) if source else None
-        defaults = generation_defaults(model_dir)
         ae = pd.AsyncEngine(engine)
-        app = build_app(ae, model_name=name, chat_template=template, api_keys=keys,
-                        metrics_public=args.metrics_public, allowed_hosts=allowed_hosts(args),
-                        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                        limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
-                        max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                        max_prompts_per_request=args.max_prompts_per_request,
-                        generation_defaults=defaults, log_text=args.log_text, resume_grace_s=args.resume_grace,
-                        on_disconnect=args.on_disconnect, idempotency_ttl_s=args.idempotency_ttl,
-                        idempotency_max_keys=args.idempotency_max_keys)
-        app.router.lifespan_context = lifespan(ae, app, args.grace_seconds)
+        app = server_app(args, ae, model_dir, keys)
         pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level="info",
-                                http=GuardedH11Protocol.configured(limits), ws="none",
-                                timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
-                                timeout_graceful_shutdown=int(FLUSH_S), backlog=BACKLOG)
-        state = app.state.pagedecode
-
-        def stop_admitting() -> None:
-            state.draining = True
-        DrainingServer(config, lambda hurry: drain(ae, state, args.grace_seconds, hurry),
-                       stop_admitting).run(sockets=[sock])
+        run_uvicorn(args, app, ae, sock, limits)
     finally:
         engine.close()            # tensor-parallel workers stop here, told to, not at interpreter exit
         thaw_heap()
     return 0
+
+
+def server_app(args: argparse.Namespace, ae: AsyncEngine, model_dir: Path, keys: tuple[str, ...]) -> Starlette:
+    """The app over `ae` as the command line configures it (its lifespan starts and drains `ae`)."""
+    from .app import build_app
+    from .chat import ChatTemplate, load_template
+    from .protocol import Limits
+    source, specials = load_template(model_dir, args.chat_template)
+    template = ChatTemplate(source, specials) if source else None
+    app = build_app(ae, model_name=ae.engine.model_name, chat_template=template, api_keys=keys, metrics_public=args.metrics_public, allowed_hosts=allowed_hosts(args),
+                    allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                    limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
+                    max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    generation_defaults=generation_defaults(model_dir), log_text=args.log_text,
+                    resume_grace_s=args.resume_grace, on_disconnect=args.on_disconnect,
+                    idempotency_ttl_s=args.idempotency_ttl, idempotency_max_keys=args.idempotency_max_keys)
+    app.router.lifespan_context = lifespan(ae, app, args.grace_seconds)
+    return app
+
+
+def run_uvicorn(args: argparse.Namespace, app: Starlette, ae: AsyncEngine, sock: socket.socket,
+                limits: ConnectionLimits) -> None:
+    """Serve on `sock` until a signal's drain has ended (transport.py: DrainingServer)."""
+    import uvicorn
+
+    from .state import ServerState
+    from .transport import BACKLOG, DrainingServer, GuardedH11Protocol
+    config = uvicorn.Config(app, host=args.host, port=sock.getsockname()[1], log_level="info",
+                            http=GuardedH11Protocol.configured(limits), ws="none",
+                            timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=int(FLUSH_S), backlog=BACKLOG)
+    state = app.state.pagedecode
+    assert isinstance(state, ServerState)
+
+    def stop_admitting() -> None:
+        state.draining = True
+    DrainingServer(config, lambda hurry: drain(ae, state, args.grace_seconds, hurry),
+                   stop_admitting).run(sockets=[sock])
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
