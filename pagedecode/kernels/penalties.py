@@ -4,8 +4,10 @@ PenaltyState holds, for each batch slot, dense rows over the vocabulary:
     counts (slots, V) int32    how often each token was selected (output only)
     seen   (slots, V) uint8    1 for tokens in the prompt or the output
     bias   (slots, V) float32  the request's logit bias
-A row is reset when a request takes the slot (admission, or re-admission after preemption)
-and updated once per selected token, so no step ever walks a request's token history.
+and its settings, (slots,) each: repetition, presence, frequency (float32), active (int32).
+A slot is reset and configured when a request takes it (admission, or re-admission after
+preemption) and updated once per selected token, so no step ever walks a request's token
+history, and a step's penalties need nothing from the host but which slot each row reads.
 
 Order (both paths): x + bias; then repetition (HF rule: seen tokens' positive logits divided
 by the penalty, negative ones multiplied); then frequency * count + presence * (count > 0)
@@ -31,6 +33,19 @@ class PenaltyState:
         self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self.seen = torch.zeros(num_slots, vocab_size, dtype=torch.uint8, device=device)
         self.bias = torch.zeros(num_slots, vocab_size, dtype=torch.float32, device=device)
+        # each slot's settings, written when a request takes it (`configure`); active == 0: the
+        # slot's rows are left as they are
+        self.repetition = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.active = torch.zeros(num_slots, dtype=torch.int32, device=device)
+
+    def configure(self, slot: int, repetition: float, presence: float, frequency: float, active: bool) -> None:
+        """The slot's settings (fills on the device: no copy from the host)."""
+        self.repetition[slot].fill_(repetition)
+        self.presence[slot].fill_(presence)
+        self.frequency[slot].fill_(frequency)
+        self.active[slot].fill_(int(active))
 
     def reset(self, slot: int, prompt_ids: Sequence[int], output_ids: Sequence[int],
               logit_bias: Mapping[int, float] | None) -> None:
@@ -58,25 +73,46 @@ class PenaltyState:
         self.counts.index_put_((s, t), torch.ones(len(slots), dtype=torch.int32, device=dev), accumulate=True)
         self.seen[s, t] = 1
 
+    def record_rows(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The same from device tensors, one token per row (B,): rows whose slot is not active
+        add nothing, so no host list is built and nothing is copied to the device."""
+        s, t = slots.long(), tokens.long().clamp(0, self.vocab_size - 1)
+        active = self.active[s]                                          # (B,) int32
+        self.counts.index_put_((s, t), active, accumulate=True)
+        self.seen.index_put_((s, t), self.seen[s, t] | active.to(torch.uint8))
+
 
 @dataclass
 class PenaltyInputs:
-    """Per row of the logits (B,): which slot's state to use and the request's settings. Rows
-    with active == 0 are left as they are."""
+    """Per row of the logits (B,): which slot's state (counts, seen, bias and settings) to use.
+    Rows whose slot is not active are left as they are."""
     state: PenaltyState
-    slot: torch.Tensor          # int32
-    repetition: torch.Tensor    # float32
-    presence: torch.Tensor      # float32
-    frequency: torch.Tensor     # float32
-    active: torch.Tensor        # int32, 0 or 1
+    slot: torch.Tensor          # (B,) int32 or int64
+
+    # each row's settings, read through its slot (the reference and tests use them)
+    @property
+    def repetition(self) -> torch.Tensor:
+        return self.state.repetition[self.slot.long()]
+
+    @property
+    def presence(self) -> torch.Tensor:
+        return self.state.presence[self.slot.long()]
+
+    @property
+    def frequency(self) -> torch.Tensor:
+        return self.state.frequency[self.slot.long()]
+
+    @property
+    def active(self) -> torch.Tensor:
+        return self.state.active[self.slot.long()]
 
 
 def make_penalty_inputs(state, slots, repetition, presence, frequency, active, device) -> PenaltyInputs:
-    return PenaltyInputs(state, torch.tensor(slots, dtype=torch.int32, device=device),
-                         torch.tensor(repetition, dtype=torch.float32, device=device),
-                         torch.tensor(presence, dtype=torch.float32, device=device),
-                         torch.tensor(frequency, dtype=torch.float32, device=device),
-                         torch.tensor(active, dtype=torch.int32, device=device))
+    """From per-row lists (rows name distinct slots): writes each row's settings to its slot."""
+    assert len(set(slots)) == len(slots), "each row names its own slot"
+    for s, r, p, f, a in zip(slots, repetition, presence, frequency, active):
+        state.configure(s, r, p, f, bool(a))
+    return PenaltyInputs(state, torch.tensor(slots, dtype=torch.int32, device=device))
 
 
 def apply_penalties_ref(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:

@@ -3,15 +3,18 @@ Gumbel-max noise, plus the chosen token's logprob, in one kernel.
 
 Shapes:
     logits       (B, V) float: one row per request that selects a token this step
-    SamplingInputs fields, each (B,):
+    SamplingInputs fields, each (S,), read through `slot` (B,) when given (a caller such as the
+    engine keeps one entry per batch slot on the device), else S = B and row i reads entry i:
         temperature  float32, 0 means greedy (first index of the maximum)
         top_k        int32, 0 disables; keeps every token >= the k-th largest value (ties kept)
         top_p        float32 in (0, 1]; keeps the smallest set of most likely tokens whose mass
                      reaches top_p of the mass left after top-k and min-p (ties kept)
         log_min_p    float32, log(min_p) or -inf: keeps z >= max(z) + log_min_p
-        seed         int64 (the 64-bit seed's bits), output_index int64
-    returns SampleOutput(tokens int64 (B,), logprobs float32 (B,)); a row left with no token above
-    -inf (bias, mask) gets a NaN logprob on both paths, and its token means nothing
+        seed         int64 (the 64-bit seed's bits)
+    and per row: output_index (B,) int64, slot (B,) int32 / int64 or None
+    returns SampleOutput(tokens int64 (B,), logprobs float32 (B,), processed float32 (B, V): the
+    logits after penalties, bias and mask); a row left with no token above -inf (bias, mask) gets
+    a NaN logprob on both paths, and its token means nothing
 
 Kernel plan, one program per row: pass 1 applies penalties (writing the processed row once) and
 takes max / sum-exp / argmax; top-k's k-th value comes from a radix select (4 passes); when
@@ -44,21 +47,62 @@ if HAS_TRITON:
 
 @dataclass
 class SamplingInputs:
-    temperature: torch.Tensor
+    temperature: torch.Tensor       # (S,) each, indexed by slot (module docstring)
     top_k: torch.Tensor
     top_p: torch.Tensor
     log_min_p: torch.Tensor
     seed: torch.Tensor
-    output_index: torch.Tensor
+    output_index: torch.Tensor      # (B,): per row, as a request may sample several positions
+    slot: torch.Tensor | None = None   # (B,): which entry each row reads; None: row i reads entry i
 
     def to(self, device) -> "SamplingInputs":
-        return SamplingInputs(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return SamplingInputs(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                              self.log_min_p.to(device), self.seed.to(device), self.output_index.to(device),
+                              None if self.slot is None else self.slot.to(device))
+
+    def per_row(self) -> "SamplingInputs":
+        """The same inputs with one entry per row (slot None)."""
+        if self.slot is None:
+            return self
+        at = self.slot.long()
+        return SamplingInputs(self.temperature[at], self.top_k[at], self.top_p[at], self.log_min_p[at],
+                              self.seed[at], self.output_index)
 
 
 @dataclass
 class SampleOutput:
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
+    tokens: torch.Tensor            # (B,) int64
+    logprobs: torch.Tensor          # (B,) float32
+    processed: torch.Tensor         # (B, V) float32: the logits after penalties, bias and mask (what
+                                    # logprobs are taken from); may be the caller's scratch or input
+
+
+class SamplerScratch:
+    """The kernel's working buffers, owned by the caller and reused by every call: the processed
+    rows (with penalties or a mask) and the top-k / min-p candidates. Grown to the largest batch
+    seen, never shrunk; what a call returns in `processed` is valid until the next call."""
+
+    def __init__(self) -> None:
+        self._proc: torch.Tensor | None = None
+        self._cand_z: torch.Tensor | None = None
+        self._cand_i: torch.Tensor | None = None
+
+    @staticmethod
+    def _fits(t: torch.Tensor | None, rows: int, cols: int, device: torch.device) -> bool:
+        return t is not None and t.shape[0] >= rows and t.shape[1] == cols and t.device == device
+
+    def processed(self, rows: int, V: int, device: torch.device) -> torch.Tensor:
+        if not self._fits(self._proc, rows, V, device):
+            self._proc = torch.empty(rows, V, dtype=torch.float32, device=device)
+        assert self._proc is not None
+        return self._proc[:rows]
+
+    def candidates(self, rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fits(self._cand_z, rows, width, device):
+            self._cand_z = torch.empty(rows, width, dtype=torch.float32, device=device)
+            self._cand_i = torch.empty(rows, width, dtype=torch.int32, device=device)
+        assert self._cand_z is not None and self._cand_i is not None
+        return self._cand_z[:rows], self._cand_i[:rows]
 
 
 # Top-k / min-p survivors kept in registers for top-p and the draw; more than this falls back
@@ -108,6 +152,7 @@ def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
 
 def sample_ref(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None,
                bitmask: torch.Tensor | None = None) -> SampleOutput:
+    inp = inp.per_row()
     x = logits.float()
     if penalties is not None:
         x = apply_penalties_ref(x, penalties)
@@ -131,7 +176,7 @@ def sample_ref(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInpu
         chosen = score.argmax(dim=-1)
         tokens[rows] = chosen
         logprobs[rows] = torch.log_softmax(x[rows], dim=-1).gather(1, chosen[:, None])[:, 0]
-    return SampleOutput(tokens, logprobs)
+    return SampleOutput(tokens, logprobs, x)
 
 
 if HAS_TRITON:
@@ -226,29 +271,37 @@ if HAS_TRITON:
         return tl.min(tl.where(score == top, tokens, V), 0)
 
     @triton.jit
-    def _sample_kernel(logits_ptr, stride_row, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
-                       index_ptr, tokens_ptr, logprobs_ptr, V,
-                       proc_ptr, slot_ptr, rep_ptr, pres_ptr, freq_ptr, active_ptr, counts_ptr, seen_ptr, bias_ptr,
-                       cand_z_ptr, cand_i_ptr, mask_ptr, mask_words,
-                       BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr, HAS_PENALTIES: tl.constexpr,
-                       BLOCK_C: tl.constexpr, HAS_MASK: tl.constexpr):
+    def _sample_kernel(logits_ptr, stride_row, V, tokens_ptr, logprobs_ptr,
+                       slot_ptr, index_ptr, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
+                       proc_ptr, state_slot_ptr, rep_ptr, pres_ptr, freq_ptr, active_ptr, counts_ptr, seen_ptr,
+                       bias_ptr, mask_ptr, mask_words, cand_z_ptr, cand_i_ptr,
+                       BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_C: tl.constexpr,
+                       HAS_SLOTS: tl.constexpr, HAS_PENALTIES: tl.constexpr, HAS_MASK: tl.constexpr):
+        """One row per program. The settings (temp ... seed) are read at the row's slot
+        (slot_ptr, HAS_SLOTS) or at the row; the penalty settings and state at the row's
+        state slot. Absent inputs are None with their HAS_* flag False."""
         row = tl.program_id(0)
         raw = logits_ptr + row.to(tl.int64) * stride_row
         if HAS_PENALTIES or HAS_MASK:   # pass 1 writes the processed row here; every later pass reads it
             base = proc_ptr + row.to(tl.int64) * V
         else:
             base = raw
+        if HAS_SLOTS:
+            at = tl.load(slot_ptr + row).to(tl.int64)
+        else:
+            at = row.to(tl.int64)
         if HAS_PENALTIES:
-            active = tl.load(active_ptr + row) != 0
-            state = tl.load(slot_ptr + row).to(tl.int64) * V
-            rep = tl.load(rep_ptr + row)
-            pres = tl.load(pres_ptr + row)
-            freq = tl.load(freq_ptr + row)
-        temp = tl.load(temp_ptr + row)
-        top_k = tl.load(topk_ptr + row)
-        top_p = tl.load(topp_ptr + row)
-        log_min_p = tl.load(lminp_ptr + row)
-        seed = tl.load(seed_ptr + row)
+            state_slot = tl.load(state_slot_ptr + row).to(tl.int64)
+            active = tl.load(active_ptr + state_slot) != 0
+            state = state_slot * V
+            rep = tl.load(rep_ptr + state_slot)
+            pres = tl.load(pres_ptr + state_slot)
+            freq = tl.load(freq_ptr + state_slot)
+        temp = tl.load(temp_ptr + at)
+        top_k = tl.load(topk_ptr + at)
+        top_p = tl.load(topp_ptr + at)
+        log_min_p = tl.load(lminp_ptr + at)
+        seed = tl.load(seed_ptr + at)
         index = tl.load(index_ptr + row)
         div = tl.where(temp > 0, temp, 1.0)
         lanes = tl.arange(0, BLOCK_V)
@@ -334,45 +387,52 @@ if HAS_TRITON:
 
 
 def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None,
-                  bitmask: torch.Tensor | None = None) -> SampleOutput:
+                  bitmask: torch.Tensor | None = None, scratch: SamplerScratch | None = None) -> SampleOutput:
     B, V = logits.shape
     assert logits.stride(-1) == 1
-    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
+    dev = logits.device
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(B, dtype=torch.float32, device=dev)
     if B == 0:
-        return SampleOutput(tokens, logprobs)
-    block_v = min(triton.next_power_of_2(V), 256 if interpreting() else 4096)
-    proc = torch.empty(B, V, dtype=torch.float32, device=logits.device) if (
-        penalties is not None or bitmask is not None) else logits
-    if penalties is not None:
-        p, st = penalties, penalties.state
+        return SampleOutput(tokens, logprobs, logits)
+    scratch = scratch if scratch is not None else SamplerScratch()
+    processed = scratch.processed(B, V, dev) if (penalties is not None or bitmask is not None) else logits
+    block_c = CANDIDATES_INTERPRETED if interpreting() else CANDIDATES
+    cand_z, cand_i = scratch.candidates(B, block_c, dev)
+    p = penalties
+    st = p.state if p is not None else None
+    if st is not None:
         assert st.counts.shape[1] == V, "penalty state and logits disagree on the vocabulary"
-        extra = (proc, p.slot, p.repetition, p.presence, p.frequency, p.active, st.counts, st.seen, st.bias)
-    else:
-        extra = (proc,) + (logits,) * 8     # unused: HAS_PENALTIES=False compiles them away
     if bitmask is not None:
         assert bitmask.dtype == torch.int32 and bitmask.shape == (B, -(-V // 32)), "bitmask must be (B, ceil(V/32)) int32"
-        mask_args = (bitmask.contiguous(), bitmask.shape[1])
-    else:
-        mask_args = (tokens, 0)
-    block_c = CANDIDATES_INTERPRETED if interpreting() else CANDIDATES
-    cand_z = torch.empty(B, block_c, dtype=torch.float32, device=logits.device)
-    cand_i = torch.empty(B, block_c, dtype=torch.int32, device=logits.device)
-    _sample_kernel[(B,)](logits, logits.stride(0), inp.temperature, inp.top_k, inp.top_p,
-                         inp.log_min_p, inp.seed, inp.output_index, tokens, logprobs, V, *extra, cand_z, cand_i,
-                         *mask_args,
-                         BLOCK_V=block_v, SEARCH_STEPS=33, HAS_PENALTIES=penalties is not None, BLOCK_C=block_c,
-                         HAS_MASK=bitmask is not None,
-                         num_warps=8,
-                         enable_fp_fusion=False)   # no FMA contraction: round as torch does, bit for bit
-    return SampleOutput(tokens, logprobs)
+        bitmask = bitmask.contiguous()
+    _sample_kernel[(B,)](
+        logits_ptr=logits, stride_row=logits.stride(0), V=V, tokens_ptr=tokens, logprobs_ptr=logprobs,
+        slot_ptr=inp.slot, index_ptr=inp.output_index, temp_ptr=inp.temperature, topk_ptr=inp.top_k,
+        topp_ptr=inp.top_p, lminp_ptr=inp.log_min_p, seed_ptr=inp.seed,
+        proc_ptr=processed if processed is not logits else None,
+        state_slot_ptr=None if p is None else p.slot,
+        rep_ptr=None if st is None else st.repetition, pres_ptr=None if st is None else st.presence,
+        freq_ptr=None if st is None else st.frequency, active_ptr=None if st is None else st.active,
+        counts_ptr=None if st is None else st.counts, seen_ptr=None if st is None else st.seen,
+        bias_ptr=None if st is None else st.bias,
+        mask_ptr=bitmask, mask_words=None if bitmask is None else bitmask.shape[1],
+        cand_z_ptr=cand_z, cand_i_ptr=cand_i,
+        BLOCK_V=min(triton.next_power_of_2(V), 256 if interpreting() else 4096), SEARCH_STEPS=33,
+        BLOCK_C=block_c, HAS_SLOTS=inp.slot is not None, HAS_PENALTIES=p is not None,
+        HAS_MASK=bitmask is not None,
+        num_warps=8,
+        enable_fp_fusion=False)   # no FMA contraction: round as torch does, bit for bit
+    return SampleOutput(tokens, logprobs, processed)
 
 
 def sample(logits: torch.Tensor, inp: SamplingInputs, backend: str = "auto",
-           penalties: PenaltyInputs | None = None, bitmask: torch.Tensor | None = None) -> SampleOutput:
+           penalties: PenaltyInputs | None = None, bitmask: torch.Tensor | None = None,
+           scratch: SamplerScratch | None = None) -> SampleOutput:
     """Select one token per row (module docstring gives the exact semantics). bitmask
     (B, ceil(V / 32)) int32: tokens whose bit is 0 are disallowed (structured output), applied
-    after penalties and bias, before temperature and the filters."""
+    after penalties and bias, before temperature and the filters. scratch: the kernel's
+    buffers, kept by a caller that samples every step (allocated per call without it)."""
     if use_triton(logits, backend):
-        return sample_triton(logits, inp, penalties, bitmask)
+        return sample_triton(logits, inp, penalties, bitmask, scratch)
     return sample_ref(logits, inp, penalties, bitmask)

@@ -29,6 +29,10 @@ class ForwardBatch:
                                    # sampling seq, then P rows whose logits score prompt tokens
     num_decode: int                # leading sequences with exactly one new token
     max_new: int                   # most new tokens of any sequence
+    # for the token selector, not the model (sent in the same copy as the rows above): per
+    # sampling row (the N rows of logits_indices), its batch slot and output position, int64
+    sample_slots: torch.Tensor | None = None
+    sample_index: torch.Tensor | None = None
     # host-side facts for test doubles and tracing; references, never copied per step
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)   # each seq's prompt ids

@@ -1,7 +1,9 @@
 """Turn a SchedulerOutput into a ForwardBatch (see model/batch.py for the row layout).
 
 The host side builds two flat lists, one per dtype, and makes each one tensor (one copy to the
-device each); the batch fields are views into them."""
+device each); the batch fields are views into them. The token selector's per-row inputs (each
+sampling row's batch slot and output index) ride in the same copy: every other sampling
+setting already sits on the device, written when the request took its slot (selector.py)."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +21,8 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
     lens: list[int] = []
     logits_rows: list[int] = []
     logits_seqs: list[int] = []
+    sample_slots: list[int] = []                      # per sampling row: its batch slot ...
+    sample_index: list[int] = []                      # ... and the output position it chooses
     prompt_rows: list[int] = []                       # rows whose logits score prompt tokens
     prompt_spans: list[tuple[int, int, int]] = []
     max_pages = max(len(s.request.pages) for s in seqs)
@@ -47,12 +51,17 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
         if len(pages) < max_pages:
             table.extend([-1] * (max_pages - len(pages)))
         if s.samples:
+            if req.slot is None:
+                raise RuntimeError(f"request {req.request_id} selects a token without a batch slot")
             logits_rows.append(rows - 1)
             logits_seqs.append(i)
+            sample_slots.append(req.slot)
+            sample_index.append(len(req.output_ids))
 
     logits_rows += prompt_rows
     S, T, N = len(seqs), rows, len(logits_rows)
-    wide = torch.tensor(ids + positions + slots + logits_rows, dtype=torch.int64)
+    K = len(sample_slots)
+    wide = torch.tensor(ids + positions + slots + logits_rows + sample_slots + sample_index, dtype=torch.int64)
     narrow = torch.tensor(table + lens + cu, dtype=torch.int32)
     if device.type != "cpu":
         wide, narrow = wide.to(device, non_blocking=True), narrow.to(device, non_blocking=True)
@@ -60,6 +69,7 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
     return ForwardBatch(
         input_ids=wide[:T], positions=wide[T:2 * T], slot_mapping=wide[2 * T:3 * T],
         logits_indices=wide[3 * T:3 * T + N],
+        sample_slots=wide[3 * T + N:3 * T + N + K], sample_index=wide[3 * T + N + K:],
         page_table=narrow[:nt].view(S, max_pages), seq_lens=narrow[nt:nt + S], cu_q=narrow[nt + S:],
         num_decode=len(plan.decode), max_new=max(s.num_new for s in seqs),
         request_ids=[s.request.request_id for s in seqs],

@@ -36,7 +36,7 @@ from .prefix_cache import namespace, register as register_pages
 from .registry import RequestRegistry
 from .request import Request
 from .scheduler import Scheduler, SchedulerOutput
-from .selector import Selection, TokenSelector, TopLogprobs, prompt_logprobs
+from .selector import SampleRows, Selection, TokenSelector, TopLogprobs, prompt_logprobs
 from .slots import SlotTable
 from .snapshot import EngineSnapshot
 from .terminations import RequestEndings
@@ -375,6 +375,8 @@ class Engine(RequestEndings):
                                + (f" and {scored} prompt positions (prompt_logprobs)" if scored else ""))
         bitmask = self.constraints.rows([r.grammar for r in choosers], [r.slot for r in choosers],
                                         [len(r.output_ids) for r in choosers])
+        assert batch.sample_slots is not None and batch.sample_index is not None
+        self.selector.stage_rows(SampleRows(batch.sample_slots, batch.sample_index))   # came with the batch
         selection = self.selector.select(logits[:n], choosers, bitmask)
         if scored:
             selection.prompt = prompt_logprobs(logits[n:], batch.prompt_spans, [s.request for s in plan.seqs])

@@ -1,7 +1,11 @@
 """TokenSelector: one step's logits for the requests that choose a token -> their tokens.
 
-Owns the per-slot sampler state (penalties and bias, made on first use) and builds the
-per-row inputs of the sampler; the min_tokens mask is applied here as one indexed write."""
+Owns the per-slot sampler state on the engine's device: each slot's settings (temperature,
+top-k / top-p / min-p, seed; SlotSettings) and its penalty state (counts, seen, bias and the
+penalty settings, made on first use), written when a request takes the slot (`admit`) and read
+by the sampler through each row's slot. A step hands the selector only which slot and output
+position each row is (SampleRows, sent to the device with the batch), so a steady decode step
+copies nothing else to the device. The min_tokens mask is applied here as one indexed write."""
 from __future__ import annotations
 
 import math
@@ -10,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from ..kernels.penalties import PenaltyInputs, PenaltyState, apply_penalties_ref, make_penalty_inputs
+from ..kernels.penalties import PenaltyInputs, PenaltyState
 from ..kernels.philox import seed_to_int64
-from ..kernels.sampling import make_sampling_inputs, sample, unpack_bitmask
+from ..kernels.sampling import MIN_TEMPERATURE, SamplerScratch, SamplingInputs, sample
 from ..params import SamplingParams
 from .events import TopLogprobs
 from .request import Request
@@ -58,6 +62,41 @@ def uses_penalties(p: SamplingParams) -> bool:
     return bool(p.logit_bias) or p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
+@dataclass
+class SampleRows:
+    """Per row of a step's logits (B,), on the device: the batch slot whose settings and state
+    it uses, and the output position it chooses (the noise's index). Several rows may share a
+    slot (a request choosing several positions at once)."""
+    slot: torch.Tensor       # (B,) int64
+    index: torch.Tensor      # (B,) int64
+
+
+class SlotSettings:
+    """Each batch slot's sampling settings, (num_slots,) tensors on the device, in the form the
+    sampler reads them (kernels/sampling.py SamplingInputs)."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.temperature = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.log_min_p = torch.full((num_slots,), float("-inf"), dtype=torch.float32, device=device)
+        self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
+
+    def write(self, slot: int, p: SamplingParams, seed: int) -> None:
+        """Fills on the device (the values travel as kernel arguments, not as a copy). A
+        temperature under MIN_TEMPERATURE selects greedily; top_k >= vocab filters nothing."""
+        self.temperature[slot].fill_(p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0)
+        self.top_k[slot].fill_(p.top_k if p.top_k < self.vocab_size else 0)
+        self.top_p[slot].fill_(p.top_p)
+        self.log_min_p[slot].fill_(math.log(p.min_p) if p.min_p > 0 else float("-inf"))
+        self.seed[slot].fill_(seed_to_int64(seed))
+
+    def inputs(self, rows: SampleRows) -> SamplingInputs:
+        return SamplingInputs(self.temperature, self.top_k, self.top_p, self.log_min_p, self.seed,
+                              output_index=rows.index, slot=rows.slot)
+
+
 class TokenSelector:
     def __init__(self, eos_ids: frozenset[int], num_slots: int, vocab_size: int, device: torch.device,
                  backend: str) -> None:
@@ -66,7 +105,10 @@ class TokenSelector:
         self.vocab_size = vocab_size
         self.device = device
         self.backend = backend
+        self.settings = SlotSettings(num_slots, vocab_size, device)
         self._state: PenaltyState | None = None
+        self._scratch = SamplerScratch()
+        self._staged: SampleRows | None = None
 
     def _penalty_state(self) -> PenaltyState:
         if self._state is None:
@@ -74,18 +116,39 @@ class TokenSelector:
         return self._state
 
     def admit(self, req: Request) -> None:
-        """A request took a slot (first time or after preemption): its state moves in."""
-        if uses_penalties(req.params):
-            self._penalty_state().reset(self._slot(req), req.prompt_ids, req.output_ids, req.params.logit_bias)
+        """A request took a slot (first time or after preemption): its settings and penalty
+        state move in. Every field is written, so nothing of the slot's last owner is read."""
+        slot, p = self._slot(req), req.params
+        self.settings.write(slot, p, req.seed)
+        if uses_penalties(p):
+            state = self._penalty_state()
+            state.reset(slot, req.prompt_ids, req.output_ids, p.logit_bias)
+            state.configure(slot, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, True)
+        elif self._state is not None:
+            self._state.configure(slot, 1.0, 0.0, 0.0, False)
 
-    def select(self, logits: torch.Tensor, reqs: Sequence[Request], bitmask: torch.Tensor | None = None
-               ) -> Selection:
+    def stage_rows(self, rows: SampleRows) -> None:
+        """The next `select`'s rows, already on the device (the engine sends them with the batch)."""
+        self._staged = rows
+
+    def rows(self, reqs: Sequence[Request]) -> SampleRows:
+        """SampleRows for one row per request, made here (one copy to the device)."""
+        t = torch.tensor([[self._slot(r) for r in reqs], [len(r.output_ids) for r in reqs]], dtype=torch.int64,
+                         device=self.device)
+        return SampleRows(t[0], t[1])
+
+    def select(self, logits: torch.Tensor, reqs: Sequence[Request], bitmask: torch.Tensor | None = None,
+               rows: SampleRows | None = None) -> Selection:
         """logits (N, V), one row per request; bitmask (N, ceil(V / 32)) int32: the tokens each row's
-        grammar allows (all bits set for unconstrained rows), applied after penalties. A row whose
+        grammar allows (all bits set for unconstrained rows), applied after penalties; rows: each
+        row's slot and output position on the device (`rows(reqs)` when not given). A row whose
         logits hold NaN or +inf, or nothing above -inf, chooses no token: it is reported in `bad`.
         A row that logit_bias, the min_tokens mask and the grammar together leave with no token
         above -inf chooses none either: it is reported in `empty` (the sampler marks it with a
         NaN logprob, on both paths)."""
+        staged, self._staged = self._staged, None      # taken now: it never outlives its step
+        if rows is None and staged is not None and staged.slot.shape[0] == len(reqs):
+            rows = staged
         masked = self._mask_min_tokens(logits, reqs)
         active = [uses_penalties(r.params) for r in reqs]
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
@@ -94,48 +157,33 @@ class TokenSelector:
             unusable = self._bad_rows(best)
             bad = self._bad_rows(logits.amax(dim=-1)) if unusable else frozenset()
             return Selection(argmax.tolist(), None, bad, empty=unusable - bad)
-        dev = logits.device
-        p = [r.params for r in reqs]
-        vocab = logits.shape[-1]
-        inputs = make_sampling_inputs([q.temperature for q in p], [q.top_k if q.top_k < vocab else 0 for q in p],
-                                      [q.top_p for q in p], [q.min_p for q in p],
-                                      [seed_to_int64(r.seed) for r in reqs], [len(r.output_ids) for r in reqs],
-                                      device=dev)
-        penalties = None
-        if any(active):
-            penalties = make_penalty_inputs(self._penalty_state(), [self._slot(r) for r in reqs],
-                                            [q.repetition_penalty for q in p], [q.presence_penalty for q in p],
-                                            [q.frequency_penalty for q in p], active, dev)
+        if rows is None:
+            rows = self.rows(reqs)
+        penalties = PenaltyInputs(self._penalty_state(), rows.slot) if any(active) else None
         bad = self._bad_rows(logits.amax(dim=-1))      # the model's own logits, before any mask
-        rows = masked.float().contiguous()
-        allowed = None
-        if bitmask is not None:            # unpacked once, for top logprobs
-            bitmask = bitmask.to(dev, non_blocking=True)
-            if any(r.params.logprobs for r in reqs):
-                allowed = unpack_bitmask(bitmask, vocab)
-        out = sample(rows, inputs, backend=self.backend, penalties=penalties, bitmask=bitmask)
+        if bitmask is not None:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        out = sample(masked.float().contiguous(), self.settings.inputs(rows), backend=self.backend,
+                     penalties=penalties, bitmask=bitmask, scratch=self._scratch)
         tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()
         empty = frozenset(i for i, lp in enumerate(logprobs) if not math.isfinite(lp)) - bad
-        top = self._top_logprobs(rows, penalties, reqs, allowed)
+        top = self._top_logprobs(out.processed, reqs)
         if penalties is not None:
-            chosen = [(self._slot(r), t) for i, (r, t, a) in enumerate(zip(reqs, tokens, active))
-                      if a and i not in bad and i not in empty]
-            self._penalty_state().record([s for s, _ in chosen], [t for _, t in chosen])
+            # on the device, for every row: a row whose slot has no penalties adds nothing, and a
+            # bad or empty row's request fails (its slot is reset before anyone reads it again)
+            penalties.state.record_rows(rows.slot, out.tokens)
         return Selection(tokens, logprobs, bad, top, empty)
 
     @staticmethod
-    def _top_logprobs(rows: torch.Tensor, penalties: PenaltyInputs | None, reqs: Sequence[Request],
-                      allowed: torch.Tensor | None = None) -> list[TopLogprobs] | None:
-        """The N most likely tokens of each row that asks for N > 0, from the same logits the
-        chosen token's logprob comes from (after penalties and bias, before temperature)."""
+    def _top_logprobs(processed: torch.Tensor, reqs: Sequence[Request]) -> list[TopLogprobs] | None:
+        """The N most likely tokens of each row that asks for N > 0, from the logits the chosen
+        token's logprob comes from: the sampler's processed rows (after penalties, bias and the
+        grammar's mask, before temperature)."""
         wanted = [r.params.logprobs or 0 for r in reqs]
         n = max(wanted, default=0)
         if n == 0:
             return None
-        x = apply_penalties_ref(rows, penalties) if penalties is not None else rows
-        if allowed is not None:
-            x = x.masked_fill(~allowed, float("-inf"))
-        values, ids = torch.log_softmax(x, dim=-1).topk(min(n, x.shape[-1]), dim=-1)
+        values, ids = torch.log_softmax(processed, dim=-1).topk(min(n, processed.shape[-1]), dim=-1)
         vals, idx = values.tolist(), ids.tolist()
         return [tuple(zip(idx[i][:k], vals[i][:k])) for i, k in enumerate(wanted)]
 
@@ -165,5 +213,6 @@ class TokenSelector:
         if not rows:
             return logits
         logits = logits.clone()
-        logits[torch.tensor(rows), torch.tensor(ids)] = float("-inf")
+        at = torch.tensor([rows, ids], dtype=torch.int64, device=logits.device)     # one copy
+        logits[at[0], at[1]] = float("-inf")
         return logits

@@ -275,3 +275,46 @@ def test_a_row_with_nothing_allowed_gets_a_nan_logprob_on_both_paths(temperature
         assert [bool(torch.isnan(lp[i])) for i in range(B)] == [True, False, True, True, False]
     assert out.tokens.cpu()[[1, 4]].tolist() == ref.tokens[[1, 4]].tolist()
     torch.testing.assert_close(out.logprobs.cpu()[[1, 4]], ref.logprobs[[1, 4]], atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_kernel_processed_rows_and_slot_settings_equal_the_reference():
+    """The processed rows the kernel writes in its first pass (penalties, bias, grammar mask),
+    which the selector takes top logprobs from, equal the torch reference's bit for bit, and so
+    do the top logprobs; settings read through each row's slot (the engine keeps one entry per
+    batch slot) choose what the same settings given per row choose; one caller-owned scratch
+    serves calls of any batch size."""
+    from pagedecode.kernels.sampling import SamplerScratch, SamplingInputs
+    g = torch.Generator().manual_seed(29)
+    B, V, slots = 5, 150, [5, 0, 3, 1, 2]
+    logits = torch.randn(B, V, generator=g) * 3
+    state = PenaltyState(6, V, "cpu")
+    for slot in range(6):
+        ids = torch.randint(0, V, (10,), generator=g).tolist()
+        state.reset(slot, ids[:5], ids[5:], {int(ids[0]): 3.0, int(ids[1]): float("-inf")})
+    pen = make_penalty_inputs(state, slots, [1.3, 1.0, 0.8, 1.5, 1.1], [0.4, 0.0, -0.5, 0.0, 1.0],
+                              [0.2, 0.0, 0.3, 1.0, 0.0], [1, 1, 0, 1, 1], "cpu")
+    mask = torch.randint(-2**31, 2**31 - 1, (B, -(-V // 32)), generator=g, dtype=torch.int64).to(torch.int32)
+    mask[2] = -1                                            # one unconstrained row
+    per_row = [dict(temperature=0.0), dict(top_k=7, seed=3, index=4), dict(top_p=0.8, seed=9, index=1),
+               dict(min_p=0.05, temperature=0.7, index=2), dict(temperature=1.3, top_k=3, top_p=0.9, index=8)]
+    rows = inputs(per_row)
+    # the same settings kept per slot (slot 4 holds a request not in this batch)
+    at = torch.tensor(slots)
+    by_slot = SamplingInputs(*(torch.zeros(6, dtype=t.dtype).index_copy_(0, at, t) for t in
+                               (rows.temperature, rows.top_k, rows.top_p, rows.log_min_p, rows.seed)),
+                             output_index=rows.output_index, slot=at)
+    scratch = SamplerScratch()
+    for penalties, bitmask in ((pen, mask), (pen, None), (None, mask), (None, None)):
+        ref = sample_ref(logits, rows, penalties, bitmask)
+        out = sample(logits.to(DEVICE), by_slot.to(DEVICE), backend="triton",
+                     penalties=None if penalties is None else _to(penalties, DEVICE),
+                     bitmask=None if bitmask is None else bitmask.to(DEVICE), scratch=scratch)
+        assert out.tokens.cpu().tolist() == ref.tokens.tolist()
+        assert torch.equal(out.processed.cpu(), ref.processed)
+        want = torch.log_softmax(ref.processed, -1).topk(6, dim=-1)
+        got = torch.log_softmax(out.processed.cpu(), -1).topk(6, dim=-1)
+        assert torch.equal(got.indices, want.indices) and torch.equal(got.values, want.values)
+    one = sample(logits[:1].to(DEVICE), inputs(per_row[:1]).to(DEVICE), backend="triton", bitmask=mask[:1].to(DEVICE),
+                 scratch=scratch)                           # a smaller batch reuses the buffers
+    assert one.tokens.item() == sample_ref(logits[:1], inputs(per_row[:1]), None, mask[:1]).tokens.item()
