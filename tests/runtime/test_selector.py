@@ -69,11 +69,11 @@ def test_the_same_choices_after_preemption_and_slot_reuse(stories_engine_factory
     """Settings live in the slot: a request that loses its slot (preempted) and gets another,
     and a slot reused by a request with other settings, choose exactly what they choose alone."""
     prompts = ["Once upon a time", "Lily and Tom", "The cat sat", "One day"]
-    params = [P(max_tokens=24, ignore_eos=True, temperature=0.9, top_p=0.8, seed=11, logprobs=2,
+    params = [P(max_tokens=40, ignore_eos=True, temperature=0.9, top_p=0.8, seed=11, logprobs=2,
                 frequency_penalty=0.5),
-              P(max_tokens=24, ignore_eos=True, temperature=0.0),
-              P(max_tokens=24, ignore_eos=True, temperature=1.2, top_k=5, seed=12, repetition_penalty=1.4),
-              P(max_tokens=24, ignore_eos=True, temperature=0.7, min_p=0.1, seed=13, logit_bias={7: 2.0})]
+              P(max_tokens=40, ignore_eos=True, temperature=0.0),
+              P(max_tokens=40, ignore_eos=True, temperature=1.2, top_k=5, seed=12, repetition_penalty=1.4),
+              P(max_tokens=40, ignore_eos=True, temperature=0.7, min_p=0.1, seed=13, logit_bias={7: 2.0})]
     alone = [stories_engine_factory().generate(p, sp)[0] for p, sp in zip(prompts, params)]
     # two slots and a pool small enough to preempt: slots are reused and requests move
     tight = stories_engine_factory(max_batch_size=2, max_cache_tokens=64, page_size=16, enable_prefix_caching=False)
