@@ -639,15 +639,14 @@ void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, 
 // calls) where torch was built with it, else at::mm. In float32 torch's at::mm goes to MKL, which
 // on non-Intel x86 runs its AVX2 kernels; oneDNN picks its kernels by the instructions present
 // (AVX-512, AVX-512-BF16, AMX) -- measured 2.2-2.5x at::mm's float32 throughput on an AVX-512 AMD
-// EPYC at 12 to 2048 rows. PAGEDECODE_CPU_MATMUL=aten forces at::mm (to measure the difference).
+// EPYC at 12 to 2048 rows. forward's `onednn` false (EngineConfig.cpu_matmul "aten") forces at::mm.
 using LinearOp = c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
                                                  c10::string_view, c10::List<std::optional<c10::Scalar>>,
                                                  std::optional<c10::string_view>)>;
 
 const LinearOp* onednn_linear() {
   static const std::optional<LinearOp> op = []() -> std::optional<LinearOp> {
-    const char* env = std::getenv("PAGEDECODE_CPU_MATMUL");
-    if ((env != nullptr && std::string(env) == "aten") || !at::hasMKLDNN()) return std::nullopt;
+    if (!at::hasMKLDNN()) return std::nullopt;
     auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
     if (!handle.has_value()) return std::nullopt;
     return handle->typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
@@ -685,7 +684,7 @@ void gemv_transposed(const T* x, const T* wt, const T* b, T* out, int64_t rows, 
 // faster (the same results, bit for bit), 300- and 2048-row ones 3-12%.
 template <typename T>
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& wt, const Tensor& packed,
-              Tensor& buf) {
+              Tensor& buf, bool onednn) {
   const bool bias = b.defined() && b.numel() > 0;
   if (w.scalar_type() == at::kByte) {        // Q8_0 / Q4_0 blocks: quant_matmul.h, in float
     Tensor y = quant_linear(x.to(at::kFloat).contiguous(), w, w.size(0));
@@ -701,7 +700,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
     else gemv(x.data_ptr<T>(), w.data_ptr<T>(), bp, out, rows, x.size(1), n_out);
     return buf;
   }
-  if (const LinearOp* op = onednn_linear())
+  if (const LinearOp* op = onednn ? onednn_linear() : nullptr)
     return op->call(x.contiguous(), packed.is_mkldnn() ? packed : w,
                     bias ? std::optional<Tensor>(b) : std::nullopt, "none",
                     c10::List<std::optional<c10::Scalar>>(), std::nullopt);
@@ -721,7 +720,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
                     const Tensor& lm_head, const Tensor& lm_head_t, const Tensor& lm_head_packed,
                     const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& layers,
                     const Tensor& k_cache, const Tensor& v_cache,
-                    int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d) {
+                    int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d, bool onednn) {
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
   const int64_t T_ = ids.size(0), hidden = final_norm.size(0), S = seq_lens.size(0);
   const int64_t page_size = k_cache.size(2), per_layer = k_cache[0].numel();
@@ -744,7 +743,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
   for (int64_t i = 0; i < n_layers; ++i) {
     const Tensor* L = layers.data() + kPerLayer * i;
-    Tensor qkv = linear<T>(x, L[1], L[2], L[8], L[12], buf_qkv).contiguous();     // (T, (H + 2 Hkv) D)
+    Tensor qkv = linear<T>(x, L[1], L[2], L[8], L[12], buf_qkv, onednn).contiguous();     // (T, (H + 2 Hkv) D)
     T* kc = k_cache.data_ptr<T>() + i * per_layer;
     T* vc = v_cache.data_ptr<T>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
@@ -753,24 +752,25 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
               seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
               attn.data_ptr<T>());
     if (!chunks.empty()) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
-    Tensor o = linear<T>(attn, L[3], L[4], L[9], L[13], buf_o);
+    Tensor o = linear<T>(attn, L[3], L[4], L[9], L[13], buf_o, onednn);
     add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
-    Tensor gate_up = linear<T>(x, L[6], Tensor(), L[10], L[14], buf_gate_up);    // (T, 2 I)
+    Tensor gate_up = linear<T>(x, L[6], Tensor(), L[10], L[14], buf_gate_up, onednn);    // (T, 2 I)
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), T_, I);
-    Tensor down = linear<T>(act, L[7], Tensor(), L[11], L[15], buf_down);
+    Tensor down = linear<T>(act, L[7], Tensor(), L[11], L[15], buf_down, onednn);
     const T* next_ln = i + 1 < n_layers ? layers[kPerLayer * (i + 1)].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), T_, hidden, eps);
   }
   Tensor last = h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
   rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps);
-  return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits).to(at::kFloat);
+  return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits, onednn).to(at::kFloat);
 }
 
 Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
                Tensor cu_q, Tensor logits_indices, Tensor embed, Tensor final_norm, Tensor lm_head,
                Tensor lm_head_t, Tensor lm_head_packed, Tensor cos, Tensor sin, std::vector<Tensor> layers,
-               Tensor k_cache, Tensor v_cache, int64_t H, int64_t Hkv, int64_t D, double eps, double scale) {
+               Tensor k_cache, Tensor v_cache, int64_t H, int64_t Hkv, int64_t D, double eps, double scale,
+               bool onednn) {
   check(layers.size() % kPerLayer == 0 && !layers.empty(), "layers must hold 16 tensors per layer");
   check(ids.dtype() == at::kLong && positions.dtype() == at::kLong && slot_mapping.dtype() == at::kLong &&
             logits_indices.dtype() == at::kLong, "ids, positions, slot_mapping, logits_indices must be int64");
@@ -785,11 +785,11 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
   if (final_norm.scalar_type() == at::kFloat)
     return forward_impl<float>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices, embed,
                                final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache,
-                               H, Hkv, D, eps, scale);
+                               H, Hkv, D, eps, scale, onednn);
   check(final_norm.scalar_type() == at::kBFloat16, "weights must be float32 or bfloat16");
   return forward_impl<at::BFloat16>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices,
                                     embed, final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers,
-                                    k_cache, v_cache, H, Hkv, D, eps, scale);
+                                    k_cache, v_cache, H, Hkv, D, eps, scale, onednn);
 }
 
 // glibc's malloc hands blocks over its mmap threshold back to the kernel on free, and trims the
@@ -811,7 +811,9 @@ bool keep_freed_memory() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp)");
+  m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp); the last "
+        "argument: oneDNN's linear for the larger matmuls (else at::mm)");
+  m.attr("takes_matmul_choice") = true;   // forward's last argument (older builds read an environment variable)
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
   m.def("quant_embedding_rows", &quant_embedding_rows,

@@ -33,10 +33,41 @@ try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
     from .. import _cpu as _cpu_ext
 except ImportError:  # pragma: no cover - depends on the install
     _cpu_ext = None
+# builds before EngineConfig.cpu_matmul read PAGEDECODE_CPU_MATMUL themselves; newer ones take the
+# choice as forward's last argument
+_TAKES_MATMUL_CHOICE = bool(getattr(_cpu_ext, "takes_matmul_choice", False))
 
 
 # weights of at most this many elements also go to the compiled forward transposed (small_t)
 SMALL_LAYER = 1 << 16
+
+
+def default_cpu_matmul() -> str:
+    """EngineConfig.cpu_matmul's default: "aten" when PAGEDECODE_CPU_MATMUL=aten, else "onednn"."""
+    return "aten" if os.environ.get("PAGEDECODE_CPU_MATMUL") == "aten" else "onednn"
+
+
+def default_cpu_pack_weights() -> bool:
+    """EngineConfig.cpu_pack_weights' default: True unless PAGEDECODE_CPU_PACK=0."""
+    return os.environ.get("PAGEDECODE_CPU_PACK") != "0"
+
+
+def keep_freed_memory() -> bool:
+    """glibc's malloc keeps freed blocks for reuse (csrc/cpu_forward.cpp keep_freed_memory: once
+    per process, idempotent); False without the compiled extension or off glibc."""
+    return bool(_cpu_ext.keep_freed_memory()) if _cpu_ext is not None else False
+
+
+def configure_cpu_forward(model: object, matmul: str, pack_weights: bool, keep_freed: bool) -> None:
+    """What an engine asks of the compiled CPU forward (EngineConfig.cpu_*): the model's matmuls
+    and packed weights (any model with `configure_cpu`), and glibc's malloc setting when the
+    model runs that forward (applied here, by the engine, never by a model's constructor)."""
+    configure = getattr(model, "configure_cpu", None)
+    if callable(configure):
+        configure(matmul, pack_weights)
+    uses = getattr(model, "uses_cpu_extension", None)
+    if keep_freed and callable(uses) and uses():
+        keep_freed_memory()
 
 
 def cpu_extension_available() -> bool:
@@ -63,11 +94,13 @@ class LlamaModel:
     Weights are float tensors or QuantizedWeight blocks (model/quant.py) as `weights` holds them;
     `quantization` ("q8_0" / "q4_0") also quantizes every float layer weight whose input size is
     a multiple of 32, and the LM head to Q8_0 (as llama.cpp keeps the output above the layers'
-    type); the embedding (a tied head's table too) and the norms keep their type."""
+    type); the embedding (a tied head's table too) and the norms keep their type. cpu_matmul and
+    cpu_pack_weights: see configure_cpu (None: the environment's default, as EngineConfig's)."""
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 attention_backend: str = "auto", quantization: str | None = None) -> None:
+                 attention_backend: str = "auto", quantization: str | None = None,
+                 cpu_matmul: str | None = None, cpu_pack_weights: bool | None = None) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -138,10 +171,9 @@ class LlamaModel:
         self._fused_cpu = (_cpu_ext is not None and self.device.type == "cpu" and not c.qk_norm
                            and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel
                            and (not self.quantized or hasattr(_cpu_ext, "quant_embedding_rows")))
+        self._onednn = True
+        self._is_packed = False
         if self._fused_cpu:
-            assert _cpu_ext is not None
-            if os.environ.get("PAGEDECODE_MALLOC") != "default":     # see keep_freed_memory in csrc/
-                _cpu_ext.keep_freed_memory()
             none = torch.empty(0, dtype=dtype)
 
             def plain(w: Weight) -> torch.Tensor:
@@ -155,30 +187,51 @@ class LlamaModel:
                     return none
                 return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
 
-            pack = (torch.backends.mkldnn.is_available() and os.environ.get("PAGEDECODE_CPU_MATMUL") != "aten"
-                    and os.environ.get("PAGEDECODE_CPU_PACK") != "0")
-
-            def packed(w: Weight) -> torch.Tensor:
-                """w in oneDNN's blocked layout, for the compiled forward's matmuls of more than a
-                few rows (given a plain weight, oneDNN re-blocks it on every call). A second copy
-                of the weights: PAGEDECODE_CPU_PACK=0 goes without it."""
-                if not pack or not isinstance(w, torch.Tensor):
-                    return none
-                try:
-                    return torch.ops.mkldnn._reorder_linear_weight(w, 64)
-                except (RuntimeError, AttributeError):      # a torch without the op: plain weights
-                    return none
-
             self._flat_layers = [t for L in self.layers for t in (
                 L.ln1, plain(L.qkv_w), none if L.qkv_b is None else L.qkv_b, plain(L.o_w),
                 none if L.o_b is None else L.o_b, L.ln2, plain(L.gate_up_w), plain(L.down_w),
                 small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w),
-                packed(L.qkv_w), packed(L.o_w), packed(L.gate_up_w), packed(L.down_w))]
+                none, none, none, none)]         # the packed copies: configure_cpu
             self._embed_plain = plain(self.embed)
             self._lm_head_plain = plain(self.lm_head)
             self._lm_head_t = small_t(self.lm_head)
-            self._lm_head_packed = packed(self.lm_head)
+            self._lm_head_packed = none
             self._cos32, self._sin32 = cos.float().contiguous(), sin.float().contiguous()
+            self.configure_cpu(default_cpu_matmul() if cpu_matmul is None else cpu_matmul,
+                               default_cpu_pack_weights() if cpu_pack_weights is None else cpu_pack_weights)
+
+    def configure_cpu(self, matmul: str = "onednn", pack_weights: bool = True) -> None:
+        """How the compiled CPU forward multiplies (EngineConfig.cpu_matmul / cpu_pack_weights;
+        an engine calls this with its config): "onednn" takes oneDNN's linear for matmuls of more
+        than a few rows, "aten" at::mm; pack_weights keeps each float weight also in oneDNN's
+        blocked layout (given a plain weight, oneDNN re-blocks it on every call): a second copy
+        of the weights, made or dropped here. No effect off the compiled forward."""
+        if matmul not in ("onednn", "aten"):
+            raise ValueError(f"matmul must be 'onednn' or 'aten', got {matmul!r}")
+        if not self._fused_cpu:
+            return
+        if matmul == "aten" and not _TAKES_MATMUL_CHOICE and default_cpu_matmul() != "aten":   # it reads the env
+            raise RuntimeError("this build of pagedecode._cpu predates the matmul choice: rebuild it "
+                               "(make install) to use cpu_matmul='aten'")
+        self._onednn = matmul == "onednn"
+        pack = self._onednn and pack_weights and torch.backends.mkldnn.is_available()
+        if pack == self._is_packed:
+            return
+        none = torch.empty(0, dtype=self.dtype)
+
+        def packed(w: Weight) -> torch.Tensor:
+            if not pack or not isinstance(w, torch.Tensor):
+                return none
+            try:
+                return torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            except (RuntimeError, AttributeError):      # a torch without the op: plain weights
+                return none
+
+        for i, L in enumerate(self.layers):    # each layer's last four entries (see forward_impl)
+            self._flat_layers[16 * i + 12:16 * i + 16] = [packed(L.qkv_w), packed(L.o_w), packed(L.gate_up_w),
+                                                          packed(L.down_w)]
+        self._lm_head_packed = packed(self.lm_head)
+        self._is_packed = pack
 
     def _weights(self) -> list[Weight]:
         out: list[Weight] = [self.embed, self.final_norm]
@@ -221,7 +274,8 @@ class LlamaModel:
                                     b.logits_indices, self._embed_plain, self.final_norm, self._lm_head_plain,
                                     self._lm_head_t,
                                     self._lm_head_packed, self._cos32, self._sin32, self._flat_layers, kv.k, kv.v,
-                                    c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale)
+                                    c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale,
+                                    *((self._onednn,) if _TAKES_MATMUL_CHOICE else ()))
         T = batch.num_tokens
         h = self._embed(batch.input_ids)                                  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)

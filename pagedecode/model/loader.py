@@ -76,7 +76,8 @@ def load_config(path: Path) -> ModelConfig:
     return config
 
 
-def load_model(path, device="cpu", dtype=None, attention_backend="auto", quantization=None, tokenizer=None):
+def load_model(path, device="cpu", dtype=None, attention_backend="auto", quantization=None, tokenizer=None,
+               cpu_matmul=None, cpu_pack_weights=None):
     """(LlamaModel, Tokenizer) from a Hugging Face directory or a GGUF file. `quantization`
     ("q8_0" / "q4_0") keeps the layer weights quantized in memory (model/quant.py); `tokenizer`,
     a folder holding tokenizer.json, replaces the model's own."""
@@ -104,7 +105,8 @@ def load_model(path, device="cpu", dtype=None, attention_backend="auto", quantiz
         config.eos_token_ids = tok.eos_token_ids
     try:
         model = LlamaModel(config, load_weights(path) if weights is None else weights, device=device,
-                           dtype=torch_dtype, attention_backend=attention_backend, quantization=quantization)
+                           dtype=torch_dtype, attention_backend=attention_backend, quantization=quantization,
+                           cpu_matmul=cpu_matmul, cpu_pack_weights=cpu_pack_weights)
     except KeyError as e:
         raise ModelLoadError(f"{path}: {e.args[0]}") from None
     return model, tok

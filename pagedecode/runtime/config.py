@@ -1,13 +1,20 @@
 """EngineConfig: every engine option, validated once."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from ..kernels._backend import BACKENDS
+from ..model.llama import default_cpu_matmul, default_cpu_pack_weights
 from .trace import TRACE_LEVELS
 
 BACKPRESSURE_POLICIES = ("pause", "fail")
 DEFAULT_CACHE_TOKENS = 16384
+CPU_MATMULS = ("onednn", "aten")
+
+
+def default_keep_freed_memory() -> bool:
+    return os.environ.get("PAGEDECODE_MALLOC") != "default"
 
 
 @dataclass
@@ -40,6 +47,17 @@ class EngineConfig:
     deterministic: bool = False              # a request's logits the same bits whatever else runs (batch,
                                              # chunking, prefix cache, preemption, threads): batch-invariant
                                              # kernels (csrc/cpu_forward.cpp, kernels/), fixed-order all-reduce
+    # the compiled CPU forward (csrc/cpu_forward.cpp): each default comes from the environment
+    # variable named, read when the config is made; a value given here wins over it
+    cpu_matmul: str = field(default_factory=default_cpu_matmul)
+                                             # its larger matmuls: "onednn" (oneDNN's linear) or "aten"
+                                             # (at::mm); PAGEDECODE_CPU_MATMUL=aten sets the default
+    cpu_pack_weights: bool = field(default_factory=default_cpu_pack_weights)
+                                             # a second copy of each float weight in oneDNN's blocked
+                                             # layout (faster matmuls); PAGEDECODE_CPU_PACK=0: none
+    cpu_keep_freed_memory: bool = field(default_factory=default_keep_freed_memory)
+                                             # glibc keeps what a step frees for the next (mallopt, applied
+                                             # by the engine, once per process); PAGEDECODE_MALLOC=default: not
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -59,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"backpressure must be one of {BACKPRESSURE_POLICIES}, got {self.backpressure!r}")
         if self.backpressure_timeout_s <= 0:
             raise ValueError("backpressure_timeout_s must be > 0")
+        if self.cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"cpu_matmul must be one of {CPU_MATMULS}, got {self.cpu_matmul!r}")
         for name in ("attention_backend", "sampling_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..model.kv_cache import KVCache
+from ..model.llama import configure_cpu_forward
 from ..model.tokenizer import TokenizerLike, as_tokenizer
 from ..params import SamplingParams
 from ..protocols import Model
@@ -74,6 +75,7 @@ class Engine(RequestEndings):
                 raise ValueError(f"deterministic=True needs a model with a batch-invariant forward (a `deterministic` "
                                  f"attribute, as pagedecode's own models have); {type(model).__name__} has none")
             model.deterministic = True
+        configure_cpu_forward(model, config.cpu_matmul, config.cpu_pack_weights, config.cpu_keep_freed_memory)
         mc = model.config
         self.device = torch.device(getattr(model, "device", "cpu"))
         self.bytes_per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype)
@@ -130,7 +132,8 @@ class Engine(RequestEndings):
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         if tensor_parallel_size == 1:
             model, tok = load_model(path, device=device, dtype=dtype, attention_backend=config.attention_backend,
-                                    quantization=quantization, tokenizer=tokenizer)
+                                    quantization=quantization, tokenizer=tokenizer, cpu_matmul=config.cpu_matmul,
+                                    cpu_pack_weights=config.cpu_pack_weights)
             return cls(model, tok, config)
         if quantization is not None or tokenizer is not None or Path(path).is_file():
             raise ValueError("tensor_parallel_size > 1 takes a Hugging Face directory, without quantization "

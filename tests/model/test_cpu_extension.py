@@ -185,8 +185,9 @@ def test_falls_back_where_it_does_not_apply():
 @needs_ext
 def test_aten_matmul_fallback_matches(tmp_path):
     """PAGEDECODE_CPU_MATMUL=aten (at::mm instead of oneDNN's linear) gives the same logits, and
-    PAGEDECODE_CPU_PACK=0 (oneDNN on plain weights) bit for bit: run in child processes, as the
-    matmul choice is read once per process."""
+    PAGEDECODE_CPU_PACK=0 (oneDNN on plain weights) bit for bit: the environment sets a model's
+    defaults (EngineConfig's too; tests/runtime/test_config.py gives them as fields), read in
+    child processes here."""
     import subprocess
     import sys
     code = """
@@ -220,7 +221,8 @@ def test_freed_activations_are_reused_not_refaulted():
     without new page faults. With glibc as it is, the same child usually faulted ~12,000 pages of
     4 KB in on every step (glibc trims the freed top of its heap past twice the size it last served
     by mmap, 64 MB at most), but not always (a live block above them can keep them), so the
-    default is not asserted here; PAGEDECODE_MALLOC=default leaves glibc alone."""
+    default is not asserted here; cpu_keep_freed_memory=False (PAGEDECODE_MALLOC=default) leaves
+    glibc alone. The engine applies the setting, as its config asks (not the model's constructor)."""
     import subprocess
     import sys
     code = """
@@ -228,7 +230,12 @@ import resource, sys, torch
 sys.path.insert(0, {tests!r})
 from model.test_cpu_extension import random_model
 from pagedecode import _cpu
+from pagedecode.runtime.config import EngineConfig
+from pagedecode.runtime.engine import Engine
+from pagedecode.testing import ByteVocabTokenizer
 model = random_model(torch.float32)    # kept alive, as an engine keeps its model
+engine = Engine(model, ByteVocabTokenizer({{i: bytes([65 + i % 26]) for i in range(97)}}),
+                EngineConfig(max_cache_tokens=64, cpu_keep_freed_memory=True))
 faults = []
 for _ in range(8):                    # a "step": three 24 MB activations, written, then freed
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -237,7 +244,7 @@ for _ in range(8):                    # a "step": three 24 MB activations, writt
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(_cpu.keep_freed_memory(), max(faults[2:]))
 """.format(tests=str(Path(__file__).resolve().parents[1]))
-    env = {**os.environ, "PAGEDECODE_MALLOC": "keep"}
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDECODE_MALLOC"}
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, capture_output=True,
                          text=True).stdout.split()
     assert out[-2] == "True", out                  # glibc took both settings
