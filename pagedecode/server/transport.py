@@ -25,8 +25,9 @@ import json
 import resource
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, cast
+from typing import Any, Awaitable, Callable, cast
 
+from uvicorn import config as uvicorn_config
 from uvicorn import server as uvicorn_server
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -199,7 +200,7 @@ class DrainingServer(uvicorn_server.Server):
     503; uvicorn closes the connections only once every request has ended, and the process
     exits 0. A second signal ends the grace at once."""
 
-    def __init__(self, config: Any, drain: Callable[[Callable[[], bool]], Any],
+    def __init__(self, config: uvicorn_config.Config, drain: Callable[[Callable[[], bool]], Awaitable[None]],
                  on_signal: Callable[[], None]) -> None:
         super().__init__(config)
         self.drain, self.on_signal = drain, on_signal
