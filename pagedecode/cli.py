@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "serve":
             from .server.serve import main as serve_main
             _check_device(args.device)
+            if args.ray:
+                from .ray import serve_main as serve_on_ray
+                return serve_on_ray(args)
             return serve_main(parsed=args)
         return cmd_generate(args) if args.cmd == "generate" else cmd_demo(args)
     except (CliError, PageDecodeError, ModelLoadError) as e:

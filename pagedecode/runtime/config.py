@@ -38,6 +38,8 @@ class EngineConfig:
     trace: str = "lifecycle"                 # "off" | "lifecycle" | "tokens": what each request's
                                              # trace keeps (see runtime/trace.py)
     model_name: str | None = None            # shown in start events
+    request_id_prefix: str = "req-"          # generated request ids: this and 128 random bits (a
+                                             # replica's own prefix lets a router find it: ray.py)
     enable_prefix_caching: bool = True       # share full prompt / output pages between requests
     grammar_compile_timeout_s: float = 60.0  # a structured-output parse + compile longer than this fails its request
     grammar_cache_size: int = 64             # compiled grammars kept, by constraint, LRU

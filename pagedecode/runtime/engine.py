@@ -32,7 +32,7 @@ from .delivery import Attachment, Delivery, output
 from .events import Event, RequestOutput
 from .intake import make_request
 from .lifecycle import FinishReason, RequestState
-from .page_pool import PagePool
+from .page_pool import CacheEvent, PagePool
 from .prefix_cache import namespace, register as register_pages
 from .registry import RequestRegistry
 from .request import Request
@@ -98,7 +98,7 @@ class Engine(RequestEndings):
         self.vocab_size = mc.vocab_size
         self.eos_ids = frozenset(mc.eos_token_ids or self.tokenizer.eos_token_ids)
         self.model_name = config.model_name or getattr(mc, "name", None) or mc.model_type
-        self.requests = RequestRegistry(config.max_finished_kept, config.max_finished_bytes)
+        self.requests = RequestRegistry(config.max_finished_kept, config.max_finished_bytes, config.request_id_prefix)
         self._lock = threading.RLock()
         self._outbox: list[Event] = []
         self._rng = random.Random(config.seed)
@@ -110,6 +110,7 @@ class Engine(RequestEndings):
                                       config.sampling_backend)
         self.wakeup: Callable[[], None] | None = None    # the async loop's "there is work" hook
         self.delivery = Delivery(self.requests, self._lock, config, self._wake)
+        self._cache_sink: Callable[[list[CacheEvent]], None] | None = None   # publish_cache_events
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids, config.max_batch_size,
                                        self.device, cache_size=config.grammar_cache_size,
                                        cache_bytes=config.grammar_cache_bytes,
@@ -317,6 +318,7 @@ class Engine(RequestEndings):
             self._safe_point(events)
             plan = self.scheduler.schedule(self._runnable)
             if plan.empty:
+                self._flush_cache_events()
                 return events
             self._begin(plan)
         try:
@@ -332,7 +334,22 @@ class Engine(RequestEndings):
             self.steps += 1
             self.step_records.append({"step": self.steps, "t_us": t0, "dur_us": now_us() - t0,
                                       "decode": len(plan.decode), "prefill": len(plan.prefill)})
+            self._flush_cache_events()
         return events
+
+    def publish_cache_events(self, sink: Callable[[list[CacheEvent]], None] | None) -> None:
+        """Hand the prefix cache's changes (page_pool.py's log: pages hashed, hashes dropped) to
+        sink once per step that changed it, in order, from the step's thread under the engine
+        lock (sink must be quick: pagedecode/kv_events.py queues them for its own thread).
+        None stops it."""
+        with self._lock:
+            self.pool.record_events = sink is not None
+            self.pool.events.clear()
+            self._cache_sink = sink
+
+    def _flush_cache_events(self) -> None:
+        if self._cache_sink is not None and self.pool.events:
+            self._cache_sink(self.pool.take_events())
 
     def _begin(self, plan: SchedulerOutput) -> None:
         now = time.perf_counter()

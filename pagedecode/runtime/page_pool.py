@@ -12,13 +12,19 @@ and a lookup confirms both, so a hit is confirmed along the whole chain: a hash 
 never hand one prompt another prompt's K/V, not even a page holding the same tokens after a
 different prefix. A page that loses its hash takes its descendants' hashes with it (their
 parent is gone), so a parent is always a live hashed page.
+
+With `record_events` on, the pool keeps a log of its cache's changes for the KV-event publisher
+(pagedecode/kv_events.py): ("stored", page, key, parent key or None, tokens) when a page is
+hashed, ("removed", key) when a hash is dropped. The engine takes it after each step.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..errors import DoubleReleaseError
+
+CacheEvent = tuple[Any, ...]      # ("stored", page, key, parent key, tokens) or ("removed", key)
 
 
 class PagePool:
@@ -34,6 +40,8 @@ class PagePool:
         self._tokens: dict[int, tuple[int, ...]] = {}
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, set[int]] = {}
+        self.record_events = False
+        self.events: list[CacheEvent] = []
 
     @property
     def free_pages(self) -> int:
@@ -102,6 +110,9 @@ class PagePool:
         self._parent[page] = parent
         if parent is not None:
             self._children.setdefault(parent, set()).add(page)
+        if self.record_events:
+            self.events.append(("stored", page, key, None if parent is None else self.page_hash[parent],
+                                tuple(tokens)))
         return True
 
     def lookup(self, key: bytes, tokens: Sequence[int], parent: int | None) -> int | None:
@@ -124,12 +135,20 @@ class PagePool:
         todo = [page]
         while todo:
             p = todo.pop()
-            del self.by_hash[self.page_hash.pop(p)]
+            key = self.page_hash.pop(p)
+            del self.by_hash[key]
+            if self.record_events:
+                self.events.append(("removed", key))
             del self._tokens[p], self._parent[p]
             todo.extend(self._children.pop(p, ()))
             if p != page and p in self._evictable:
                 del self._evictable[p]
                 self._free.append(p)
+
+    def take_events(self) -> list[CacheEvent]:
+        """The cache changes logged since the last call (record_events), oldest first."""
+        events, self.events = self.events, []
+        return events
 
     def clear_cache(self) -> None:
         """Forget every cached page nobody uses (they become free)."""

@@ -24,7 +24,8 @@ class ForgottenRequestError(KeyError):
 
 
 class RequestRegistry:
-    def __init__(self, max_finished: int, max_finished_bytes: int | None) -> None:
+    def __init__(self, max_finished: int, max_finished_bytes: int | None, id_prefix: str = "req-") -> None:
+        self.id_prefix = id_prefix
         self.max_finished = max_finished
         self.max_finished_bytes = max_finished_bytes
         self.live: dict[str, Request] = {}
@@ -42,10 +43,10 @@ class RequestRegistry:
         return len(self._finished)
 
     def new_id(self) -> str:
-        """`req-` and 128 random bits: nobody can guess another client's id (the server's
+        """`req-` (id_prefix) and 128 random bits: nobody can guess another client's id (the server's
         events and trace routes are reached by id), and none a live or kept request has."""
         while True:
-            rid = f"req-{secrets.token_hex(16)}"
+            rid = f"{self.id_prefix}{secrets.token_hex(16)}"
             if rid not in self.live and rid not in self._finished:
                 return rid
 

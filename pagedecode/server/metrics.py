@@ -1,4 +1,9 @@
 """Prometheus metrics, named after vLLM's with a `pagedecode:` prefix, in a registry per app.
+With compat "vllm" (`--metrics-compat vllm`) the gauges an inference gateway's endpoint picker
+reads (the Gateway API Inference Extension, as llm-d and KServe run it) are also exported under
+vLLM's own names: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc` (a fraction, as vLLM's is), labelled with `model_name`. vLLM's LoRA
+info gauge is left out: there are no adapters to report.
 
 Per-request figures (latencies, tokens returned, endings) are counted by the server as it meters
 each request. The engine's own gauges and counters (requests running and waiting, KV usage,
@@ -24,21 +29,34 @@ SUCCESSES = frozenset({FinishReason.EOS, FinishReason.STOP_SEQUENCE, FinishReaso
                        FinishReason.MAX_OUTPUT_TOKENS, FinishReason.CONTEXT_LIMIT})
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 P = "pagedecode:"
+COMPATS = ("vllm",)
 
 
 class EngineCollector(Collector):
     """The engine's metrics, all from one snapshot taken when /metrics is scraped. Counters keep
     the exposition of a prometheus_client Counter: `NAME_total` and `NAME_created`."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], compat: str | None = None,
+                 model_name: str = "") -> None:
+        if compat is not None and compat not in COMPATS:
+            raise ValueError(f"metrics compat {compat!r}: expected one of {', '.join(COMPATS)}")
         self.snapshot = snapshot
+        self.compat = compat
+        self.model_name = model_name
         self.created = time.time()
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot()
-        yield GaugeMetricFamily(P + "num_requests_running", "Requests holding a batch slot", value=s.running)
-        yield GaugeMetricFamily(P + "num_requests_waiting", "Requests queued", value=s.waiting)
-        yield GaugeMetricFamily(P + "kv_cache_usage_perc", "Fraction of KV pages in use", value=s.kv_cache_usage)
+        gauges = (("num_requests_running", "Requests holding a batch slot", s.running),
+                  ("num_requests_waiting", "Requests queued", s.waiting),
+                  ("kv_cache_usage_perc", "Fraction of KV pages in use", s.kv_cache_usage))
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(P + name, doc, value=value)
+        if self.compat == "vllm":
+            for name, doc, value in gauges:
+                g = GaugeMetricFamily("vllm:" + name, doc, labels=["model_name"])
+                g.add_metric([self.model_name], value)
+                yield g
         for name, doc, value in (
                 ("num_preemptions", "Requests preempted", s.preemptions),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
@@ -47,7 +65,8 @@ class EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], compat: str | None = None,
+                 model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
 
         def hist(name: str, doc: str) -> Histogram:
@@ -58,7 +77,7 @@ class Metrics:
         self.queue = hist("request_queue_time_seconds", "Time queued before first scheduled")
         self.prefill = hist("request_prefill_time_seconds", "Time in steps that computed the prompt")
         self.decode = hist("request_decode_time_seconds", "Time in steps that computed output tokens")
-        r.register(EngineCollector(snapshot))
+        r.register(EngineCollector(snapshot, compat, model_name))
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens returned to clients", registry=r)
         self.success = Counter(P + "request_success", "Requests that ended normally, by finish reason",

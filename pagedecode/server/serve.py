@@ -88,6 +88,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what a client going away does to its request (a request's on_disconnect field overrides)")
     p.add_argument("--idempotency-ttl", type=float, default=600.0, help="seconds an Idempotency-Key is kept")
     p.add_argument("--idempotency-max-keys", type=int, default=10_000, help="most Idempotency-Keys kept")
+    p.add_argument("--metrics-compat", default=None, choices=["vllm"],
+                   help="also export the gauges an inference gateway reads under vLLM's names "
+                        "(vllm:num_requests_waiting, ...), so llm-d / KServe can route to this server")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish the prefix cache's changes in vLLM's KV-event format on this ZeroMQ endpoint "
+                        "(tcp://*:5557 binds, tcp://host:port connects; pagedecode[ray])")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="the KV events' replay socket (default: the publisher's port + 1 when it binds a port)")
+    p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events")
+    p.add_argument("--ray", action="store_true",
+                   help="serve replicas on Ray Serve (pagedecode[ray]): a local Ray cluster, or --ray-address's")
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas, each one engine")
+    p.add_argument("--ray-address", default=None, help="with --ray: join this Ray cluster instead of starting one")
     for f in ENGINE_FLAGS:
         flag = "--" + f.name.replace("_", "-")
         default = f.default
@@ -127,6 +140,9 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     except ValueError as e:
         print(f"pagedecode serve: {e}", file=sys.stderr)
         return 2
+    if args.ray:
+        print("pagedecode serve: --ray is run by `pagedecode serve` (pagedecode.cli)", file=sys.stderr)
+        return 2
     try:
         sock = listen_socket(args.host, args.port)      # before loading: a taken port is one line, at once
     except OSError as e:
@@ -138,33 +154,53 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
                                        tensor_parallel_size=args.tensor_parallel_size,
                                        quantization=args.quantization, tokenizer=args.tokenizer, **options)
+    publisher = None
     try:
+        if args.kv_events is not None:
+            from ..kv_events import KVEventPublisher, default_replay
+            try:
+                publisher = KVEventPublisher(args.kv_events, args.kv_events_replay or default_replay(args.kv_events),
+                                             block_size=engine.config.page_size, topic=args.kv_events_topic,
+                                             medium="GPU" if engine.device.type == "cuda" else "CPU").attach(engine)
+            except ValueError as e:
+                print(f"pagedecode serve: --kv-events: {e}", file=sys.stderr)
+                return 2
         ae = pd.AsyncEngine(engine)
         app = server_app(args, ae, model_dir, keys)
         pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if publisher is not None:
+            log.info("KV events on %s (replay: %s)", publisher.address, publisher.replay_address)
         run_uvicorn(args, app, ae, sock, limits)
     finally:
         engine.close()            # tensor-parallel workers stop here, told to, not at interpreter exit
+        if publisher is not None:
+            publisher.close()
         thaw_heap()
     return 0
+
+
+def server_options(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
+    """build_app's options (ServerOptions fields) from the command line."""
+    from .protocol import Limits
+    return dict(api_keys=keys, metrics_public=args.metrics_public, allowed_hosts=allowed_hosts(args),
+                allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
+                max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                max_prompts_per_request=args.max_prompts_per_request, log_text=args.log_text,
+                resume_grace_s=args.resume_grace, on_disconnect=args.on_disconnect,
+                idempotency_ttl_s=args.idempotency_ttl, idempotency_max_keys=args.idempotency_max_keys,
+                metrics_compat=args.metrics_compat)
 
 
 def server_app(args: argparse.Namespace, ae: AsyncEngine, model_dir: Path, keys: tuple[str, ...]) -> Starlette:
     """The app over `ae` as the command line configures it (its lifespan starts and drains `ae`)."""
     from .app import build_app
     from .chat import ChatTemplate, load_template
-    from .protocol import Limits
     source, specials = load_template(model_dir, args.chat_template)
     template = ChatTemplate(source, specials) if source else None
-    app = build_app(ae, model_name=ae.engine.model_name, chat_template=template, api_keys=keys, metrics_public=args.metrics_public, allowed_hosts=allowed_hosts(args),
-                    allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                    limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
-                    max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-                    max_prompts_per_request=args.max_prompts_per_request,
-                    generation_defaults=generation_defaults(model_dir), log_text=args.log_text,
-                    resume_grace_s=args.resume_grace, on_disconnect=args.on_disconnect,
-                    idempotency_ttl_s=args.idempotency_ttl, idempotency_max_keys=args.idempotency_max_keys)
+    app = build_app(ae, model_name=ae.engine.model_name, chat_template=template, **server_options(args, keys),
+                    generation_defaults=generation_defaults(model_dir))
     app.router.lifespan_context = lifespan(ae, app, args.grace_seconds)
     return app
 

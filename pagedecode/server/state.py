@@ -51,6 +51,7 @@ class ServerOptions:
     on_disconnect: str = "cancel"
     idempotency_ttl_s: float = 600.0
     idempotency_max_keys: int = 10_000
+    metrics_compat: str | None = None           # "vllm": the gateway gauges under vLLM's names too (metrics.py)
 
 
 class ServerState:
@@ -59,7 +60,7 @@ class ServerState:
         self.engine = async_engine.engine
         self.chat_template = chat_template
         self.options = options
-        self.metrics = Metrics(self.engine.snapshot)
+        self.metrics = Metrics(self.engine.snapshot, options.metrics_compat, options.model_name)
         self.draining = False
         self.tracks: weakref.WeakValueDictionary[str, Track] = weakref.WeakValueDictionary()
         self.keys = IdempotencyKeys(options.idempotency_ttl_s, options.idempotency_max_keys)

@@ -1,0 +1,175 @@
+"""KV-cache events for KV-aware routers (Ray Serve's, NVIDIA Dynamo's, llm-d's), in vLLM's wire
+format over ZeroMQ: `pagedecode serve --kv-events tcp://...` (pyzmq and msgpack: pagedecode[ray]).
+
+The prefix cache's changes (runtime/page_pool.py logs them, the engine hands them over once per
+step) become one batch per step:
+
+    PUB socket, multipart   [topic, seq (8 bytes, big-endian), payload]
+    payload (msgpack)       [ts, [event, ...], data_parallel_rank]
+    BlockStored             ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+                             lora_id, medium, lora_name]
+    BlockRemoved            ["BlockRemoved", block_hashes, medium]
+    AllBlocksCleared        ["AllBlocksCleared"]
+
+that is, vLLM's EventBatch and KVCacheEvent structs encoded array-like with their tag first.
+A block hash is the prefix cache's chained page key (32 bytes of sha256, vLLM's bytes form of
+ExternalBlockHash); a BlockStored lists the consecutive pages of one chain registered together,
+their parent being the hash of the page before the first (None: a chain's first page). seq
+counts batches from 0; the first batch is an AllBlocksCleared (a new engine holds nothing,
+whatever a subscriber kept from an earlier one). A subscriber that sees a gap asks the replay
+socket (ROUTER) for the batches from a seq: it sends [start seq, 8 bytes big-endian] from a REQ
+or DEALER socket and gets [seq, payload] for each kept batch from there, then [-1, b""].
+
+Endpoints follow vLLM's convention: one with a wildcard (`tcp://*:5557`), ipc:// or inproc:// is
+bound, any other (`tcp://indexer:5557`, the llm-d way) is connected to. The replay endpoint is
+always bound; by default the publisher's port + 1 when it binds a numeric port.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from .runtime.page_pool import CacheEvent
+
+log = logging.getLogger("pagedecode.kv_events")
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard, ipc:// or inproc:// endpoint is bound, others are connected to."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def default_replay(endpoint: str) -> str | None:
+    """The replay endpoint beside a bound tcp endpoint: its port + 1 (vLLM's 5557 / 5558)."""
+    if not endpoint.startswith("tcp://") or not binds(endpoint):
+        return None
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + 1}" if port.isdigit() else None
+
+
+def to_vllm(events: list[CacheEvent], block_size: int, medium: str) -> list[list[Any]]:
+    """The pool's log as vLLM events: consecutive pages of one chain in one BlockStored,
+    consecutive removals in one BlockRemoved."""
+    out: list[list[Any]] = []
+    for ev in events:
+        last = out[-1] if out else None
+        if ev[0] == "stored":
+            _, _, key, parent, tokens = ev
+            if last is not None and last[0] == "BlockStored" and last[1][-1] == parent:
+                last[1].append(key)
+                last[3].extend(tokens)
+            else:
+                out.append(["BlockStored", [key], parent, list(tokens), block_size, None, medium, None])
+        elif ev[0] == "removed":
+            if last is not None and last[0] == "BlockRemoved":
+                last[1].append(ev[1])
+            else:
+                out.append(["BlockRemoved", [ev[1]], medium])
+        else:
+            raise ValueError(f"unknown cache event {ev[0]!r}")
+    return out
+
+
+class KVEventPublisher:
+    """One engine's prefix-cache events on a ZeroMQ PUB socket, with a ROUTER socket replaying
+    the last `buffer_batches` batches. The sockets are made here (a bad endpoint fails at once)
+    and used only by the publisher's thread; attach() starts it on an engine."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, block_size: int,
+                 medium: str = "CPU", topic: str = "", data_parallel_rank: int = 0,
+                 buffer_batches: int = 10_000, hwm: int = 100_000) -> None:
+        import msgpack
+        import zmq
+        self._pack = msgpack.Packer(use_bin_type=True)
+        self.block_size, self.medium, self.rank = block_size, medium, data_parallel_rank
+        self.topic = topic.encode()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay: Any = None
+        try:
+            (self._pub.bind if binds(endpoint) else self._pub.connect)(endpoint)
+            self.address: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ValueError(f"KV events: cannot use {endpoint!r} / {replay_endpoint!r}: {e}") from None
+        # the replay socket's real address (a `tcp://127.0.0.1:*` endpoint takes any free port)
+        self.replay_address: str | None = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                                           if self._replay is not None else None)
+        self._queue: queue.Queue[list[list[Any]] | None] = queue.Queue()
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._engine: Any = None
+
+    def attach(self, engine: Any) -> "KVEventPublisher":
+        """Publish engine's cache changes from now on; the first batch clears the subscriber."""
+        self._queue.put([["AllBlocksCleared"]])
+        self._engine = engine
+        engine.publish_cache_events(self.submit)
+        self._thread = threading.Thread(target=self._run, name="pagedecode-kv-events", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, events: list[CacheEvent]) -> None:
+        """One step's changes (called by the engine under its lock: converts and queues)."""
+        self._queue.put(to_vllm(events, self.block_size, self.medium))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop taking events, publish what is queued, close the sockets."""
+        if self._engine is not None:
+            self._engine.publish_cache_events(None)
+            self._engine = None
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(0)
+        if self._replay is not None:
+            self._replay.close(0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._answer_replay()
+            try:
+                batch = self._queue.get(timeout=0.02)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            payload = self._pack.pack([time.time(), batch, self.rank])
+            seq = self._seq.to_bytes(8, "big")
+            try:
+                self._pub.send_multipart([self.topic, seq, payload])
+            except Exception:        # a PUB socket drops at its high-water mark; anything else is logged
+                log.exception("KV events: publishing batch %d failed", self._seq)
+            self._kept.append((self._seq, payload))
+            self._seq += 1
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("KV events: a replay request of %d frames ignored", len(frames))
+            return
+        who, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._kept):
+            if seq >= first:
+                self._replay.send_multipart([who, b"", seq.to_bytes(8, "big"), payload])
+        self._replay.send_multipart([who, b"", END_SEQ, b""])

@@ -1,0 +1,187 @@
+"""Replicas on a real local Ray cluster (pagedecode.ray): two replicas of the built-in model behind
+Ray Serve's HTTP proxy, driven by the official openai client (httpx where the frames themselves
+are checked). One cluster for the module (Ray's start-up is most of the cost); the last test shuts
+it down and checks that no Ray process is left."""
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'pagedecode[ray]')")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+psutil = pytest.importorskip("psutil")
+
+APP = "pagedecode"
+PREFIX = [(7 * i + 3) % 500 + 2 for i in range(512)]        # 512 token ids: 32 full pages
+
+
+class Cluster:
+    def __init__(self, url, pids):
+        self.url, self.pids = url, pids
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.stopped = False
+
+    def replicas(self):
+        return httpx.get(self.url + "/v1/replicas", timeout=30).json()["replicas"]
+
+    def ping(self, i):
+        from ray import serve
+        return serve.get_deployment_handle(f"replica-{i}", APP).ping.remote().result(timeout_s=120)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray import serve
+
+    import pagedecode.ray as pdray
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    except Exception as e:       # noqa: BLE001 - whatever keeps Ray from starting here is the reason
+        pytest.skip(f"Ray cannot start on this machine: {type(e).__name__}: {e}")
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = pdray.build_app(None, 2, ray_actor_options={"num_cpus": 0.5}, torch_threads=1, max_batch_size=16,
+                              health_check_period_s=1.0, grace_s=1.0)
+        serve.run(app, name=APP, route_prefix="/", blocking=False)
+        me = psutil.Process()
+        pids = {p.pid for p in me.children(recursive=True)}
+        c = Cluster(f"http://127.0.0.1:{port}", pids)
+        for i in range(2):
+            c.ping(i)
+        yield c
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _replica(raw):
+    return raw.headers["x-pagedecode-replica"]
+
+
+def test_both_replicas_serve_and_name_themselves(cluster):
+    seen = set()
+    for k in range(6):
+        raw = cluster.client.completions.with_raw_response.create(
+            model="default-model-v2", prompt=f"Once upon a time {k}", max_tokens=4)
+        out = raw.parse()
+        seen.add(_replica(raw))
+        assert out.id.startswith("req-r") and out.id == raw.headers["x-pagedecode-request-id"]
+        assert out.id.startswith(f"req-r{_replica(raw).rsplit('-', 1)[1]}-")     # the id names its replica
+    assert seen == {"replica-0", "replica-1"}
+
+
+def test_same_idempotency_key_is_one_generation_over_20_retries(cluster):
+    key = f"retry-{time.time_ns()}"
+    outs = [cluster.client.completions.with_raw_response.create(
+        model="default-model-v2", prompt="Tell me a story", max_tokens=12, temperature=1.0,
+        extra_headers={"Idempotency-Key": key}) for _ in range(20)]
+    ids = {o.parse().id for o in outs}
+    texts = {o.parse().choices[0].text for o in outs}
+    assert len(ids) == 1 and len(texts) == 1
+    assert len({_replica(o) for o in outs}) == 1
+
+
+def test_resume_through_the_events_endpoint_on_the_owning_replica(cluster):
+    with httpx.stream("POST", cluster.url + "/v1/completions", timeout=60,
+                      json={"prompt": "The little dog", "max_tokens": 40, "stream": True, "temperature": 0,
+                            "ignore_eos": True, "on_disconnect": "continue"}) as r:
+        assert r.status_code == 200
+        rid = r.headers["x-pagedecode-request-id"]
+        seen = []
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                seen.append(int(line[4:]))
+            if len(seen) == 3:
+                break
+    resumed, done = [], False
+    with httpx.stream("GET", f"{cluster.url}/v1/requests/{rid}/events", headers={"Last-Event-ID": str(seen[-1])},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["x-pagedecode-replica"] == f"replica-{rid[5]}"
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                resumed.append(int(line[4:]))
+            done = done or line == "data: [DONE]"
+    assert resumed and resumed[0] == seen[-1] + 1 and resumed == list(range(resumed[0], resumed[-1] + 1))
+    assert done
+
+
+def test_prefix_affinity_lands_on_one_replica_and_hits_its_cache(cluster):
+    used, cached = [], []
+    for k in range(6):
+        raw = cluster.client.completions.with_raw_response.create(
+            model="default-model-v2", prompt=PREFIX + [10 + k, 20 + k, 30 + k], max_tokens=2, temperature=0)
+        used.append(_replica(raw))
+        cached.append(raw.parse().usage.prompt_tokens_details.cached_tokens)
+    assert len(set(used)) == 1, used
+    assert cached[0] == 0 and all(c >= 512 for c in cached[1:]), cached
+    other = "replica-1" if used[0] == "replica-0" else "replica-0"
+    assert all(r["in_flight"] == 0 for r in cluster.replicas())
+    # the other replica never saw the prefix: a pinned request there computes it all
+    raw = cluster.client.completions.with_raw_response.create(
+        model="default-model-v2", prompt=PREFIX + [1, 2, 3], max_tokens=1, extra_headers={"X-Pagedecode-Replica": other})
+    assert _replica(raw) == other and raw.parse().usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_and_comes_back(cluster):
+    key = f"doomed-{time.time_ns()}"
+    body = {"prompt": "Once", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    lines = []
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, headers={"Idempotency-Key": key},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        name = r.headers["x-pagedecode-replica"]
+        index = int(name.rsplit("-", 1)[1])
+        it = r.iter_lines()
+        while sum(ln.startswith("id: ") for ln in lines) < 2:
+            lines.append(next(it))
+        pid = cluster.ping(index)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        lines.extend(it)
+    data = [ln[6:] for ln in lines if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    err = json.loads(data[-2])["error"]
+    assert err["code"] == "replica_failed" and name in err["message"]
+    # the same key again runs anew, to the end, on a live replica
+    out = cluster.client.completions.create(model="default-model-v2", prompt="Once", max_tokens=5,
+                                            extra_headers={"Idempotency-Key": key})
+    assert out.choices[0].finish_reason == "length"
+    # Ray Serve starts a replacement; the router routes to it again
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if not any(r["down"] for r in cluster.replicas()):
+            break
+        time.sleep(0.5)
+    assert not any(r["down"] for r in cluster.replicas())
+    assert cluster.ping(index)["pid"] != pid
+    raw = cluster.client.completions.with_raw_response.create(
+        model="default-model-v2", prompt="Once", max_tokens=2, extra_headers={"X-Pagedecode-Replica": name})
+    assert _replica(raw) == name and raw.parse().choices[0].text is not None
+
+
+def test_shutdown_leaves_no_ray_process(cluster):
+    from ray import serve
+    pids = cluster.pids | {p.pid for p in psutil.Process().children(recursive=True)}
+    assert pids, "Ray started no process?"
+    serve.shutdown()
+    ray.shutdown()
+    deadline = time.monotonic() + 60
+    left = pids
+    while time.monotonic() < deadline:
+        left = {p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+        if not left:
+            break
+        time.sleep(0.25)
+    assert not left, [psutil.Process(p).cmdline()[:3] for p in left if psutil.pid_exists(p)]
