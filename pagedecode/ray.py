@@ -289,7 +289,8 @@ class Router:
         self.inflight = [0] * self.n
         self.down: set[int] = set()
         self.index: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(self.n)]
-        self.turn = itertools.count()
+        self.turn = itertools.count()          # ties between least loaded replicas
+        self.rotation = itertools.count()      # routing="round_robin"
         self.failures = _failure_types()
         self.routing_info: dict[str, Any] | None = None
         self.template: Any = None
@@ -308,19 +309,22 @@ class Router:
         tied = sorted(i for i in live if self.inflight[i] == low)
         return tied[next(self.turn) % len(tied)]
 
-    async def prompt_keys(self, body: Any, chat: bool) -> list[bytes]:
-        """The chained page keys of the prompt's full pages (the first prompt of a batch), as the
-        prefix cache keys them; [] when the prompt cannot be read (the replica will say why)."""
-        if not isinstance(body, dict):
-            return []
+    async def load_routing_info(self) -> None:
+        """The tokenizer, chat template and page size, from a replica, once."""
         if self.routing_info is None:
             info = await self.replicas[0].routing_info.remote()
             if self.routing_info is None:
-                self.routing_info = info
                 source, specials = info["template"]
                 if source:
                     from .server.chat import ChatTemplate
                     self.template = ChatTemplate(source, specials)
+                self.routing_info = info
+
+    def prompt_keys(self, body: Any, chat: bool) -> list[bytes]:
+        """The chained page keys of the prompt's full pages (the first prompt of a batch), as the
+        prefix cache keys them; [] when the prompt cannot be read (the replica will say why)."""
+        if not isinstance(body, dict) or self.routing_info is None:
+            return []
         info = self.routing_info
         tok, ps = info["tokenizer"], info["page_size"]
         try:
@@ -348,9 +352,11 @@ class Router:
         return keys
 
     def by_prefix(self, keys: list[bytes], live: set[int]) -> int:
+        if self.spec.routing == "round_robin":
+            return sorted(live)[next(self.rotation) % len(live)]
         least = self.least_loaded(live)
-        if not keys or self.spec.routing != "prefix":
-            pick = least if self.spec.routing == "prefix" else sorted(live)[next(self.turn) % len(live)]
+        if not keys:
+            pick = least
         else:
             depth = {}
             for i in live:
@@ -372,7 +378,7 @@ class Router:
             remembered.popitem(last=False)
         return pick
 
-    async def choose(self, method: str, path: str, headers: dict[str, str], body: bytes) -> int:
+    def choose(self, method: str, path: str, headers: dict[str, str], body: bytes) -> int:
         live = self.live()
         pinned = headers.get(REPLICA_HEADER)
         if pinned is not None:
@@ -398,7 +404,7 @@ class Router:
                 parsed = json.loads(body)
             except ValueError:
                 parsed = None
-            return self.by_prefix(await self.prompt_keys(parsed, path.endswith("chat/completions")), live)
+            return self.by_prefix(self.prompt_keys(parsed, path.endswith("chat/completions")), live)
         return self.least_loaded(live)
 
     # -- failures -----------------------------------------------------------------------------
@@ -423,8 +429,7 @@ class Router:
 
     # -- HTTP -----------------------------------------------------------------------------------
     async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse, Response, StreamingResponse
-        t0 = time.perf_counter()
+        from starlette.responses import JSONResponse, StreamingResponse
         body = await request.body()
         headers = {k.lower(): v for k, v in request.headers.items()}
         method, path = request.method, request.url.path
@@ -433,8 +438,11 @@ class Router:
                                                "down": i in self.down} for i in range(self.n)],
                                  "routed": self.routed, "routing_s": self.routing_s,
                                  "affinity_hits": self.affinity_hits, "routing": self.spec.routing})
+        if self.routing_info is None and self.spec.routing == "prefix":
+            await self.load_routing_info()
+        t0 = time.perf_counter()          # the router's own cost: choosing, no waiting
         try:
-            i = await self.choose(method, path, headers, body)
+            i = self.choose(method, path, headers, body)
         except LookupError as e:
             return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error",
                                            "param": "X-Pagedecode-Replica", "code": "invalid_value"}}, 400)

@@ -66,6 +66,37 @@ def cluster():
             ray.shutdown()
 
 
+# -- the router's choices, without a cluster -------------------------------------------------------
+def _router(routing="prefix", cap=8):
+    from pagedecode.ray import Router, Spec
+    r = Router(Spec(model="m", served_model_name="m", routing=routing, prefix_load_cap=cap), None, None)
+    return r
+
+
+def test_round_robin_alternates_and_prefix_affinity_sticks_up_to_the_load_cap():
+    rr = _router("round_robin")
+    assert [rr.by_prefix([b"k"], {0, 1}) for _ in range(6)] == [0, 1, 0, 1, 0, 1]
+    r = _router(cap=3)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    first = r.by_prefix(keys, {0, 1})
+    r.inflight[first] += 1
+    picks = [first]
+    for _ in range(4):              # the same prefix: its replica, until it has 3 more in flight
+        picks.append(r.by_prefix(keys[:3] + [b"other" * 8], {0, 1}))
+        r.inflight[picks[-1]] += 1
+    assert picks[:3] == [first] * 3 and picks[3] != first
+
+
+def test_the_ring_keeps_a_keys_owner_and_skips_a_dead_one():
+    from pagedecode.ray import Ring
+    ring = Ring(3)
+    owners = {k: ring.owner(f"key:{k}", {0, 1, 2}) for k in range(300)}
+    assert set(owners.values()) == {0, 1, 2}
+    moved = {k: ring.owner(f"key:{k}", {0, 2}) for k in range(300)}
+    assert all(moved[k] == o for k, o in owners.items() if o != 1)      # only replica-1's keys move
+    assert all(moved[k] in (0, 2) for k in owners)
+
+
 def _replica(raw):
     return raw.headers["x-pagedecode-replica"]
 
