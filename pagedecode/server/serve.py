@@ -8,7 +8,7 @@ import json
 import logging
 import socket
 import sys
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
@@ -103,7 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None, help="with --ray: join this Ray cluster instead of starting one")
     for f in ENGINE_FLAGS:
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
+        # a field whose default comes from the environment (default_factory) is read now
+        default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
         kind: Any = type(default) if default is not None else None
         extra: dict[str, Any] = {}
         if isinstance(default, bool):
