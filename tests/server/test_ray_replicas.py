@@ -97,6 +97,13 @@ def test_the_ring_keeps_a_keys_owner_and_skips_a_dead_one():
     assert all(moved[k] in (0, 2) for k in owners)
 
 
+def _alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _replica(raw):
     return raw.headers["x-pagedecode-replica"]
 
@@ -211,8 +218,8 @@ def test_shutdown_leaves_no_ray_process(cluster):
     deadline = time.monotonic() + 60
     left = pids
     while time.monotonic() < deadline:
-        left = {p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+        left = {p for p in pids if _alive(p)}
         if not left:
             break
         time.sleep(0.25)
-    assert not left, [psutil.Process(p).cmdline()[:3] for p in left if psutil.pid_exists(p)]
+    assert not left, left
