@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check: one call on a lent CUDA GPU (an H200), in the project's own venv; every
-# step together at most 570 s (STEPS= a few of them for a rerun within a 15-minute lease).
+# step together at most 600 s (STEPS= a few of them for a rerun within a 15-minute lease).
 #
 #   bash benchmarks/device_check.sh            run every step (results under $OUT, else
 #                                             benchmarks/results/device-<date>-<time>/)
@@ -19,6 +19,8 @@
 #   quant    copy bandwidth; Q8_0 / Q4_0 GEMV and GEMM: weight GB/s vs it, beside
 #            dequantize + matmul and a dense bf16 matmul; config sweep              quant.json
 #   micro    the pytest-benchmark micro-benchmarks (benchmarks/micro) on CUDA       micro.json
+#   spec     speculative decoding's rejection kernel vs its torch reference:
+#            equal tokens, microseconds (benchmarks/speculative.py --kernel)        spec.json
 #   engine   benchmarks/engine_vs_hf.py --device cuda (pagedecode vs transformers)  engine.json
 #   tp2      tensor parallelism on 2 GPUs (skipped with fewer)                      tp2.json
 # Failures are recorded by kernel and shape (kernels.json rows carry "error"); the script exits
@@ -57,7 +59,7 @@ fi
 PY="${PY:-$PWD/.venv/bin/python}"
 RESULTS="${OUT:-benchmarks/results/device-$(date +%F-%H%M%S)}"
 mkdir -p "$RESULTS"
-STEPS="${STEPS:-env tests kernels quant micro engine tp2}"
+STEPS="${STEPS:-env tests kernels quant micro spec engine tp2}"
 
 STATUS="$RESULTS/steps.json"
 echo "[]" > "$STATUS"
@@ -111,6 +113,8 @@ step quant 90 "$PY" benchmarks/kernel_sweep.py --quant --sweep --out "$RESULTS/q
 
 step micro 60 "$PY" -m pytest benchmarks/micro/test_ops.py -q -p no:cacheprovider -o addopts= \
   --benchmark-json="$RESULTS/micro.json" --benchmark-max-time=0.5
+
+step spec 30 "$PY" benchmarks/speculative.py --kernel --out "$RESULTS/spec.json"
 
 step engine 60 "$PY" benchmarks/engine_vs_hf.py --device cuda --dtype bfloat16 --models llama135m \
   --engines pagedecode,transformers --repeat 3 --out "$RESULTS/engine.json"

@@ -13,6 +13,7 @@ import pagedecode.kernels.extend_attention as EA
 import pagedecode.kernels.kv_write as KW
 import pagedecode.kernels.matmul as MM
 import pagedecode.kernels.quant_matmul as QM
+import pagedecode.kernels.rejection as RJ
 import pagedecode.kernels.rmsnorm as RN
 import pagedecode.kernels.sampling as S
 
@@ -56,6 +57,9 @@ def cases():
                 DOT_DTYPE=tdt)
         yield f"kv write {dt}", KW._write_kv_kernel, kv, dict(PAGE_SIZE=16, HEADS=8, HEAD_DIM=128, BLOCK_H=8,
                                                             BLOCK_D=128)
+    yield "speculative rejection", RJ._rejection_kernel, {
+        "target_ptr": "*fp32", "draft_ptr": "*fp32", "ids_ptr": "*i64", "n_ptr": "*i32", "seed_ptr": "*i64",
+        "index_ptr": "*i64", "tokens_ptr": "*i64", "accepted_ptr": "*i32"}, dict(BLOCK_V=4096)
     yield from quant_cases()
     yield from deterministic_cases()
 
