@@ -17,7 +17,7 @@ from .params import SamplingParams
 from .structured import StructuredOutput
 from .protocols import Model
 from .runtime.async_engine import AsyncEngine
-from .runtime.config import EngineConfig
+from .runtime.config import EngineConfig, SpeculativeConfig
 from .runtime.engine import Engine
 from .runtime.heap import freeze_heap
 from .runtime.events import (DeltaEvent, RequestOutput, StartEvent, TerminalEvent, Timings, Usage,
@@ -33,7 +33,7 @@ __all__ = [
     "FinishReason", "ForgottenRequestError", "StructuredOutput", "TokenizerLike", "as_tokenizer",
     "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "Model",
     "ModelConfig", "ModelLoadError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
-    "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "Usage", "load_model",
+    "SpeculativeConfig", "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "Usage", "load_model",
     "freeze_heap", "testing", "to_chrome", "to_jsonl",
 ]
 __version__ = "0.1.0"

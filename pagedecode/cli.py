@@ -40,7 +40,13 @@ def _engine(args: argparse.Namespace) -> Any:
     from .runtime.engine import Engine
     _check_device(args.device)
     path = args.model or default_model_path()
-    options = {"max_batch_size": max(8, getattr(args, "requests", 1)), "deterministic": getattr(args, "deterministic", False)}
+    from .server.serve import speculative_config
+    try:
+        speculative = speculative_config(args)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    options = {"max_batch_size": max(8, getattr(args, "requests", 1)), "speculative": speculative,
+               "deterministic": getattr(args, "deterministic", False)}
     return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
                                   tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                                   tokenizer=args.tokenizer, **options)
@@ -190,7 +196,7 @@ def _positive(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .server.serve import HelpFormatter, add_arguments
+    from .server.serve import HelpFormatter, add_arguments, add_speculative_arguments
     ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--version", action="version", version=f"pagedecode {__version__}")
@@ -224,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         p.add_argument("--deterministic", action="store_true",
                        help="batch-invariant kernels: the same prompt and seed give the same bits whatever else runs")
+        add_speculative_arguments(p)
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")
         else:

@@ -56,9 +56,13 @@ class ScriptedModel:
         self._check_cache(batch, kv)
         if self.on_forward is not None:
             self.on_forward({"batch": batch, "call": self.forward_calls, "request_ids": batch.request_ids})
-        logits = torch.full((len(batch.logits_seqs), self.config.vocab_size), -20.0)
-        for row, s in enumerate(batch.logits_seqs):
-            logits[row, self.next_token(batch.token_ids[s], batch.output_ids[s])] = 20.0
+        # one row per sampling seq, then (speculation) one row after each draft token
+        wants = [(batch.token_ids[s], batch.output_ids[s]) for s in batch.logits_seqs]
+        for s, drafts in enumerate(batch.drafts):
+            wants += [(batch.token_ids[s], batch.output_ids[s] + list(drafts[:j])) for j in range(1, len(drafts) + 1)]
+        logits = torch.full((len(wants), self.config.vocab_size), -20.0)
+        for row, (prompt, output) in enumerate(wants):
+            logits[row, self.next_token(prompt, output)] = 20.0
         return logits
 
     @staticmethod
@@ -66,7 +70,7 @@ class ScriptedModel:
         lens = batch.seq_lens.tolist()
         for s, n in enumerate(lens):
             cached = gather_pages(kv.k[0], batch.page_table[s:s + 1], n)[0, :, 0]   # (n, 2)
-            known = batch.token_ids[s] + batch.output_ids[s]
+            known = batch.token_ids[s] + batch.output_ids[s] + list(batch.drafts[s] if batch.drafts else ())
             want = torch.tensor([known[:n], list(range(n))], dtype=torch.float32).T
             if not torch.equal(cached, want):
                 raise AssertionError(f"paged cache of {batch.request_ids[s]} does not hold its tokens")

@@ -3,7 +3,8 @@
 Layout of the packed token rows (T rows in all):
     [ decode seq 0 | decode seq 1 | ... | prefill seq a (n_a rows) | prefill seq b | ... ]
 The first `num_decode` sequences add exactly one token each; the rest add a chunk of their
-prompt (or a recompute after preemption). Sequence s owns rows cu_q[s] : cu_q[s + 1].
+prompt (or a recompute after preemption), or, last, verify speculative drafts: the last known
+token then k draft tokens, k + 1 rows whose logits choose k + 1 tokens. Sequence s owns rows cu_q[s] : cu_q[s + 1].
 
 Positions, for a sequence with `cached` tokens already in its pages and n new ones:
     new token i sits at logical position cached + i, in slot
@@ -25,8 +26,9 @@ class ForwardBatch:
     page_table: torch.Tensor       # (S, max_pages) int32
     seq_lens: torch.Tensor         # (S,) int32, after this step's writes
     cu_q: torch.Tensor             # (S + 1,) int32
-    logits_indices: torch.Tensor   # (N + P,) int64: rows whose logits are wanted: the last row of each
-                                   # sampling seq, then P rows whose logits score prompt tokens
+    logits_indices: torch.Tensor   # (N + P + D,) int64: rows whose logits are wanted: the row after the
+                                   # last known token of each sampling seq, then P rows whose logits
+                                   # score prompt tokens, then the D rows after each draft token
     num_decode: int                # leading sequences with exactly one new token
     max_new: int                   # most new tokens of any sequence
     # for the token selector, not the model (sent in the same copy as the rows above): per
@@ -40,6 +42,8 @@ class ForwardBatch:
     logits_seqs: list[int] = field(default_factory=list)       # which seqs own logits_indices[:N]
     # prompt_logprobs: (seq, first prompt token scored, count) for logits_indices[N:], in order
     prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # speculation: each seq's draft tokens (its last rows; empty for most seqs), in seq order
+    drafts: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

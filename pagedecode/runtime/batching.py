@@ -25,6 +25,7 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
     sample_index: list[int] = []                      # ... and the output position it chooses
     prompt_rows: list[int] = []                       # rows whose logits score prompt tokens
     prompt_spans: list[tuple[int, int, int]] = []
+    draft_rows: list[int] = []                        # after every other row: see ForwardBatch
     max_pages = max(len(s.request.pages) for s in seqs)
     table: list[int] = []
     rows = 0
@@ -36,8 +37,10 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
             slots.append(pages[start // page_size] * page_size + start % page_size)
             positions.append(start)
         else:
+            known = n - len(s.drafts)                 # a verify: the last known token, then the drafts
+            ids.extend(req.token_at(pos) for pos in range(start, start + known))
+            ids.extend(s.drafts)
             for pos in range(start, start + n):
-                ids.append(req.token_at(pos))
                 slots.append(pages[pos // page_size] * page_size + pos % page_size)
             positions.extend(range(start, start + n))
         scored = req.prompt_logprob_positions(start, n)
@@ -50,15 +53,17 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
         table.extend(pages)
         if len(pages) < max_pages:
             table.extend([-1] * (max_pages - len(pages)))
-        if s.samples:
+        if s.samples:                                 # the row after the last known token
             if req.slot is None:
                 raise RuntimeError(f"request {req.request_id} selects a token without a batch slot")
-            logits_rows.append(rows - 1)
+            logits_rows.append(rows - 1 - len(s.drafts))
             logits_seqs.append(i)
             sample_slots.append(req.slot)
             sample_index.append(len(req.output_ids))
+        if s.drafts:                                  # rows after each draft: they verify it
+            draft_rows.extend(range(rows - len(s.drafts), rows))
 
-    logits_rows += prompt_rows
+    logits_rows += prompt_rows + draft_rows
     S, T, N = len(seqs), rows, len(logits_rows)
     K = len(sample_slots)
     wide = torch.tensor(ids + positions + slots + logits_rows + sample_slots + sample_index, dtype=torch.int64)
@@ -75,4 +80,4 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
         request_ids=[s.request.request_id for s in seqs],
         token_ids=[s.request.prompt_ids for s in seqs],
         logits_seqs=logits_seqs, prompt_spans=prompt_spans,
-        output_ids=[s.request.output_ids for s in seqs])
+        output_ids=[s.request.output_ids for s in seqs], drafts=[s.drafts for s in seqs])

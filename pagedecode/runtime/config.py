@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..kernels._backend import BACKENDS
 from ..model.llama import default_cpu_matmul, default_cpu_pack_weights
 from .trace import TRACE_LEVELS
 
 BACKPRESSURE_POLICIES = ("pause", "fail")
+SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_CACHE_TOKENS = 16384
 CPU_MATMULS = ("onednn", "aten")
 
@@ -60,6 +62,7 @@ class EngineConfig:
     cpu_keep_freed_memory: bool = field(default_factory=default_keep_freed_memory)
                                              # glibc keeps what a step frees for the next (mallopt, applied
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
+    speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -88,5 +91,42 @@ class EngineConfig:
             raise ValueError(f"trace must be one of {TRACE_LEVELS}, got {self.trace!r}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a pd.SpeculativeConfig or None, got {type(self.speculative).__name__}")
         if self.max_finished_bytes is not None and self.max_finished_bytes < 1:
             raise ValueError(f"max_finished_bytes must be >= 1 or None, got {self.max_finished_bytes}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: propose up to `num_tokens` tokens per request and step, verify them
+    in one forward pass, keep exactly the ones the engine would have chosen anyway."""
+    method: str = "ngram"                    # "ngram": prompt lookup in the request's own tokens;
+                                             # "draft": a smaller model with the same tokenizer
+    num_tokens: int = 4                      # k: draft tokens proposed per request and step
+    min_ngram: int = 2                       # n-gram: the shortest suffix matched ...
+    max_ngram: int = 4                       # ... and the longest (tried first)
+    draft_model: Any = None                  # "draft": a pd.Model, or a directory / GGUF file to load
+    max_batch: int = 32                      # no proposals while more requests than this decode
+                                             # (large batches are compute-bound: verifying costs more)
+    min_acceptance: float = 0.3              # per request: rolling acceptance below this turns
+                                             # proposals off for it ...
+    backoff_steps: int = 8                   # ... for this many steps, doubled on every new miss
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_tokens, int) or not 1 <= self.num_tokens <= 64:
+            raise ValueError(f"num_tokens must be an integer in [1, 64], got {self.num_tokens!r}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError('method="draft" needs draft_model (a pd.Model or a model directory)')
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError('draft_model is only for method="draft"')
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.backoff_steps < 1:
+            raise ValueError(f"backoff_steps must be >= 1, got {self.backoff_steps}")

@@ -36,10 +36,11 @@ from .page_pool import CacheEvent, PagePool
 from .prefix_cache import namespace, register as register_pages
 from .registry import RequestRegistry
 from .request import Request
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .selector import SampleRows, Selection, TokenSelector, TopLogprobs, prompt_logprobs
 from .slots import SlotTable
 from .snapshot import EngineSnapshot
+from .speculative import Speculator
 from .terminations import RequestEndings
 from .trace import now_us
 
@@ -116,6 +117,9 @@ class Engine(RequestEndings):
                                        cache_bytes=config.grammar_cache_bytes,
                                        timeout_s=config.grammar_compile_timeout_s,
                                        max_depth=config.max_schema_depth, max_bytes=config.max_schema_bytes)
+        self.speculator = (None if config.speculative is None else
+                           Speculator(config.speculative, self.max_context, config.page_size, model,
+                                      num_pages * config.page_size))
         # perf_counter microseconds + wall_offset_us = wall-clock microseconds (traces line up with logs)
         self.wall_offset_us = time.time() * 1e6 - now_us()
 
@@ -320,6 +324,8 @@ class Engine(RequestEndings):
             if plan.empty:
                 self._flush_cache_events()
                 return events
+            if self.speculator is not None:
+                self.speculator.extend(plan, self.scheduler, self.config.max_tokens_per_step - plan.num_tokens)
             self._begin(plan)
         try:
             selection, failure = self._run(plan), None
@@ -333,7 +339,8 @@ class Engine(RequestEndings):
             self._safe_point(events)
             self.steps += 1
             self.step_records.append({"step": self.steps, "t_us": t0, "dur_us": now_us() - t0,
-                                      "decode": len(plan.decode), "prefill": len(plan.prefill)})
+                                      "decode": len(plan.decode), "prefill": len(plan.prefill),
+                                      "verify": len(plan.verify)})
             self._flush_cache_events()
         return events
 
@@ -358,7 +365,7 @@ class Engine(RequestEndings):
             if req.first_scheduled is None:
                 req.first_scheduled = now
                 req.timings.queue_s = now - req.arrival
-        for s in plan.decode:
+        for s in plan.decode + plan.verify:
             if s.request.trace.tokens:
                 s.request.trace.token("decode.started", t=len(s.request.output_ids), cache_len=s.request.num_computed)
 
@@ -376,7 +383,15 @@ class Engine(RequestEndings):
                 pages_total=pool.num_pages, slots_used=slots.num_slots - slots.free_slots,
                 slots_total=slots.num_slots, preemptions=sch.preemptions,
                 prefix_cache_queries=sch.cache_queries, prefix_cache_hits=sch.cache_hits,
-                steps=self.steps, prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens)
+                steps=self.steps, prompt_tokens=self._prompt_tokens, generated_tokens=self._generated_tokens,
+                **self._spec_counters())
+
+    def _spec_counters(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {"spec_decode_num_drafts": c.drafts, "spec_decode_num_draft_tokens": c.draft_tokens,
+                "spec_decode_num_accepted_tokens": c.accepted_tokens}
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: no step wrote a shared or cached page."""
@@ -390,28 +405,39 @@ class Engine(RequestEndings):
         logits = self.model.forward(batch, self.kv)
         choosers = [s.request for s in plan.seqs if s.samples]
         n, scored = len(choosers), sum(c for _, _, c in batch.prompt_spans)
-        if logits.shape[0] != n + scored:
+        drafts = sum(len(s.drafts) for s in plan.verify)
+        if logits.shape[0] != n + scored + drafts:
             raise RuntimeError(f"the model returned {logits.shape[0]} rows of logits for {n} sequences"
-                               + (f" and {scored} prompt positions (prompt_logprobs)" if scored else ""))
-        bitmask = self.constraints.rows([r.grammar for r in choosers], [r.slot for r in choosers],
-                                        [len(r.output_ids) for r in choosers])
+                               + (f" and {scored} prompt positions (prompt_logprobs)" if scored else "")
+                               + (f" and {drafts} draft tokens" if drafts else ""))
         assert batch.sample_slots is not None and batch.sample_index is not None
         self.selector.stage_rows(SampleRows(batch.sample_slots, batch.sample_index))   # came with the batch
-        selection = self.selector.select(logits[:n], choosers, bitmask)
+        selection = self._select(logits[:n], choosers)
         if scored:
-            selection.prompt = prompt_logprobs(logits[n:], batch.prompt_spans, [s.request for s in plan.seqs])
+            selection.prompt = prompt_logprobs(logits[n:n + scored], batch.prompt_spans,
+                                               [s.request for s in plan.seqs])
+        if drafts:
+            selection.drafts = logits[n + scored:]
         return selection
+
+    def _select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection:
+        """One row of logits per request -> its token, with its grammar's mask for this position
+        (each row's slot and output position: the staged ones, else read off the requests)."""
+        bitmask = self.constraints.rows([r.grammar for r in choosers], [r.slot for r in choosers],
+                                        [len(r.output_ids) for r in choosers])
+        return self.selector.select(logits, choosers, bitmask)
 
     def _commit(self, plan: SchedulerOutput, sel: Selection, dt: float, events: list[Event]) -> None:
         row = 0
         caching, ps = self.config.enable_prefix_caching, self.config.page_size
+        runs: list[tuple[ScheduledSeq, int]] = []       # verify seqs: speculative.py takes their tokens
         for k, s in enumerate(plan.seqs):
             req, i = s.request, row
             row += s.samples
             if req.state == S.CANCEL_REQUESTED or req.state.terminal:
                 continue                        # cancelled while the step ran: its result is discarded
             try:
-                req.num_computed += s.num_new
+                req.num_computed += s.num_new - len(s.drafts)     # drafts count once accepted (speculative.py)
                 req.processed_tokens += s.num_new
                 if caching and req.num_computed // ps > req.pages_registered:     # a page filled
                     register_pages(self.pool, req, ps)
@@ -427,15 +453,33 @@ class Engine(RequestEndings):
                     self._on_prompt_logprobs(req, *sel.prompt[k])
                 if s.samples and req.params.max_tokens == 0:      # prompt logprobs only: no token
                     self._finish(req, R.MAX_OUTPUT_TOKENS, events)
+                elif s.drafts:
+                    runs.append((s, i))
                 elif s.samples:
-                    if i in sel.bad:
-                        raise FloatingPointError("the model returned non-finite logits (NaN or inf) for it")
-                    if i in sel.empty:
-                        raise RuntimeError(nothing_allowed(req))
-                    self._on_token(req, sel.tokens[i], None if sel.logprobs is None else sel.logprobs[i],
-                                   None if sel.top is None else sel.top[i], events)
+                    self._take(req, sel, i, events)
             except Exception as exc:
                 self._fail(req, exc, events)
+        if runs:
+            assert self.speculator is not None and sel.drafts is not None
+            self.speculator.verify(runs, sel, sel.drafts, self, events, self._after_verify)
+
+    def _take(self, req: Request, sel: Selection, i: int, events: list[Event]) -> None:
+        """Commit row i's selection as req's next token (its endings checked)."""
+        if i in sel.bad:
+            raise FloatingPointError("the model returned non-finite logits (NaN or inf) for it")
+        if i in sel.empty:
+            raise RuntimeError(nothing_allowed(req))
+        self._on_token(req, sel.tokens[i], None if sel.logprobs is None else sel.logprobs[i],
+                       None if sel.top is None else sel.top[i], events)
+
+    def _after_verify(self, req: Request) -> None:
+        """After a verify: key the pages its accepted tokens filled, give back the ones only
+        rejected drafts used (a request that ended gave back everything already)."""
+        if req.state.terminal or req.state == S.CANCEL_REQUESTED:
+            return
+        if self.config.enable_prefix_caching and req.num_computed // self.config.page_size > req.pages_registered:
+            register_pages(self.pool, req, self.config.page_size)
+        self.scheduler.trim(req)
 
     @staticmethod
     def _on_prompt_logprobs(req: Request, first: int, lps: list[float], tops: list[TopLogprobs] | None) -> None:

@@ -17,6 +17,8 @@ class Usage:
     returned_tokens: int = 0     # token ids the client received in deltas
     returned_bytes: int = 0      # UTF-8 bytes of the text the client received
     cached_tokens: int = 0       # prompt tokens whose K/V came from the prefix cache
+    draft_tokens: int = 0        # speculative decoding: tokens proposed for it and verified
+    accepted_draft_tokens: int = 0   # ... of them selected (each is also one of selected_tokens)
 
 
 @dataclass

@@ -47,6 +47,8 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)   # chained keys of its full pages so far
     pages_registered: int = 0             # leading pages of `pages` that are in the prefix cache
     cached_tokens: int = 0                # prompt tokens served from the prefix cache
+    draft_tokens: int = 0                 # speculation: drafts proposed and verified ...
+    accepted_draft_tokens: int = 0        # ... and of them, selected
     grammar: Any = None                   # a GrammarState when the request is constrained
     slot: int | None = None
     finish_reason: FinishReason | None = None

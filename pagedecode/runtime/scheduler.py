@@ -28,6 +28,7 @@ class ScheduledSeq:
     request: Request
     num_new: int          # tokens computed this step: known[num_computed : num_computed + num_new]
     samples: bool         # the chunk reaches the last known token: its logits choose the next one
+    drafts: tuple[int, ...] = ()   # speculation: proposed tokens computed after the last known one
 
 
 @dataclass
@@ -36,14 +37,19 @@ class SchedulerOutput:
     prefill: list[ScheduledSeq] = field(default_factory=list)   # prompt chunks and recomputes
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
+    verify: list[ScheduledSeq] = field(default_factory=list)    # last token + drafts (runtime/speculative.py)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.verify
 
     @property
     def seqs(self) -> list[ScheduledSeq]:
-        return self.decode + self.prefill
+        return self.decode + self.prefill + self.verify
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
 
 
 class Scheduler:
@@ -113,6 +119,26 @@ class Scheduler:
         self._admit(out, budget, scheduled, runnable)
         self._check_writes(out)
         return out
+
+    def try_extend(self, req: Request, tokens: int) -> bool:
+        """Pages for `tokens` positions from num_computed on, from free pages only (a speculative
+        extension never preempts anyone); False, taking nothing, when there are too few."""
+        need = self.pages_for(req.num_computed + tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.pool.allocate(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def trim(self, req: Request) -> None:
+        """Give back the pages past the ones the next step writes into (held for drafts that were
+        rejected: their K/V lies beyond the logical length and is never read)."""
+        keep = max(self.pages_for(req.num_tokens), req.pages_registered)
+        if len(req.pages) > keep:
+            extra, req.pages = req.pages[keep:], req.pages[:keep]
+            self.pool.release(reversed(extra))
 
     def _check_writes(self, out: SchedulerOutput) -> None:
         """Every page a step writes is held by exactly one request and is not a cached page

@@ -32,6 +32,7 @@ class Selection:
     empty: frozenset[int] = frozenset()  # rows left with no allowed token (bias, min_tokens, grammar)
     # prompt_logprobs: seq index -> (first prompt token scored, its logprobs, their top N or None)
     prompt: dict[int, tuple[int, list[float], list[TopLogprobs] | None]] | None = None
+    drafts: torch.Tensor | None = None   # speculation: the logits after each draft token, verified at commit
 
 
 def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[int, int, int]], reqs: Sequence[Request]

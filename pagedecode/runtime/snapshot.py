@@ -29,6 +29,9 @@ class EngineSnapshot:
     steps: int                  # steps that ran the model
     prompt_tokens: int          # prompt tokens of the requests added
     generated_tokens: int       # tokens chosen for requests (EOS and stop tokens included)
+    spec_decode_num_drafts: int = 0            # speculation: verify runs (a request with drafts in a step)
+    spec_decode_num_draft_tokens: int = 0      # ... draft tokens proposed and verified
+    spec_decode_num_accepted_tokens: int = 0   # ... of them accepted (selected as proposed)
 
     @property
     def kv_cache_usage(self) -> float:

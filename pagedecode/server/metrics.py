@@ -60,7 +60,12 @@ class EngineCollector(Collector):
         for name, doc, value in (
                 ("num_preemptions", "Requests preempted", s.preemptions),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
-                ("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_cache_hits)):
+                ("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_cache_hits),
+                ("spec_decode_num_drafts", "Speculative verify runs (a request with drafts in a step)",
+                 s.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified", s.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted (selected as proposed)",
+                 s.spec_decode_num_accepted_tokens)):
             yield CounterMetricFamily(P + name, doc, value=value, created=self.created)
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:           # starlette and the server load only when serving
     from .transport import ConnectionLimits
 
 log = logging.getLogger("pagedecode.server")
-ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name",)]
+ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name", "speculative")]
 FLUSH_S = 5.0     # after the drain: for cancels to take effect and clients to get their endings
 
 
@@ -113,6 +113,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             kind = int
         p.add_argument(flag, type=kind, default=default, dest="engine_" + f.name, metavar=f.name.upper(),
                        help=f"EngineConfig.{f.name}", **extra)
+    add_speculative_arguments(p)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """--speculative-method, --num-speculative-tokens, --draft-model (generate, demo and serve)."""
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: ngram (prompt lookup in each request's own tokens) or "
+                        "draft (a smaller model, --draft-model); off by default")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed per step")
+    p.add_argument("--draft-model", default=None, help="the draft model's directory (--speculative-method draft)")
+
+
+def speculative_config(args: argparse.Namespace) -> Any:
+    """The SpeculativeConfig the flags ask for, or None; bad values raise ValueError."""
+    from ..runtime.config import SpeculativeConfig
+    if args.speculative_method is None:
+        if args.draft_model is not None:
+            raise ValueError("--draft-model needs --speculative-method draft")
+        return None
+    return SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
+                             draft_model=args.draft_model)
 
 
 def _bool(text: str) -> bool:
@@ -138,6 +159,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
                                   header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                                   keep_alive_timeout_s=args.keep_alive_timeout)
         keys = api_keys(args)          # a bad key file fails before the model loads
+        speculative = speculative_config(args)
     except ValueError as e:
         print(f"pagedecode serve: {e}", file=sys.stderr)
         return 2
@@ -151,6 +173,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
         return 1
     model_dir = Path(args.model) if args.model else default_model_path()
     options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS}
+    options["speculative"] = speculative
     name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
     engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
                                        tensor_parallel_size=args.tensor_parallel_size,

@@ -24,7 +24,8 @@ def test_a_known_workload_step_by_step():
     assert counts(eng.snapshot()) == dict(
         running=0, waiting=3, paused=0, finished_kept=0, pages_used=0, pages_cached=0, pages_total=8,
         slots_used=0, slots_total=2, preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, steps=0,
-        prompt_tokens=18, generated_tokens=0)
+        prompt_tokens=18, generated_tokens=0, spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
+        spec_decode_num_accepted_tokens=0)
     eng.step()              # two admitted: 6 tokens each in 2 pages, each chooses its first token
     s = eng.snapshot()
     assert (s.running, s.waiting, s.slots_used, s.pages_used, s.steps, s.generated_tokens) == (2, 1, 2, 4, 1, 2)

@@ -1,0 +1,156 @@
+"""The draft-model proposer: a smaller pd.Model with the same tokenizer proposes k tokens by
+greedy decoding on its own paged KV cache.
+
+Its pages come from its own pool (a PagePool and KVCache of the draft's shape, with as many
+tokens of capacity as the target's cache), not from the engine's: the target's page accounting,
+preemption and prefix cache never see them. Per request it keeps its pages and `num_computed`,
+the tokens whose draft K/V is valid, always a prefix of the request's known tokens:
+
+    known:          prompt | y1 .. yt                  (n = m + t tokens)
+    draft cache:    known[:c] valid                    c <= n - 1
+    one proposal:   extend known[c:n] -> d1, then decode d1 -> d2, ..., d_{k-1} -> dk
+    afterwards:     c = n (K/V of d1 .. d_{k-1} lies past it: overwritten by the next catch-up)
+
+so the draft is rolled back with the target by construction: whatever the target accepted, the
+next proposal first computes the known tokens the draft has not seen (the accepted drafts and
+the token after them). A request that ended, or that no longer fits, gives its pages back.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..model.batch import ForwardBatch
+from ..model.kv_cache import KVCache
+from ..protocols import Model
+from .page_pool import PagePool
+from .request import Request
+
+
+@dataclass
+class _DraftSeq:
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+def load_draft(draft: Any, device: torch.device, dtype: torch.dtype) -> Model:
+    """A pd.Model as given, or one loaded from a directory / GGUF file on the target's device
+    and dtype."""
+    if isinstance(draft, Model):
+        return draft
+    if isinstance(draft, (str, Path)):
+        from ..model.loader import load_model
+        model, _ = load_model(draft, device=str(device), dtype=dtype)
+        return model
+    raise TypeError(f"draft_model must be a pd.Model or a model path, got {type(draft).__name__}")
+
+
+class DraftModelProposer:
+    def __init__(self, model: Model, capacity_tokens: int, page_size: int, vocab_size: int) -> None:
+        mc = model.config
+        self.model = model
+        self.vocab_size = vocab_size             # draft ids past the target's vocabulary cut the draft
+        self.page_size = page_size
+        self.device = torch.device(getattr(model, "device", "cpu"))
+        num_pages = max(1, capacity_tokens // page_size)
+        self.pool = PagePool(num_pages)
+        self.kv = KVCache(mc.num_layers, num_pages, page_size, mc.num_kv_heads, mc.head_dim, model.dtype, self.device)
+        self.max_context = mc.max_context
+        self._seqs: weakref.WeakKeyDictionary[Request, _DraftSeq] = weakref.WeakKeyDictionary()
+
+    def release_ended(self, live: set[int]) -> None:
+        """Give back the pages of requests that are not running any more (ids of the running)."""
+        for req in [r for r in self._seqs if id(r) not in live]:
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        seq = self._seqs.pop(req)
+        if seq.pages:
+            self.pool.release(reversed(seq.pages))
+
+    def _reserve(self, req: Request, tokens: int) -> _DraftSeq | None:
+        seq = self._seqs.get(req)
+        if seq is None:
+            seq = self._seqs[req] = _DraftSeq()
+        need = -(-tokens // self.page_size) - len(seq.pages)
+        if need > 0:
+            pages = self.pool.allocate(need)
+            if pages is None:
+                return None
+            seq.pages.extend(pages)
+        return seq
+
+    def propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        """wants: (request, k) pairs; returns each request's greedy draft of up to k tokens
+        (empty when its draft pages or the draft's context do not allow one)."""
+        out: list[list[int]] = [[] for _ in wants]
+        rows: list[tuple[int, Request, _DraftSeq, int]] = []
+        for i, (req, k) in enumerate(wants):
+            n = req.num_tokens
+            k = min(k, self.max_context - n)
+            seq = self._reserve(req, n + k - 1) if k > 0 else None
+            if seq is not None:
+                seq.num_computed = min(seq.num_computed, n - 1)
+                rows.append((i, req, seq, k))
+        if not rows:
+            return out
+        # step 0: the known tokens the draft has not seen, up to the last one -> d1
+        chunks = [[r.token_at(p) for p in range(s.num_computed, r.num_tokens)] for _, r, s, _ in rows]
+        starts = [s.num_computed for _, _, s, _ in rows]
+        tokens = self._forward(chunks, starts, [s for _, _, s, _ in rows], [(r, []) for _, r, _, _ in rows])
+        for (i, req, seq, k), t in zip(rows, tokens):
+            out[i].append(t)
+            seq.num_computed = req.num_tokens
+        # steps 1 .. k - 1: decode the previous draft -> the next
+        for step in range(1, max(k for *_, k in rows)):
+            going = [(i, req, seq) for i, req, seq, k in rows if step < k]
+            tokens = self._forward([[out[i][-1]] for i, _, _ in going],
+                                   [req.num_tokens + step - 1 for _, req, _ in going], [s for _, _, s in going],
+                                   [(req, out[i]) for i, req, _ in going])
+            for (i, _, _), t in zip(going, tokens):
+                out[i].append(t)
+        for i, draft in enumerate(out):
+            bad = next((j for j, t in enumerate(draft) if t >= self.vocab_size), None)
+            if bad is not None:
+                del draft[bad:]
+        return out
+
+    def _forward(self, chunks: list[list[int]], starts: list[int], seqs: list[_DraftSeq],
+                 known: list[tuple[Request, list[int]]]) -> list[int]:
+        """One varlen forward of the draft: chunk i at positions starts[i]..; the greedy next
+        token after each chunk. known: each chunk's request and the drafts before the chunk's
+        end (host facts for test doubles, as in build_batch)."""
+        ps = self.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        cu, lens, last = [0], [], []
+        width = max(len(s.pages) for s in seqs)
+        table: list[int] = []
+        for chunk, start, seq in zip(chunks, starts, seqs):
+            for j, t in enumerate(chunk):
+                p = start + j
+                ids.append(t)
+                pos.append(p)
+                slots.append(seq.pages[p // ps] * ps + p % ps)
+            cu.append(len(ids))
+            lens.append(start + len(chunk))
+            last.append(len(ids) - 1)
+            table.extend(seq.pages + [-1] * (width - len(seq.pages)))
+        decode = all(len(c) == 1 for c in chunks)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, device=dev), positions=torch.tensor(pos, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev),
+            page_table=torch.tensor(table, dtype=torch.int32, device=dev).view(len(seqs), width),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(last, device=dev), num_decode=len(seqs) if decode else 0,
+            max_new=max(len(c) for c in chunks), request_ids=[r.request_id for r, _ in known],
+            token_ids=[r.prompt_ids for r, _ in known], output_ids=[r.output_ids + d for r, d in known],
+            logits_seqs=list(range(len(seqs))))
+        logits = self.model.forward(batch, self.kv)
+        return logits.argmax(dim=-1).tolist()

@@ -1,0 +1,243 @@
+"""Speculative decoding: propose a few tokens per decoding request, verify them in the same
+forward pass as everything else, and keep exactly the tokens the engine would have chosen
+without speculation.
+
+A verify step for a request with m prompt tokens and t selected (DESIGN.md, the off-by-one):
+
+    known:      prompt (m) | y1 .. yt                     num_computed = m + t - 1
+    computed:                   yt  d1  d2 .. dk          positions m+t-1 .. m+t-1+k
+    rows:                       r0  r1  r2 .. rk          r_j chooses y_{t+1+j}
+
+Row r0 is chosen like any decode row (in Engine._run). Then, one depth at a time, for every
+request whose token at depth j - 1 equalled d_j and that did not end on it: d_j is accepted
+(num_computed + 1), and row r_j chooses the next token through the engine's own selection and
+commit path (penalties, bias, min_tokens, grammar mask, temperature, filters, the Philox stream
+at that output index, then EOS, stops, hold-back, length, context). So every selected token is
+the one non-speculative decoding selects, and an ending cuts the run at the same token. K/V
+written for rejected drafts lies past num_computed: it is never read (attention reads
+seq_lens, which the next step sets from num_computed), the next step overwrites it, and pages
+holding only such K/V go back to the pool (Scheduler.trim).
+
+Proposals come from the request's own prompt and output only (NgramProposer; nothing is
+shared between requests), or from a draft model's greedy decoding on its own paged KV
+(draft_model.py); either way the verification above keeps them exact. Two gates keep speculation where it pays: no proposals while more than
+`max_batch` requests decode, and a request whose rolling acceptance falls below `min_acceptance`
+proposes nothing for `backoff_steps` steps (doubling on each new miss, reset by a fully
+accepted run).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from array import array
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from ..protocols import Model
+from .config import SpeculativeConfig
+from .draft_model import DraftModelProposer, load_draft
+from .events import Event
+from .lifecycle import RequestState
+from .request import Request
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .selector import Selection
+
+_ITEM = array("q").itemsize
+log = logging.getLogger("pagedecode")
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of the request's tokens (max_ngram down to min_ngram)
+    that occurred earlier in them; the tokens that followed its most recent earlier occurrence
+    are the draft."""
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        n_tokens = len(tokens)
+        if k < 1 or n_tokens <= self.min_ngram:
+            return []
+        data = array("q", tokens).tobytes()
+        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
+            suffix = data[(n_tokens - n) * _ITEM:]
+            end = (n_tokens - 1) * _ITEM            # a match ends before the last token
+            while True:
+                at = data.rfind(suffix, 0, end)
+                if at < 0:
+                    break
+                if at % _ITEM == 0:                 # aligned on a token, not inside one
+                    start = at // _ITEM + n
+                    return list(tokens[start:start + k])
+                end = at + len(suffix) - 1
+        return []
+
+
+@dataclass
+class _Gate:
+    """One request's acceptance gate."""
+    rate: float = 1.0            # rolling acceptance (accepted / proposed, exponentially weighted)
+    off_until: int = 0           # no proposals before this step
+    backoff: int = 0             # steps off after the next miss
+
+
+class Host(Protocol):
+    """What the verification loop needs from the engine: its own selection and commit."""
+
+    def _select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection: ...
+
+    def _take(self, req: Request, sel: Selection, i: int, events: list[Event]) -> None: ...
+
+    def _fail(self, req: Request, exc: BaseException, events: list[Event]) -> None: ...
+
+
+@dataclass
+class SpecCounters:
+    drafts: int = 0              # verify runs (a request with k > 0 drafts in a step)
+    draft_tokens: int = 0        # tokens proposed and verified
+    accepted_tokens: int = 0     # ... and of them selected
+
+
+class Speculator:
+    """The engine's speculation component: extends a plan with drafts, then, after the step's
+    first tokens are committed, verifies the drafts one depth at a time."""
+
+    def __init__(self, config: SpeculativeConfig, max_context: int, page_size: int, target: Model,
+                 capacity_tokens: int) -> None:
+        self.config = config
+        self.max_context = max_context
+        self.page_size = page_size
+        self.ngram = NgramProposer(config.min_ngram, config.max_ngram)
+        self.draft: DraftModelProposer | None = None
+        if config.method == "draft":
+            model = load_draft(config.draft_model, torch.device(getattr(target, "device", "cpu")), target.dtype)
+            self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size)
+        self.counters = SpecCounters()
+        self._gates: weakref.WeakKeyDictionary[Request, _Gate] = weakref.WeakKeyDictionary()
+        self._step = 0
+
+    # -- before the forward ---------------------------------------------------------------------
+    def extend(self, plan: SchedulerOutput, scheduler: Scheduler, budget: int) -> None:
+        """Turn decode seqs into verify seqs (1 + k tokens) where a draft is found, pages are free
+        and the step's token budget allows; the others stay plain decodes."""
+        self._step += 1
+        if self.draft is not None:
+            self.draft.release_ended({id(r) for r in scheduler.running})
+        if not plan.decode or len(plan.decode) > self.config.max_batch:
+            return
+        wants: list[tuple[ScheduledSeq, int]] = []
+        for s in plan.decode:
+            k = min(budget, self._room(s.request))
+            if k > 0 and self._open(s.request):
+                wants.append((s, k))
+                budget -= k
+        drafted = self._propose([(s.request, k) for s, k in wants])
+        for (s, _), drafts in zip(wants, drafted):
+            req = s.request
+            if drafts and scheduler.try_extend(req, 1 + len(drafts)):
+                plan.decode.remove(s)
+                plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts)))
+
+    def _room(self, req: Request) -> int:
+        """Drafts that can still matter: y_{t+1+j} must stay within max_tokens, and the positions
+        written within the context (the context-limit ending then fires where it would anyway)."""
+        t = len(req.output_ids)
+        return min(self.config.num_tokens, req.params.max_tokens - t - 1, self.max_context - req.num_tokens - 1)
+
+    def _open(self, req: Request) -> bool:
+        """Decoding, and not turned off by its acceptance gate."""
+        gate = self._gates.get(req)
+        return req.state == RequestState.DECODING and (gate is None or gate.off_until <= self._step)
+
+    def _propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+        if self.draft is None:
+            return [self.ngram.propose(req.prompt_ids + req.output_ids, k) for req, k in wants]
+        if not wants:
+            return []
+        try:
+            return self.draft.propose(wants)
+        except Exception:                            # a draft fault costs speculation, never a request
+            log.exception("the draft model failed: this step runs without drafts")
+            return [[] for _ in wants]
+
+    # -- at the commit ------------------------------------------------------------------------------
+    def verify(self, runs: list[tuple[ScheduledSeq, int]], first: Selection, logits: torch.Tensor, host: Host,
+               events: list[Event], after: Callable[[Request], None]) -> None:
+        """runs: this step's verify seqs still to commit (in row order), each with its row in
+        `first`, the selection of row r0; logits (sum of k, V): the rows after each draft. Takes
+        each run's tokens one depth at a time, as plain decoding would, until a token differs
+        from its draft or ends the request."""
+        offset, n, record = {}, 0, {}
+        for s, _ in runs:
+            offset[id(s)] = n
+            n += len(s.drafts)
+            s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
+            record[id(s)] = self._trace(s)
+        accepted = {id(s): 0 for s, _ in runs}
+        pending = [(s, first, row) for s, row in runs]
+        depth = 0
+        while pending:
+            went_on = []
+            for s, sel, row in pending:
+                req = s.request
+                hit = (depth < len(s.drafts) and row not in sel.bad and row not in sel.empty
+                       and sel.tokens[row] == s.drafts[depth])
+                rec = record[id(s)]
+                if hit:
+                    req.accepted_draft_tokens += 1
+                    accepted[id(s)] += 1
+                    if rec is not None:
+                        rec["accepted"] += 1
+                elif rec is not None and row not in sel.bad and row not in sel.empty:
+                    rec["bonus"] = sel.tokens[row]      # the token after the accepted drafts
+                try:
+                    host._take(req, sel, row, events)
+                except Exception as exc:
+                    host._fail(req, exc, events)
+                if hit and req.state == RequestState.DECODING:
+                    went_on.append(s)
+            depth += 1
+            for s in went_on:                        # its draft was selected: that K/V is valid
+                s.request.num_computed += 1
+            pending = []
+            if went_on:
+                rows = torch.tensor([offset[id(s)] + depth - 1 for s in went_on], device=logits.device)
+                try:
+                    sel = host._select(logits.index_select(0, rows), [s.request for s in went_on])
+                except Exception as exc:            # as a failed step would: these requests fail
+                    for s in went_on:
+                        host._fail(s.request, exc, events)
+                    break
+                pending = [(s, sel, row) for row, s in enumerate(went_on)]
+        for s, _ in runs:
+            self._record(s, accepted[id(s)])
+            after(s.request)
+
+    @staticmethod
+    def _trace(s: ScheduledSeq) -> dict | None:
+        """The run's trace record (level "tokens"), completed as its tokens are taken: it is
+        written before any of them, so it is there even when one of them ends the request."""
+        req = s.request
+        req.trace.token("spec.verify", proposed=len(s.drafts), drafts=s.drafts, accepted=0, bonus=None,
+                        cache_len=req.num_computed)
+        return req.trace.records[-1] if req.trace.tokens and req.trace.records else None
+
+    def _record(self, s: ScheduledSeq, accepted: int) -> None:
+        req, k = s.request, len(s.drafts)
+        c = self.counters
+        c.drafts += 1
+        c.draft_tokens += k
+        c.accepted_tokens += accepted
+        gate = self._gates.get(req)
+        if gate is None:
+            gate = self._gates[req] = _Gate(backoff=self.config.backoff_steps)
+        gate.rate = 0.5 * gate.rate + 0.5 * accepted / k
+        if accepted == k:
+            gate.backoff = self.config.backoff_steps
+        elif gate.rate < self.config.min_acceptance:
+            gate.off_until = self._step + gate.backoff
+            gate.backoff = min(2 * gate.backoff, 1024)
+            gate.rate = 1.0                              # a fresh start when it tries again
+            req.trace.add("spec.gated", steps=gate.off_until - self._step)

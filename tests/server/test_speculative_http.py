@@ -1,0 +1,50 @@
+"""Speculative decoding through the server and the command line: the same text as without it,
+the draft counts in the usage the engine reports, and vLLM's spec_decode counters on /metrics."""
+import httpx
+
+import pagedecode as pd
+from pagedecode import cli
+
+from .conftest import start_server, stop_server
+
+NAMES = ("pagedecode:spec_decode_num_drafts_total", "pagedecode:spec_decode_num_draft_tokens_total",
+         "pagedecode:spec_decode_num_accepted_tokens_total")
+
+
+def scrape(url):
+    text = httpx.get(url + "/metrics").text
+    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln.startswith("pagedecode:"))}
+
+
+def test_completions_equal_and_metrics_count_the_drafts(stories_path):
+    body = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 96, "temperature": 0}
+    texts = []
+    for spec in (None, pd.SpeculativeConfig(method="ngram", num_tokens=4)):
+        s = start_server(stories_path, template=None, engine_options={"speculative": spec})
+        try:
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            m, snap = scrape(s.url), s.engine.snapshot()
+            assert [m[n] for n in NAMES] == [snap.spec_decode_num_drafts, snap.spec_decode_num_draft_tokens,
+                                             snap.spec_decode_num_accepted_tokens]
+        finally:
+            stop_server(s)
+    assert texts[0] == texts[1]
+    assert m[NAMES[2]] > 0          # the speculative server accepted drafts
+
+
+def test_flags_on_generate_demo_and_serve(stories_path, capsys):
+    ap = cli.build_parser()
+    for cmd in (["generate", "--prompt", "x"], ["demo"], ["serve"]):
+        args = ap.parse_args(cmd + ["--speculative-method", "ngram", "--num-speculative-tokens", "3"])
+        assert (args.speculative_method, args.num_speculative_tokens, args.draft_model) == ("ngram", 3, None)
+    argv = ["generate", "--model", str(stories_path), "--prompt", "Once upon a time", "--max-tokens", "40"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert cli.main(argv + ["--speculative-method", "ngram", "--num-speculative-tokens", "5"]) == 0
+    assert capsys.readouterr().out == plain
+    assert cli.main(argv + ["--num-speculative-tokens", "0", "--speculative-method", "ngram"]) == 2
+    assert "num_tokens" in capsys.readouterr().err
+    assert cli.main(argv + ["--draft-model", str(stories_path)]) == 2
+    assert "--speculative-method draft" in capsys.readouterr().err
