@@ -461,7 +461,7 @@ class Engine(RequestEndings):
                 self._fail(req, exc, events)
         if runs:
             assert self.speculator is not None and sel.drafts is not None
-            self.speculator.verify(runs, sel, sel.drafts, self, events, self._after_verify)
+            self.speculator.verify(plan.verify, runs, sel, sel.drafts, self, events, self._after_verify)
 
     def _take(self, req: Request, sel: Selection, i: int, events: list[Event]) -> None:
         """Commit row i's selection as req's next token (its endings checked)."""

@@ -163,16 +163,17 @@ class Speculator:
             return [[] for _ in wants]
 
     # -- at the commit ------------------------------------------------------------------------------
-    def verify(self, runs: list[tuple[ScheduledSeq, int]], first: Selection, logits: torch.Tensor, host: Host,
-               events: list[Event], after: Callable[[Request], None]) -> None:
-        """runs: this step's verify seqs still to commit (in row order), each with its row in
-        `first`, the selection of row r0; logits (sum of k, V): the rows after each draft. Takes
-        each run's tokens one depth at a time, as plain decoding would, until a token differs
-        from its draft or ends the request."""
+    def verify(self, planned: list[ScheduledSeq], runs: list[tuple[ScheduledSeq, int]], first: Selection,
+               logits: torch.Tensor, host: Host, events: list[Event], after: Callable[[Request], None]) -> None:
+        """planned: the step's verify seqs, in row order; logits (sum of their k, V): the rows
+        after each draft. runs: those still to commit (not cancelled while the step ran), each
+        with its row in `first`, the selection of row r0. Takes each run's tokens one depth at a
+        time, as plain decoding would, until a token differs from its draft or ends the request."""
         offset, n, record = {}, 0, {}
-        for s, _ in runs:
+        for s in planned:
             offset[id(s)] = n
             n += len(s.drafts)
+        for s, _ in runs:
             s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
             record[id(s)] = self._trace(s)
         accepted = {id(s): 0 for s, _ in runs}

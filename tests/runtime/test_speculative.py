@@ -144,7 +144,7 @@ def test_stories_greedy_and_seeded_equal_alone_and_batched(stories_engine_factor
 def test_rejected_kv_is_never_read_nan_poison(stories_engine_factory, grounded_prompt):
     """After every step, every cache slot past each request's logical length (rejected drafts'
     K/V among them) and every free page is NaN: a read of any of them would end in NaN logits."""
-    params = [pd.SamplingParams(max_tokens=32), pd.SamplingParams(max_tokens=32, temperature=0.8, seed=4)]
+    params = [pd.SamplingParams(max_tokens=24), pd.SamplingParams(max_tokens=24, temperature=0.8, seed=4)]
     prompts = [grounded_prompt, "Once upon a time"]
     want = outputs(stories_engine_factory(), prompts, params)
     for backend in ("auto", "torch"):
@@ -171,11 +171,12 @@ def test_rejected_kv_is_never_read_nan_poison(stories_engine_factory, grounded_p
 
 
 def test_preemption_recomputes_accepted_tokens_only(stories_engine_factory, grounded_prompt):
-    params = [pd.SamplingParams(max_tokens=60, temperature=0.9, seed=s) for s in range(3)] + \
-        [pd.SamplingParams(max_tokens=60)]
-    prompts = [grounded_prompt, "Once upon a time", grounded_prompt, "Lily and Tom"]
+    params = [pd.SamplingParams(max_tokens=36, temperature=0.9, seed=s) for s in range(3)] + \
+        [pd.SamplingParams(max_tokens=36)]
+    prompts = [grounded_prompt, "Once upon a time", "Lily and Tom", grounded_prompt]
     want = outputs(stories_engine_factory(), prompts, params)
-    tight = stories_engine_factory(speculative=NGRAM, page_size=4, max_cache_tokens=192, enable_prefix_caching=False)
+    # 30 pages: any one request fits (~27 pages), the first three together outgrow them
+    tight = stories_engine_factory(speculative=NGRAM, page_size=4, max_cache_tokens=120, enable_prefix_caching=False)
     got = tight.generate(prompts, params)
     assert tight.snapshot().preemptions > 0 and tight.snapshot().spec_decode_num_accepted_tokens > 0
     assert [(o.token_ids, o.text, o.logprobs, o.top_logprobs, o.finish_reason, o.selected_token_ids)
@@ -232,6 +233,35 @@ def test_cancel_during_a_verify_step_drops_its_tokens():
     assert of(events, "r")[-1].state == S.CANCELLED
     assert eng.pool.free_pages == eng.pool.num_pages and eng.slots.free_slots == eng.slots.num_slots
     assert not any(r["kind"] == "token.selected" and r["t"] > box["before"] for r in eng.trace("r"))
+
+
+def test_cancelling_one_verifying_request_leaves_the_others_rows_alone():
+    """Two requests verify drafts in one step and the first is cancelled meanwhile: the second
+    still reads its own rows after its drafts (they follow the first's in the batch)."""
+    box = {}
+
+    def shifted(prompt, output):             # request "a" (prompt [1, 9, ...]) runs 3 tokens ahead
+        return CYCLE[(len(output) + (3 if prompt[1] == 9 else 0)) % len(CYCLE)]
+
+    def cancel_first(info):              # in a step where both verify and b's first two drafts are right
+        b = info["batch"]
+        if sum(bool(d) for d in b.drafts) != 2 or "done" in box:
+            return
+        i = b.request_ids.index("b")
+        out, drafts = b.output_ids[i], b.drafts[i]
+        if len(drafts) >= 2 and all(drafts[j] == shifted(PROMPT, out + list(drafts[:j])) for j in range(2)):
+            box["done"] = True
+            assert eng.cancel("a")
+
+    plain = engine(shifted)
+    plain.add_request(PROMPT, pd.SamplingParams(max_tokens=30), request_id="b")
+    want = normal(of(run(plain), "b"))
+    eng = engine(shifted, speculative=NGRAM, on_forward=cancel_first)
+    eng.add_request([1, 9] + CYCLE[3:] + CYCLE[:3], pd.SamplingParams(max_tokens=30), request_id="a")
+    eng.add_request(PROMPT, pd.SamplingParams(max_tokens=30), request_id="b")
+    events = run(eng)
+    assert box and eng.result("a").state == S.CANCELLED
+    assert normal(of(events, "b")) == want and eng.result("b").usage.accepted_draft_tokens > 0
 
 
 def test_usage_counts_every_kv_position_and_the_drafts():
@@ -331,7 +361,7 @@ def test_draft_model_scripted_outputs_equal_and_its_cache_rolls_back():
 
 
 def test_draft_model_stories_as_its_own_draft(stories_engine_factory, stories_path):
-    params = [pd.SamplingParams(max_tokens=40), pd.SamplingParams(max_tokens=40, temperature=0.8, seed=3)]
+    params = [pd.SamplingParams(max_tokens=24), pd.SamplingParams(max_tokens=24, temperature=0.8, seed=3)]
     prompts = ["Once upon a time", "Lily and Tom"]
     want = outputs(stories_engine_factory(), prompts, params)
     spec = stories_engine_factory(speculative=pd.SpeculativeConfig(method="draft", draft_model=str(stories_path)))

@@ -17,7 +17,9 @@ def scrape(url):
 
 
 def test_completions_equal_and_metrics_count_the_drafts(stories_path):
-    body = {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 96, "temperature": 0}
+    passage = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+               "One day, she saw a big, red ball.")
+    body = {"model": "stories260k", "prompt": passage + "\n" + passage[:30], "max_tokens": 48, "temperature": 0}
     texts = []
     for spec in (None, pd.SpeculativeConfig(method="ngram", num_tokens=4)):
         s = start_server(stories_path, template=None, engine_options={"speculative": spec})
