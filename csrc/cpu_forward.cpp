@@ -103,6 +103,84 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
   return sum;
 }
 
+#if defined(__AVX512F__)
+// r[i] = the sum of x[i]'s 16 lanes, for 16 vectors at once: a tree of unpacks and lane shuffles
+// (45 instructions, against ~8 per vector for a horizontal sum each).
+inline __m512 sum16(const __m512* x) {
+  __m512 pair[8], quad[4], half[2];
+  for (int i = 0; i < 8; ++i)           // per 128-bit lane: x2i, x2i+1 interleaved, half-summed
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {         // per lane: the four vectors 4i .. 4i+3, each summed over it
+    const __m512d a = _mm512_castps_pd(pair[2 * i]), b = _mm512_castps_pd(pair[2 * i + 1]);
+    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)           // lanes 0+2 and 1+3 of two quads
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// 32 bf16 values as vdpbf16ps takes them
+inline __m512bh load_bf16(const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+#endif
+
+// -- fixed-order reductions (deterministic mode, EngineConfig.deterministic) ----------------------
+// In deterministic mode every sum has one order, whatever the batch around it: a sum over n
+// elements goes into 16 lanes (element p into lane p % 16, in order; the last partial step masked
+// or padded), then the lanes are added by one tree -- sum16's: lanes (4L, 4L+2), (4L+1, 4L+3), their
+// two sums, then the four 128-bit groups as (0 + 2) + (1 + 3). Nothing depends on the address of
+// the data (the compiler's vectorised reductions may peel a few elements to align a loop), on the
+// number of rows, or on the thread. Float addition commutes exactly, so sum16 gives each of its 16
+// inputs that same tree whichever slot it sits in.
+inline float lanes_total(const float* l) {
+  float g[4];
+  for (int i = 0; i < 4; ++i) g[i] = (l[4 * i] + l[4 * i + 2]) + (l[4 * i + 1] + l[4 * i + 3]);
+  return (g[0] + g[2]) + (g[1] + g[3]);
+}
+
+// sum of x[j]^2 over j < n, in float, in the fixed order
+template <typename T>
+inline float sum_squares_fixed(const T* x, int64_t n) {
+  float lanes[16] = {0.f};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+#pragma omp simd
+    for (int l = 0; l < 16; ++l) lanes[l] += f32(x[j + l]) * f32(x[j + l]);
+  }
+  for (int l = 0; j + l < n; ++l) lanes[l] += f32(x[j + l]) * f32(x[j + l]);
+  return lanes_total(lanes);
+}
+
+// exp_shifted_sum in the fixed order: the last partial block padded through the same 16-wide loop
+// (so every element's exp is the vector one), its padding left out of the sum.
+inline float exp_shifted_sum_fixed(float* x, int64_t n, float shift) {
+  float lanes[16] = {0.f};
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16) {
+#pragma omp simd
+    for (int l = 0; l < 16; ++l) {
+      const float e = exp_f(x[p + l] - shift);
+      x[p + l] = e;
+      lanes[l] += e;
+    }
+  }
+  if (p < n) {
+    float tail[16];
+    const int rem = static_cast<int>(n - p);
+    for (int l = 0; l < 16; ++l) tail[l] = l < rem ? x[p + l] : shift;
+#pragma omp simd
+    for (int l = 0; l < 16; ++l) tail[l] = exp_f(tail[l] - shift);
+    for (int l = 0; l < rem; ++l) {
+      x[p + l] = tail[l];
+      lanes[l] += tail[l];
+    }
+  }
+  return lanes_total(lanes);
+}
+
 // Rows per parallel_for chunk such that a chunk is ~`work` elements: a decode step's few rows run
 // on the calling thread, a prefill chunk's thousands are split across the pool.
 inline int64_t grain_rows(int64_t row_width, int64_t work = 1 << 15) {
@@ -111,13 +189,17 @@ inline int64_t grain_rows(int64_t row_width, int64_t work = 1 << 15) {
 
 // out = rmsnorm(x) * w, per row of width n, computed in float like HF (x.float(), then cast).
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps, bool det = false) {
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
       float ss = 0.f;
+      if (det) {
+        ss = sum_squares_fixed(xr, n);
+      } else {
 #pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < n; ++j) ss += f32(xr[j]) * f32(xr[j]);
+        for (int64_t j = 0; j < n; ++j) ss += f32(xr[j]) * f32(xr[j]);
+      }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* o = out + r * n;
 #pragma omp simd
@@ -167,24 +249,6 @@ constexpr int64_t kRowBlock = 8;
 // one from ~1024 rows (2000: 20%).
 constexpr int64_t kMatmulRows = 768;
 
-#if defined(__AVX512F__)
-// r[i] = the sum of x[i]'s 16 lanes, for 16 vectors at once: a tree of unpacks and lane shuffles
-// (45 instructions, against ~8 per vector for a horizontal sum each).
-inline __m512 sum16(const __m512* x) {
-  __m512 pair[8], quad[4], half[2];
-  for (int i = 0; i < 8; ++i)           // per 128-bit lane: x2i, x2i+1 interleaved, half-summed
-    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {         // per lane: the four vectors 4i .. 4i+3, each summed over it
-    const __m512d a = _mm512_castps_pd(pair[2 * i]), b = _mm512_castps_pd(pair[2 * i + 1]);
-    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)           // lanes 0+2 and 1+3 of two quads
-    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-#endif
 
 // s[o] = q . k_o for the m key rows k_o = k + o * stride (head size D). With AVX-512 and a head
 // size of whole vectors: q stays in registers, 16 rows' dot products run side by side, and their
@@ -219,8 +283,6 @@ inline void qk_scores(const float* q, const float* k, int64_t stride, int64_t m,
 }
 
 #if defined(__AVX512BF16__)
-// 32 bf16 values as vdpbf16ps takes them
-inline __m512bh load_bf16(const c10::BFloat16* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
 
 // The same for bf16 queries and keys where the CPU has AVX-512-BF16: vdpbf16ps takes 32 pairs per
 // instruction straight from the cache page (exact products, float sums), so a page of keys is not
@@ -320,7 +382,7 @@ void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t
 template <typename T, int64_t kD>
 void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt,
                      int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S,
-                     int64_t page_size, int64_t H, int64_t Hkv, int64_t head_dim, float scale, T* out) {
+                     int64_t page_size, int64_t H, int64_t Hkv, int64_t head_dim, float scale, T* out, bool det) {
   const int64_t D = kD > 0 ? kD : head_dim, G = H / Hkv, page_elems = page_size * Hkv * D;
 #if defined(__AVX512BF16__)
   // bf16 scores straight from the pages (qk_scores_bf16); the V pages are still widened once each
@@ -330,7 +392,7 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
 #endif
   std::vector<int64_t> block_seq, block_row;
   for (int64_t s = 0; s < S; ++s) {
-    if (cu[s + 1] - cu[s] >= kMatmulRows) continue;          // prefill_attention takes it
+    if (!det && cu[s + 1] - cu[s] >= kMatmulRows) continue;  // prefill_attention takes it
     for (int64_t r = cu[s]; r < cu[s + 1]; r += kRowBlock) {
       block_seq.push_back(s);
       block_row.push_back(r);
@@ -408,7 +470,8 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
       denom.resize(nq);
       for (int64_t j = 0; j < nq; ++j) {
         float* sj = scores.data() + j * width;
-        denom[j] = exp_shifted_sum(sj, vis[j], row_max(sj, vis[j]));
+        const float shift = row_max(sj, vis[j]);
+        denom[j] = det ? exp_shifted_sum_fixed(sj, vis[j], shift) : exp_shifted_sum(sj, vis[j], shift);
       }
       acc.assign(nq * D, 0.f);
       for (int64_t p0 = 0; p0 < width; p0 += page_size) {
@@ -437,10 +500,10 @@ void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, c
 template <typename T>
 void attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt, int64_t pt_stride,
                const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H, int64_t Hkv,
-               int64_t D, float scale, T* out) {
+               int64_t D, float scale, T* out, bool det) {
   auto run = [&](auto fixed) {
     paged_attention<T, decltype(fixed)::value>(qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, page_size, H,
-                                               Hkv, D, scale, out);
+                                               Hkv, D, scale, out, det);
   };
   switch (D) {
     case 8: run(std::integral_constant<int64_t, 8>()); break;
@@ -463,8 +526,9 @@ struct Chunk {
 };
 
 std::vector<Chunk> matmul_chunks(const int32_t* pt, int64_t pt_stride, const int32_t* lens, const int32_t* cu,
-                                 int64_t S, int64_t page_size) {
+                                 int64_t S, int64_t page_size, bool det) {
   std::vector<Chunk> out;
+  if (det) return out;          // deterministic: every row through the paged kernel, one order per query
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = cu[s + 1] - cu[s];
     if (n < kMatmulRows) continue;
@@ -499,12 +563,12 @@ void prefill_attention(const std::vector<Chunk>& chunks, const Tensor& qkv, cons
 
 // h += x (the residual add), then out = rmsnorm(h) * w: one pass over the rows.
 template <typename T>
-void add_then_norm(T* h, const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+void add_then_norm(T* h, const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps, bool det) {
   at::parallel_for(0, rows * n, grain_rows(1), [&](int64_t begin, int64_t end) {
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) h[i] = to<T>(f32(h[i]) + f32(x[i]));
   });
-  if (w != nullptr) rms_norm_rows(h, w, out, rows, n, eps);
+  if (w != nullptr) rms_norm_rows(h, w, out, rows, n, eps, det);
 }
 
 template <typename T>
@@ -707,6 +771,170 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
   return bias ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
 }
 
+// -- the deterministic matmul (EngineConfig.deterministic) -----------------------------------
+// out (rows, n_out) = x (rows, in) @ w (n_out, in)^T (+ b), every output computed by one fixed
+// sequence of operations whatever `rows` is: one 16-lane float accumulator per output, over k in
+// steps of 16 elements (float; bf16 widened) or 32 (bf16 pairs, vdpbf16ps, where the CPU has
+// AVX-512-BF16), the last step masked, then sum16's tree; the bias added last. oneDNN's blocking
+// (and so its order of summation) changes with the number of rows, and the default path sends
+// 1-4 rows to a gemv with another order again; this kernel never does either. Register tiles
+// of MR rows x NR outputs (16 accumulators at most, summed by one sum16) only choose which outputs
+// run side by side, never how one is summed; threads split the rows and outputs into tiles, never
+// an output's sum. The portable build (no AVX-512) keeps the order with 16 plain float lanes.
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+template <typename T> constexpr bool kDetDpBf16 = std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T> constexpr bool kDetDpBf16 = false;
+#endif
+template <typename T> constexpr int64_t kDetStep = kDetDpBf16<T> ? 32 : 16;       // elements per k step
+template <typename T> using DetVec = std::conditional_t<kDetDpBf16<T>, __m512i, __m512>;
+
+// the k step at p: `n` valid elements (n < kDetStep: a masked load, zeros after)
+template <typename T>
+inline DetVec<T> det_load(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  } else if constexpr (kDetDpBf16<T>) {
+    return n >= 32 ? _mm512_loadu_si512(p)
+                   : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << n) - 1), p);
+  } else {                                  // bf16 without vdpbf16ps: widened to float (exact)
+    const __m256i h = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <typename T>
+inline __m512 det_fma(__m512 acc, DetVec<T> a, DetVec<T> b) {
+  if constexpr (kDetDpBf16<T>) {
+#if defined(__AVX512BF16__)
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+#else
+    return acc;
+#endif
+  } else {
+    return _mm512_fmadd_ps(a, b, acc);
+  }
+}
+
+// sums[r * NR + c] = x_r . w_c for MR rows of x and NR rows of w (both `in` wide, rows `in` apart)
+template <typename T, int MR, int NR>
+inline void det_tile(const T* x, const T* w, int64_t in, float* sums) {
+  static_assert(MR * NR <= 16);
+  constexpr int64_t S = kDetStep<T>;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + S <= in; k += S) {
+    DetVec<T> xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = det_load(x + r * in + k, S);
+    for (int c = 0; c < NR; ++c) {
+      const DetVec<T> wv = det_load(w + c * in + k, S);
+      for (int r = 0; r < MR; ++r) acc[r * NR + c] = det_fma<T>(acc[r * NR + c], xv[r], wv);
+    }
+  }
+  if (k < in) {
+    DetVec<T> xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = det_load(x + r * in + k, in - k);
+    for (int c = 0; c < NR; ++c) {
+      const DetVec<T> wv = det_load(w + c * in + k, in - k);
+      for (int r = 0; r < MR; ++r) acc[r * NR + c] = det_fma<T>(acc[r * NR + c], xv[r], wv);
+    }
+  }
+  _mm512_storeu_ps(sums, sum16(acc));
+}
+
+// rows r0 .. r0 + MR against outputs c0 .. c1: NR outputs a tile, the rest one at a time
+template <typename T, int MR, int NR>
+inline void det_rows(const T* x, const T* w, const T* b, T* out, int64_t r0, int64_t c0, int64_t c1, int64_t in,
+                     int64_t n_out) {
+  alignas(64) float sums[16];
+  auto put = [&](int64_t c, int nr) {
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < nr; ++i) {
+        const float v = sums[r * nr + i];
+        out[(r0 + r) * n_out + c + i] = to<T>(b != nullptr ? v + f32(b[c + i]) : v);
+      }
+  };
+  int64_t c = c0;
+  for (; c + NR <= c1; c += NR) {
+    det_tile<T, MR, NR>(x + r0 * in, w + c * in, in, sums);
+    put(c, NR);
+  }
+  for (; c < c1; ++c) {
+    det_tile<T, MR, 1>(x + r0 * in, w + c * in, in, sums);
+    put(c, 1);
+  }
+}
+#else
+template <typename T>
+inline float det_dot(const T* x, const T* w, int64_t in) {
+  float lanes[16] = {0.f};
+  for (int64_t k = 0; k < in; k += 16)
+    for (int l = 0; l < 16 && k + l < in; ++l) lanes[l] += f32(x[k + l]) * f32(w[k + l]);
+  return lanes_total(lanes);
+}
+#endif
+
+constexpr int64_t kDetTileRows = 64, kDetTileCols = 64;    // a work item: 64 rows x 64 outputs at most
+
+template <typename T>
+void det_matmul(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out) {
+  const int64_t row_tiles = (rows + kDetTileRows - 1) / kDetTileRows;
+  const int64_t col_tiles = (n_out + kDetTileCols - 1) / kDetTileCols;
+  at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = (t / col_tiles) * kDetTileRows, r1 = std::min(rows, r0 + kDetTileRows);
+      const int64_t c0 = (t % col_tiles) * kDetTileCols, c1 = std::min(n_out, c0 + kDetTileCols);
+#if defined(__AVX512F__)
+      int64_t r = r0;
+      for (; r + 4 <= r1; r += 4) det_rows<T, 4, 4>(x, w, b, out, r, c0, c1, in, n_out);
+      switch (r1 - r) {
+        case 3: det_rows<T, 3, 5>(x, w, b, out, r, c0, c1, in, n_out); break;
+        case 2: det_rows<T, 2, 8>(x, w, b, out, r, c0, c1, in, n_out); break;
+        case 1: det_rows<T, 1, 16>(x, w, b, out, r, c0, c1, in, n_out); break;
+        default: break;
+      }
+#else
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) {
+          const float v = det_dot(x + r * in, w + c * in, in);
+          out[r * n_out + c] = to<T>(b != nullptr ? v + f32(b[c]) : v);
+        }
+#endif
+    }
+  });
+}
+
+// linear() in deterministic mode: a small layer's transposed weight through gemv_transposed (each
+// output summed over k in order, whatever the rows), the rest through det_matmul; quantized blocks
+// through quant_matmul.h, whose per-token accumulators are already the same for any number of rows.
+template <typename T>
+Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& wt) {
+  const bool bias = b.defined() && b.numel() > 0;
+  if (w.scalar_type() == at::kByte) {
+    Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0));
+    if (bias) y.add_(b.to(at::kFloat));
+    return std::is_same_v<T, float> ? y : y.to(x_in.scalar_type());
+  }
+  const Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), in = x.size(1), n_out = w.size(0);
+  Tensor out = at::empty({rows, n_out}, x.options());
+  const T* bp = bias ? b.data_ptr<T>() : nullptr;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  if (wt.defined() && wt.numel() > 0) {
+    const T* wtp = wt.data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(in * n_out, 1 << 16), [&](int64_t begin, int64_t end) {
+      gemv_transposed(xp + begin * in, wtp, bp, op + begin * n_out, end - begin, in, n_out);
+    });
+  } else {
+    det_matmul(xp, w.data_ptr<T>(), bp, op, rows, in, n_out);
+  }
+  return out;
+}
+
 // layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (each weight
 // in the model's dtype or uint8 Q8_0 / Q4_0 blocks, which linear() sends to quant_matmul.h), then the
 // four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), then the
@@ -720,7 +948,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
                     const Tensor& lm_head, const Tensor& lm_head_t, const Tensor& lm_head_packed,
                     const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& layers,
                     const Tensor& k_cache, const Tensor& v_cache,
-                    int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d, bool onednn) {
+                    int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d, bool onednn, bool det) {
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
   const int64_t T_ = ids.size(0), hidden = final_norm.size(0), S = seq_lens.size(0);
   const int64_t page_size = k_cache.size(2), per_layer = k_cache[0].numel();
@@ -736,33 +964,41 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   const int64_t n_layers = static_cast<int64_t>(layers.size() / kPerLayer);
   const std::vector<Chunk> chunks = matmul_chunks(page_table.data_ptr<int32_t>(), page_table.size(1),
                                                   seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S,
-                                                  page_size);
+                                                  page_size, det);
   const int64_t I = layers[6].size(0) / 2;                              // gate_up: (2 I, hidden)
   Tensor act = at::empty({T_, I}, opts);
   Tensor buf_qkv, buf_o, buf_gate_up, buf_down, buf_logits;            // the gemv outputs, per forward
-  rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
+  // deterministic: every matmul through det_linear (one order per output, whatever the rows)
+  auto mm = [&](const Tensor& in, int64_t w, int64_t b, int64_t wt, int64_t packed, const Tensor* L,
+                Tensor& buf) -> Tensor {
+    const Tensor none;
+    return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[wt])
+               : linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], L[packed], buf, onednn);
+  };
+  rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
   for (int64_t i = 0; i < n_layers; ++i) {
     const Tensor* L = layers.data() + kPerLayer * i;
-    Tensor qkv = linear<T>(x, L[1], L[2], L[8], L[12], buf_qkv, onednn).contiguous();     // (T, (H + 2 Hkv) D)
+    Tensor qkv = mm(x, 1, 2, 8, 12, L, buf_qkv).contiguous();                    // (T, (H + 2 Hkv) D)
     T* kc = k_cache.data_ptr<T>() + i * per_layer;
     T* vc = v_cache.data_ptr<T>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
                    slots, kc, vc);
     attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, page_table.data_ptr<int32_t>(), page_table.size(1),
               seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
-              attn.data_ptr<T>());
+              attn.data_ptr<T>(), det);
     if (!chunks.empty()) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
-    Tensor o = linear<T>(attn, L[3], L[4], L[9], L[13], buf_o, onednn);
-    add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps);
-    Tensor gate_up = linear<T>(x, L[6], Tensor(), L[10], L[14], buf_gate_up, onednn);    // (T, 2 I)
+    Tensor o = mm(attn, 3, 4, 9, 13, L, buf_o);
+    add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
+    Tensor gate_up = mm(x, 6, -1, 10, 14, L, buf_gate_up);                       // (T, 2 I)
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), T_, I);
-    Tensor down = linear<T>(act, L[7], Tensor(), L[11], L[15], buf_down, onednn);
+    Tensor down = mm(act, 7, -1, 11, 15, L, buf_down);
     const T* next_ln = i + 1 < n_layers ? layers[kPerLayer * (i + 1)].data_ptr<T>() : nullptr;
-    add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), T_, hidden, eps);
+    add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), T_, hidden, eps, det);
   }
   Tensor last = h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
-  rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps);
+  rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps, det);
+  if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_t).to(at::kFloat);
   return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits, onednn).to(at::kFloat);
 }
 
@@ -770,7 +1006,7 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
                Tensor cu_q, Tensor logits_indices, Tensor embed, Tensor final_norm, Tensor lm_head,
                Tensor lm_head_t, Tensor lm_head_packed, Tensor cos, Tensor sin, std::vector<Tensor> layers,
                Tensor k_cache, Tensor v_cache, int64_t H, int64_t Hkv, int64_t D, double eps, double scale,
-               bool onednn) {
+               bool onednn, bool deterministic) {
   check(layers.size() % kPerLayer == 0 && !layers.empty(), "layers must hold 16 tensors per layer");
   check(ids.dtype() == at::kLong && positions.dtype() == at::kLong && slot_mapping.dtype() == at::kLong &&
             logits_indices.dtype() == at::kLong, "ids, positions, slot_mapping, logits_indices must be int64");
@@ -785,11 +1021,78 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
   if (final_norm.scalar_type() == at::kFloat)
     return forward_impl<float>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices, embed,
                                final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache,
-                               H, Hkv, D, eps, scale, onednn);
+                               H, Hkv, D, eps, scale, onednn, deterministic);
   check(final_norm.scalar_type() == at::kBFloat16, "weights must be float32 or bfloat16");
   return forward_impl<at::BFloat16>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices,
                                     embed, final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers,
-                                    k_cache, v_cache, H, Hkv, D, eps, scale, onednn);
+                                    k_cache, v_cache, H, Hkv, D, eps, scale, onednn, deterministic);
+}
+
+// The deterministic kernels one at a time, for the torch path in deterministic mode (a
+// tensor-parallel shard runs it: its collectives sit between the layers' ops). The same kernels
+// as forward(deterministic=True) uses, so each gives one order per output.
+template <typename F>
+auto by_dtype(const Tensor& t, const char* what, F&& f) {
+  if (t.scalar_type() == at::kFloat) return f(float{});
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "pagedecode._cpu.", what, ": float32 or bfloat16 only");
+  return f(at::BFloat16{});
+}
+
+Tensor det_linear_op(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() &&
+                  (w.scalar_type() == at::kByte || w.scalar_type() == x.scalar_type()),
+              "pagedecode._cpu.det_linear: x (T, K), w (N, K) contiguous, one dtype");
+  const Tensor bias = b.has_value() ? b->contiguous() : Tensor();
+  return by_dtype(x, "det_linear", [&](auto tag) { return det_linear<decltype(tag)>(x, w, bias, Tensor()); });
+}
+
+Tensor det_rms_norm_op(const Tensor& x, const Tensor& w, double eps) {
+  const int64_t n = w.numel();
+  TORCH_CHECK(x.size(-1) == n && w.scalar_type() == x.scalar_type(), "pagedecode._cpu.det_rms_norm: x (..., n), w (n,)");
+  const Tensor xc = x.contiguous(), wc = w.contiguous();
+  Tensor out = at::empty_like(xc);
+  by_dtype(x, "det_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows(xc.data_ptr<T>(), wc.data_ptr<T>(), out.data_ptr<T>(), xc.numel() / n, n, static_cast<float>(eps), true);
+    return 0;
+  });
+  return out;
+}
+
+Tensor silu_mul_op(const Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "pagedecode._cpu.silu_mul: gate_up (T, 2 I)");
+  const Tensor g = gate_up.contiguous();
+  const int64_t I = g.size(1) / 2;
+  Tensor out = at::empty({g.size(0), I}, g.options());
+  by_dtype(g, "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul(g.data_ptr<T>(), out.data_ptr<T>(), g.size(0), I);
+    return 0;
+  });
+  return out;
+}
+
+// q (T, H, D) against the paged cache of one layer (pages, page_size, Hkv, D): every row through the
+// paged kernel in its fixed order (decode rows and chunks alike) -> (T, H, D)
+Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_layer, const Tensor& page_table,
+                        const Tensor& seq_lens, const Tensor& cu_q, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_layer.dim() == 4 && k_layer.is_contiguous() && v_layer.is_contiguous() &&
+                  k_layer.scalar_type() == q.scalar_type() && page_table.is_contiguous() &&
+                  page_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  cu_q.scalar_type() == at::kInt,
+              "pagedecode._cpu.det_attention: q (T, H, D), caches (pages, page_size, Hkv, D), int32 tables");
+  const Tensor qc = q.contiguous(), lens = seq_lens.contiguous(), cu = cu_q.contiguous();
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_layer.size(2);
+  TORCH_CHECK(H % Hkv == 0 && k_layer.size(3) == D, "pagedecode._cpu.det_attention: heads and head size");
+  Tensor out = at::empty_like(qc);
+  by_dtype(q, "det_attention", [&](auto tag) {
+    using T = decltype(tag);
+    attention(qc.data_ptr<T>(), H * D, k_layer.data_ptr<T>(), v_layer.data_ptr<T>(), page_table.data_ptr<int32_t>(),
+              page_table.size(1), lens.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), lens.size(0), k_layer.size(1),
+              H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true);
+    return 0;
+  });
+  return out;
 }
 
 // glibc's malloc hands blocks over its mmap threshold back to the kernel on free, and trims the
@@ -812,8 +1115,14 @@ bool keep_freed_memory() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp); the last "
-        "argument: oneDNN's linear for the larger matmuls (else at::mm)");
+        "arguments: oneDNN's linear for the larger matmuls (else at::mm), deterministic mode");
   m.attr("takes_matmul_choice") = true;   // forward's last argument (older builds read an environment variable)
+  m.def("det_linear", &det_linear_op, "x @ w^T (+ b), each output in one fixed order whatever the rows (deterministic mode)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none());
+  m.def("det_rms_norm", &det_rms_norm_op, "RMSNorm over the last dim, each row's sum in one fixed order");
+  m.def("silu_mul", &silu_mul_op, "silu(gate) * up of (T, 2 I) gate_up rows");
+  m.def("det_attention", &det_attention_op, "causal attention over the paged cache, one order per query position");
+  m.attr("takes_deterministic") = true;   // forward's last argument, and the det_* kernels
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
   m.def("quant_embedding_rows", &quant_embedding_rows,

@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - depends on the install
 # builds before EngineConfig.cpu_matmul read PAGEDECODE_CPU_MATMUL themselves; newer ones take the
 # choice as forward's last argument
 _TAKES_MATMUL_CHOICE = bool(getattr(_cpu_ext, "takes_matmul_choice", False))
+_TAKES_DETERMINISTIC = bool(getattr(_cpu_ext, "takes_deterministic", False))
 
 
 # weights of at most this many elements also go to the compiled forward transposed (small_t)
@@ -72,6 +73,21 @@ def configure_cpu_forward(model: object, matmul: str, pack_weights: bool, keep_f
 
 def cpu_extension_available() -> bool:
     return _cpu_ext is not None
+
+
+def _deterministic_ext(device: torch.device) -> types.ModuleType:
+    """The compiled kernels deterministic mode runs on CPU (csrc/cpu_forward.cpp's det_*)."""
+    if device.type != "cpu":
+        raise NotImplementedError("deterministic mode on this device: only the CPU path has its kernels here")
+    if _cpu_ext is None or not _TAKES_DETERMINISTIC:
+        raise RuntimeError("deterministic mode on CPU needs the compiled extension pagedecode._cpu (built by "
+                           "setup.py with a C++ compiler); this install has none or an older build")
+    return _cpu_ext
+
+
+def _plain(w: Weight) -> torch.Tensor:
+    """What the compiled kernels take: a float weight, or a quantized one's blocks."""
+    return w.blocks if isinstance(w, QuantizedWeight) else w
 
 
 @dataclass
@@ -267,7 +283,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         c = self.config
-        if self.uses_cpu_extension() and kv.k.dtype == self.dtype:
+        if self.uses_cpu_extension() and kv.k.dtype == self.dtype and (_TAKES_DETERMINISTIC or not self.deterministic):
             assert _cpu_ext is not None
             b = batch
             return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
@@ -275,7 +291,10 @@ class LlamaModel:
                                     self._lm_head_t,
                                     self._lm_head_packed, self._cos32, self._sin32, self._flat_layers, kv.k, kv.v,
                                     c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale,
-                                    *((self._onednn,) if _TAKES_MATMUL_CHOICE else ()))
+                                    *((self._onednn, self.deterministic) if _TAKES_DETERMINISTIC else
+                                      (self._onednn,) if _TAKES_MATMUL_CHOICE else ()))
+        if self.deterministic and not use_triton(batch.input_ids, self.attention_backend):
+            return self._forward_deterministic(batch, kv)
         T = batch.num_tokens
         h = self._embed(batch.input_ids)                                  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)
@@ -324,6 +343,38 @@ class LlamaModel:
             return y if b is None else y + b
         return linear(x, w, b, self._quant_kernel, self.attention_backend)
 
+    def _forward_deterministic(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """The torch path with the compiled forward's deterministic kernels in place of every
+        reduction (matmul, RMSNorm, attention, SiLU x up): what a tensor-parallel shard runs in
+        deterministic mode (its collectives sit between the ops), and any model the one-call
+        forward does not take (q / k norms). The rest is elementwise, the same bits for any batch."""
+        ext = _deterministic_ext(self.device)
+        c = self.config
+        T, H, Hkv, D = batch.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
+        h = self._embed(batch.input_ids)
+        for i, L in enumerate(self.layers):
+            x = ext.det_rms_norm(h, L.ln1, c.rms_norm_eps)
+            qkv = ext.det_linear(x, _plain(L.qkv_w), L.qkv_b)
+            v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, D)
+            if L.q_norm is None:
+                qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, D), cos, sin)
+                q, k = qk[:, :H], qk[:, H:]
+            else:
+                assert L.k_norm is not None
+                q = ext.det_rms_norm(qkv[:, :self._q_size].reshape(T, H, D), L.q_norm, c.rms_norm_eps)
+                k = ext.det_rms_norm(qkv[:, self._q_size:self._q_size + self._kv_size].reshape(T, Hkv, D),
+                                     L.k_norm, c.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend="torch")
+            attn = ext.det_attention(q, kv.k[i], kv.v[i], batch.page_table, batch.seq_lens, batch.cu_q, self.scale)
+            h = h + self._reduce(ext.det_linear(attn.reshape(T, self._q_size), _plain(L.o_w), L.o_b))
+            x = ext.det_rms_norm(h, L.ln2, c.rms_norm_eps)
+            act = ext.silu_mul(ext.det_linear(x, _plain(L.gate_up_w)))
+            h = h + self._reduce(ext.det_linear(act, _plain(L.down_w)))
+        h = ext.det_rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
+        return self._logits(h)
+
     # -- the three places tensor parallelism changes (model/parallel.py); identity at N = 1 --------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return embedding_rows(self.embed, ids, self.dtype)
@@ -332,6 +383,8 @@ class LlamaModel:
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.deterministic and not use_triton(h, self.attention_backend):
+            return _deterministic_ext(self.device).det_linear(h, _plain(self.lm_head)).float()
         return self._linear(h, self.lm_head, None).float()
 
     def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:

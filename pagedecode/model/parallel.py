@@ -49,7 +49,7 @@ from .llama import LlamaModel
 
 OP_FORWARD, OP_STOP = 1, 2
 STOP_WAIT_S = 2.0     # a worker told to stop leaves its group and exits in well under this
-HEADER = 10      # op, T, S, max_pages, n_logits, num_decode, max_new, num_pages, page_size, reserved
+HEADER = 10      # op, T, S, max_pages, n_logits, num_decode, max_new, num_pages, page_size, deterministic
 
 
 class ModelUnavailableError(PageDecodeError, RuntimeError):
@@ -134,12 +134,23 @@ class ShardedLlama(LlamaModel):
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         t = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.deterministic and self.world > 2:
+            # a fixed order: every rank's part gathered, then summed rank 0, 1, 2, ... (an all_reduce
+            # sums in the order its algorithm picks, which may differ by chunk and by rank; with two
+            # ranks a + b is the same either way)
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            x.copy_(total)
+        else:
+            dist.all_reduce(x, group=self.group)
         self.comm_s += time.perf_counter() - t
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        part = self._linear(h, self.lm_head, None).float().contiguous()                # (N, V / world)
+        part = LlamaModel._logits(self, h).contiguous()                                  # (N, V / world)
         parts = [torch.empty_like(part) for _ in range(self.world)]
         t = time.perf_counter()
         dist.all_gather(parts, part, group=self.group)
@@ -171,10 +182,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _send_batch(batch: ForwardBatch, kv: KVCache) -> None:
+def _send_batch(batch: ForwardBatch, kv: KVCache, deterministic: bool) -> None:
     header = torch.tensor([OP_FORWARD, batch.num_tokens, batch.num_seqs, batch.page_table.shape[1],
                            batch.logits_indices.shape[0], batch.num_decode, batch.max_new, kv.num_pages,
-                           kv.page_size, 0], dtype=torch.int64)
+                           kv.page_size, int(deterministic)], dtype=torch.int64)
     dist.broadcast(header, src=0)
     for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices):
         dist.broadcast(t.to(torch.int64).contiguous(), src=0)
@@ -249,6 +260,7 @@ def serve_rank(path: str | Path, rank: int | None = None, world: int | None = No
             if int(header[0]) == OP_STOP:
                 break
             batch = _recv_batch(header, dev)
+            model.deterministic = bool(header[9])          # EngineConfig.deterministic, as rank 0 runs
             num_pages, page_size = int(header[7]), int(header[8])
             if kv is None or kv.num_pages != num_pages or kv.page_size != page_size:
                 kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, model.dtype, dev)
@@ -302,6 +314,7 @@ class TensorParallelModel:
         self.full_config = config
         self.dtype = self.shard.dtype
         self.attention_backend = attention_backend
+        self.deterministic = False          # EngineConfig.deterministic; sent to every rank with each step
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         if self.failure is not None:
@@ -311,7 +324,8 @@ class TensorParallelModel:
             self._fail(f"tensor-parallel rank process {', '.join(dead)} died")
         try:
             with _interrupts_held():
-                _send_batch(batch, kv)
+                _send_batch(batch, kv, self.deterministic)
+                self.shard.deterministic = self.deterministic
                 return self.shard.forward(batch, kv)
         except ModelUnavailableError:
             raise
