@@ -1,0 +1,78 @@
+"""The compiled CPU forward's deterministic kernels (csrc/cpu_forward.cpp, det_*): each output the
+same bits whatever the number of rows, the chunking of a prompt, or the thread count."""
+import pytest
+import torch
+
+from pagedecode.model.llama import cpu_extension_available
+
+pytestmark = pytest.mark.skipif(not cpu_extension_available(), reason="needs the compiled CPU extension")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ext():
+    from pagedecode import _cpu
+    return _cpu
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [576, 100, 7])           # whole steps, a masked last step, less than one
+def test_matmul_rows_are_the_same_bits_for_any_number_of_rows(dtype, k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(64, k, generator=g).to(dtype)
+    w = torch.randn(75, k, generator=g).to(dtype)      # 75 outputs: whole tiles and a remainder
+    b = torch.randn(75, generator=g).to(dtype)
+    full = ext().det_linear(x, w, b)
+    for m in (1, 2, 3, 5, 17, 64):
+        for start in (0, 64 - m):
+            assert torch.equal(ext().det_linear(x[start:start + m], w, b), full[start:start + m]), (m, start)
+    torch.testing.assert_close(full.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_and_two_threads_give_the_same_bits(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(40, 576, generator=g).to(dtype), torch.randn(1536, 576, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (ext().det_linear(x, w), ext().det_rms_norm(x, w[0], 1e-5))
+        torch.set_num_threads(2)
+        two = (ext().det_linear(x, w), ext().det_rms_norm(x, w[0], 1e-5))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_rows_alone_and_together(dtype):
+    x = torch.randn(33, 100).to(dtype)
+    w = torch.rand(100).to(dtype)
+    full = ext().det_rms_norm(x, w, 1e-5)
+    assert all(torch.equal(ext().det_rms_norm(x[i:i + 1], w, 1e-5)[0], full[i]) for i in range(33))
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float() * w.float()
+    torch.testing.assert_close(full.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_decode_extend_and_chunked_give_the_same_bits(dtype):
+    """A 45-token sequence (pages out of order) attended as one prefill, as chunks of 16 / 29 / 1
+    rows, and row by row as decode steps: each query position the same bits."""
+    H, Hkv, D, ps, n = 6, 2, 64, 16, 45
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(8, ps, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(8, ps, Hkv, D, generator=g).to(dtype)
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    table = torch.tensor([[5, 0, 7]], dtype=torch.int32)
+
+    def attend(lo, hi, others=0):
+        """rows lo .. hi of the sequence (cached lo), behind `others` one-token decode rows"""
+        lens = torch.tensor([3] * others + [hi], dtype=torch.int32)
+        cu = torch.tensor(list(range(others + 1)) + [others + hi - lo], dtype=torch.int32)
+        tab = torch.cat([torch.tensor([[1, 2, 3]] * others, dtype=torch.int32), table]) if others else table
+        qs = torch.cat([torch.randn(others, H, D).to(dtype), q[lo:hi]])
+        return ext().det_attention(qs, k, v, tab, lens, cu, D ** -0.5)[others:]
+    whole = attend(0, n)
+    chunked = torch.cat([attend(0, 16), attend(16, 45, others=3)])
+    stepped = torch.cat([attend(i, i + 1, others=i % 4) for i in range(n)])
+    assert torch.equal(whole, chunked) and torch.equal(whole, stepped)
