@@ -52,6 +52,17 @@ def default_replay(endpoint: str) -> str | None:
     return f"{host}:{int(port) + 1}" if port.isdigit() else None
 
 
+def offset_port(endpoint: str, n: int) -> str:
+    """A tcp endpoint's port + n (data-parallel rank n's, as vLLM offsets them); others get a
+    `_dpN` suffix (ipc, inproc); a wildcard port (`*`) stays."""
+    if n == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + n}" if port.isdigit() else endpoint
+    return f"{endpoint}_dp{n}"
+
+
 def to_vllm(events: list[CacheEvent], block_size: int, medium: str) -> list[list[Any]]:
     """The pool's log as vLLM events: consecutive pages of one chain in one BlockStored,
     consecutive removals in one BlockRemoved."""

@@ -88,6 +88,9 @@ class Spec:
     prefix_load_cap: int = 8
     torch_threads: int | None = None
     grace_s: float = 5.0
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
 
 
 def build_app(model: str | os.PathLike[str] | None = None, num_replicas: int = 2, **options: Any) -> Any:
@@ -101,7 +104,9 @@ def build_app(model: str | os.PathLike[str] | None = None, num_replicas: int = 2
     ray_actor_options (each replica's CPUs / GPUs; default 1 CPU), router_actor_options
     (default 0 CPUs), routing ("prefix" or "round_robin"), prefix_load_cap, torch_threads (per
     replica; default: the replica's CPUs), grace_s (a replica's drain on shutdown),
-    health_check_period_s."""
+    health_check_period_s, kv_events / kv_events_replay / kv_events_topic (each replica publishes
+    its prefix cache's KV events as data_parallel_rank N, vLLM's way for data-parallel engines: a
+    connected endpoint is shared, a bound one and the replay endpoint are offset by N)."""
     from ray import serve
 
     from .model.default_model import default_model_path
@@ -118,7 +123,8 @@ def build_app(model: str | os.PathLike[str] | None = None, num_replicas: int = 2
                 served_model_name=opts.pop("served_model_name", None) or (path.stem if path.is_file() else path.name),
                 chat_template=opts.pop("chat_template", None), routing=opts.pop("routing", "prefix"),
                 prefix_load_cap=int(opts.pop("prefix_load_cap", 8)), torch_threads=opts.pop("torch_threads", None),
-                grace_s=float(opts.pop("grace_s", 5.0)))
+                grace_s=float(opts.pop("grace_s", 5.0)), kv_events=opts.pop("kv_events", None),
+                kv_events_replay=opts.pop("kv_events_replay", None), kv_events_topic=opts.pop("kv_events_topic", ""))
     if spec.routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {spec.routing!r}")
     server_names = _server_option_names()
@@ -167,6 +173,15 @@ class EngineReplica:
                               generation_defaults=generation_defaults(Path(spec.model)), **spec.server)
         self.state = self.app.state.pagedecode
         self._started: asyncio.Future[None] | None = None
+        self.publisher = None
+        if spec.kv_events is not None:
+            from .kv_events import KVEventPublisher, binds, default_replay, offset_port
+            replay = spec.kv_events_replay or default_replay(spec.kv_events)
+            self.publisher = KVEventPublisher(
+                offset_port(spec.kv_events, index) if binds(spec.kv_events) else spec.kv_events,
+                offset_port(replay, index) if replay is not None else None, block_size=engine.config.page_size,
+                topic=spec.kv_events_topic, data_parallel_rank=index,
+                medium="GPU" if engine.device.type == "cuda" else "CPU").attach(engine)
 
     async def _start(self) -> None:
         if self._started is None:
@@ -250,6 +265,8 @@ class EngineReplica:
                 await self.ae.shutdown()
         finally:
             self.ae.engine.close()
+            if self.publisher is not None:
+                self.publisher.close()
 
 
 # -- the router ------------------------------------------------------------------------------
@@ -534,7 +551,8 @@ def serve_main(args: Any) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         app = build_app(args.model, args.replicas, served_model_name=args.served_model_name,
-                        chat_template=args.chat_template, grace_s=args.grace_seconds, **load, **options)
+                        chat_template=args.chat_template, grace_s=args.grace_seconds, kv_events=args.kv_events,
+                        kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic, **load, **options)
         serve.run(app, name="pagedecode", route_prefix="/", blocking=False)
         print(f"pagedecode serve: {args.replicas} replicas on Ray Serve at http://{args.host}:{args.port}", flush=True)
         stop.wait()

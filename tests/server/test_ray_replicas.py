@@ -20,8 +20,8 @@ PREFIX = [(7 * i + 3) % 500 + 2 for i in range(512)]        # 512 token ids: 32 
 
 
 class Cluster:
-    def __init__(self, url, pids):
-        self.url, self.pids = url, pids
+    def __init__(self, url, pids, sub=None):
+        self.url, self.pids, self.sub = url, pids, sub
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         self.stopped = False
 
@@ -49,14 +49,24 @@ def cluster():
     except Exception as e:       # noqa: BLE001 - whatever keeps Ray from starting here is the reason
         pytest.skip(f"Ray cannot start on this machine: {type(e).__name__}: {e}")
     port = _free_port()
+    ctx = sub = None
+    try:
+        import zmq
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        kv = f"tcp://127.0.0.1:{sub.bind_to_random_port('tcp://127.0.0.1')}"     # the replicas connect to it
+    except ImportError:
+        kv = None
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = pdray.build_app(None, 2, ray_actor_options={"num_cpus": 0.5}, torch_threads=1, max_batch_size=16,
-                              health_check_period_s=1.0, grace_s=1.0)
+                              health_check_period_s=1.0, grace_s=1.0, kv_events=kv, kv_events_topic="kv")
         serve.run(app, name=APP, route_prefix="/", blocking=False)
         me = psutil.Process()
         pids = {p.pid for p in me.children(recursive=True)}
-        c = Cluster(f"http://127.0.0.1:{port}", pids)
+        c = Cluster(f"http://127.0.0.1:{port}", pids, sub)
         for i in range(2):
             c.ping(i)
         yield c
@@ -64,6 +74,9 @@ def cluster():
         if ray.is_initialized():
             serve.shutdown()
             ray.shutdown()
+        if sub is not None:
+            sub.close(0)
+            ctx.term()
 
 
 # -- the router's choices, without a cluster -------------------------------------------------------
@@ -171,6 +184,24 @@ def test_prefix_affinity_lands_on_one_replica_and_hits_its_cache(cluster):
     raw = cluster.client.completions.with_raw_response.create(
         model="default-model-v2", prompt=PREFIX + [1, 2, 3], max_tokens=1, extra_headers={"X-Pagedecode-Replica": other})
     assert _replica(raw) == other and raw.parse().usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_each_replica_publishes_kv_events_as_its_data_parallel_rank(cluster):
+    msgpack = pytest.importorskip("msgpack")
+    if cluster.sub is None:
+        pytest.skip("pyzmq is not installed")
+    ranks, deadline, n = set(), time.monotonic() + 60, 0
+    while ranks != {0, 1}:       # new pages on each replica until both ranks' batches came through
+        assert time.monotonic() < deadline, f"KV events only from ranks {ranks}"
+        n += 1
+        for i in range(2):
+            cluster.client.completions.create(model="default-model-v2", prompt=[n % 400 + 3 + i] * 40,
+                                              max_tokens=1, extra_headers={"X-Pagedecode-Replica": f"replica-{i}"})
+        while cluster.sub.poll(300):
+            topic, _, payload = cluster.sub.recv_multipart()
+            ts, events, rank = msgpack.unpackb(payload)
+            assert topic == b"kv" and events
+            ranks.add(rank)
 
 
 def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_and_comes_back(cluster):
