@@ -368,3 +368,14 @@ def test_draft_model_stories_as_its_own_draft(stories_engine_factory, stories_pa
     assert outputs(spec, prompts, params) == want
     snap = spec.snapshot()
     assert snap.spec_decode_num_accepted_tokens > 0.5 * snap.spec_decode_num_draft_tokens
+
+
+def test_deterministic_mode_logprobs_bitwise_equal(stories_engine_factory, grounded_prompt):
+    params = [pd.SamplingParams(max_tokens=32, logprobs=2),
+              pd.SamplingParams(max_tokens=32, temperature=0.9, seed=8, logprobs=0)]
+    prompts = [grounded_prompt, grounded_prompt]
+    want = outputs(stories_engine_factory(deterministic=True), prompts, params)
+    spec = stories_engine_factory(deterministic=True, speculative=NGRAM)
+    got = outputs(spec, prompts, params)
+    assert got == want          # logprobs and top logprobs compared as floats: the same bits
+    assert spec.snapshot().spec_decode_num_accepted_tokens > 0
