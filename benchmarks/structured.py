@@ -73,7 +73,7 @@ def measure(name: str, path: Path, args: argparse.Namespace) -> dict:
            "unconstrained_us_per_token": 1e6 * base, "constrained_us_per_token": 1e6 * cons,
            "overhead_us_per_token": 1e6 * (cons - base), "ratio": cons / base,
            "regex_first_request_s": regex_compile, "json_schema_first_request_s": schema_compile,
-           "compile_s": list(eng.grammar.compile_s) if eng.grammar else []}
+           "compile_s": list(eng.constraints.compiler.compile_s)}
     print(f"{name:>12} vocab {out['vocab']:>6}: {out['unconstrained_us_per_token']:.1f} -> "
           f"{out['constrained_us_per_token']:.1f} us/token (+{out['overhead_us_per_token']:.1f}), "
           f"compiles {', '.join(f'{c * 1000:.0f} ms' for c in out['compile_s'])}", file=sys.stderr)

@@ -186,7 +186,7 @@ class EngineReplica:
     async def _start(self) -> None:
         if self._started is None:
             self._started = asyncio.get_running_loop().create_future()
-            warming = self.ae.engine.grammar.warm()
+            warming = self.ae.engine.warm_grammar()
             if warming is not None:
                 try:
                     await asyncio.wrap_future(warming)

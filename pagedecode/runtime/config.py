@@ -64,6 +64,17 @@ class EngineConfig:
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
     speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
 
+    def kv_pages(self, bytes_per_token: int, model_context: int) -> int:
+        """How many KV pages the engine allocates: memory_budget_bytes or max_cache_tokens, else
+        a full context per batch slot up to DEFAULT_CACHE_TOKENS."""
+        if self.memory_budget_bytes is not None:
+            tokens = self.memory_budget_bytes // bytes_per_token
+        else:
+            tokens = self.max_cache_tokens or min(self.max_batch_size * model_context, DEFAULT_CACHE_TOKENS)
+        if tokens < self.page_size:
+            raise ValueError(f"KV capacity of {tokens} tokens holds no page of {self.page_size}")
+        return tokens // self.page_size
+
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")

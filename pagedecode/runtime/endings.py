@@ -1,38 +1,153 @@
-"""Whether a selected token ends its request, and why: one pure function, tested directly.
+"""Endings: every way a request ends. Cancels (asked any time, effective at a safe point), the
+safe point's checks (cancels, deadlines, grammar failures, the backpressure "fail" policy), a
+normal finish, a failure, and the release of every resource exactly once.
 
-Order (DESIGN.md): EOS before stops, stops before length, length before context; a grammar that
-is complete (its matcher accepted EOS, or allows nothing but EOS next) ends with
-grammar_complete, unless a stop string or id hit on the same token. `token` is
-the t-th selected token, already appended to req.output_ids; `stop` is the stop the output
-pipeline matched on it (None for EOS: EOS never reaches the pipeline).
+A normal end drains what the output pipeline holds (DRAINING) and then FINISHES; any other end
+is a single transition to its terminal state; either way the terminal event goes out with it
+(through Delivery) and the request's pages and slot go back through the scheduler. Every method
+but `cancel` / `cancel_all` runs under the engine's lock (the step holds it); those take it.
 """
 from __future__ import annotations
 
-from typing import AbstractSet
+import logging
+import threading
+import time
+from typing import Callable
 
-from .lifecycle import FinishReason
-from .request import Request
+from .config import EngineConfig
+from .delivery import Delivery
+from .events import Event
+from .lifecycle import FinishReason, RequestState
+from .registry import RequestRegistry
+from .request import RESOURCES, Request
+from .scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("pagedecode")
+S, R = RequestState, FinishReason
 
 
-def is_eos(req: Request, token: int, eos_ids: AbstractSet[int]) -> bool:
-    return token in eos_ids and not req.params.ignore_eos
+ENDED = (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED)
 
 
-def check_ending(req: Request, token: int, stop: object, eos_ids: AbstractSet[int], max_context: int,
-                 grammar_done: bool = False) -> FinishReason | None:
-    """The finish reason token fixes, or None when the request goes on.
+class Endings:
+    def __init__(self, scheduler: Scheduler, requests: RequestRegistry, delivery: Delivery, config: EngineConfig,
+                 lock: threading.RLock, wake: Callable[[], None]) -> None:
+        self.scheduler = scheduler
+        self.requests = requests
+        self.delivery = delivery
+        self.backpressure_fails = config.backpressure == "fail"
+        self.backpressure_timeout_s = config.backpressure_timeout_s
+        self._lock = lock
+        self._wake = wake
 
-    context: the cache will hold num_computed + 1 tokens once this token is decoded; a request
-    whose next decode would reach the context C ends now (so a prompt of C - 1 tokens gets
-    exactly one token)."""
-    if grammar_done and (token in eos_ids or stop is None):
-        return FinishReason.GRAMMAR_COMPLETE   # it accepted a stop token, or allows nothing else next
-    if is_eos(req, token, eos_ids):
-        return FinishReason.EOS
-    if stop is not None:
-        return FinishReason.STOP_SEQUENCE
-    if len(req.output_ids) >= req.params.max_tokens:
-        return FinishReason.MAX_OUTPUT_TOKENS
-    if req.num_computed + 1 >= max_context:
-        return FinishReason.CONTEXT_LIMIT
-    return None
+    # -- asked from any thread ------------------------------------------------------------------
+    def cancel(self, request_id: str, reason: FinishReason = R.CANCELLED) -> bool:
+        """Ask to cancel; effective at the next safe point. False when the request is unknown,
+        terminal, or its finish reason is already fixed (draining)."""
+        with self._lock:
+            req = self.requests.live.get(request_id)
+            if req is None or req.state in ENDED:
+                return False
+            if req.state != S.CANCEL_REQUESTED:
+                req.trace.add("cancel.requested", reason=reason.value)
+                req.cancel_reason = reason
+                req.transition(S.CANCEL_REQUESTED)      # observed: nothing more is scheduled
+                req.trace.add("cancel.observed")
+        self._wake()
+        return True
+
+    def cancel_all(self, reason: FinishReason = R.CANCELLED) -> int:
+        """Ask every live request to cancel; returns how many were asked."""
+        with self._lock:
+            return sum(self.cancel(rid, reason) for rid in list(self.requests.live))
+
+    # -- under the lock ------------------------------------------------------------------------
+    def stop_hit(self, req: Request, stop: str | tuple[int, ...]) -> None:
+        req.stop_reason = stop[0] if isinstance(stop, tuple) and len(stop) == 1 else stop
+        req.trace.add("stop.hit", stop=req.stop_reason, rule_version=1)
+
+    # -- endings ----------------------------------------------------------------------------
+    def finish(self, req: Request, reason: FinishReason, events: list[Event]) -> None:
+        """A normal end: fix the reason (DRAINING), flush what is held, then FINISHED."""
+        req.transition(S.DRAINING)
+        req.finish_reason = reason
+        if reason != R.STOP_SEQUENCE and req.pipeline is not None:
+            em = req.pipeline.finish("drop" if reason == R.DEADLINE_EXCEEDED else None)
+            self.delivery.deliver(req, em, events)
+            if em.stop is not None:
+                self.stop_hit(req, em.stop)
+                reason = R.STOP_SEQUENCE
+            if em.error is not None:
+                self.terminate(req, S.FAILED, R.CONTENT_INTERRUPTED, em.error, events)
+                return
+        self.terminate(req, S.FINISHED, reason, None, events)
+
+    def fail(self, req: Request, exc: BaseException, events: list[Event]) -> None:
+        if req.state.terminal:
+            log.exception("request %s failed after it ended", req.request_id)
+            return
+        self.terminate(req, S.FAILED, R.MODEL_ERROR, f"{type(exc).__name__}: {exc}", events)
+
+    def terminate(self, req: Request, state: RequestState, reason: FinishReason, error: str | None,
+                   events: list[Event]) -> None:
+        """Fix the terminal state and emit the terminal event together (caller holds the lock),
+        then release every resource once."""
+        req.transition(state)
+        req.finish_reason = reason
+        req.error = error
+        if req.pipeline is not None:
+            req.timings.hold_s = req.pipeline.hold_s
+        req.trace.add("finish", state=state.value, reason=reason.value, error=error)
+        self.delivery.terminal(req, state, reason, error, events)
+        self.release_all(req)
+        self.requests.finish(req)
+
+    def release_all(self, req: Request) -> None:
+        """Pages and slot go back through the scheduler, which owns them; the rest is dropped
+        here. Each is marked once (a second release raises); a failing one is logged and the
+        others still go."""
+        try:
+            self.scheduler.release(req)
+        except Exception:
+            log.exception("releasing the pages and slot of request %s failed", req.request_id)
+        for resource in RESOURCES:
+            req.mark_released(resource)
+            req.trace.add("release", resource=resource)
+        # "rng": the seed is the whole generator state; "stream": its history ends with the
+        # terminal event (kept compactly for replay); "trace": closed below
+        req.trace.closed = True
+        req.grammar = None
+        req.compact()
+
+    def fail_step(self, plan: SchedulerOutput, exc: BaseException | None, events: list[Event]) -> None:
+        log.error("model step failed: %s: %s", type(exc).__name__, exc)
+        for s in plan.seqs:
+            req = s.request
+            if not req.state.terminal and req.state != S.CANCEL_REQUESTED:
+                self.terminate(req, S.FAILED, R.MODEL_ERROR, f"model step failed: {type(exc).__name__}: {exc}",
+                                events)
+
+    def safe_point(self, events: list[Event]) -> None:
+        now = time.perf_counter()
+        for req in list(self.requests.live.values()):
+            if req.state == S.CANCEL_REQUESTED:
+                req.trace.add("cancel.effective")
+                self.terminate(req, S.CANCELLED, req.cancel_reason, None, events)
+            elif (req.first_token_deadline is not None and not req.output_ids
+                  and now >= req.first_token_deadline):
+                req.trace.add("deadline", state=req.state.value, first_token=True)
+                self.terminate(req, S.FAILED, R.DEADLINE_EXCEEDED,
+                                f"no first token within {req.params.first_token_timeout_s}s", events)
+            elif req.deadline is not None and now >= req.deadline:
+                req.trace.add("deadline", state=req.state.value)
+                if req.state == S.DECODING:
+                    self.finish(req, R.DEADLINE_EXCEEDED, events)
+                else:
+                    self.terminate(req, S.FAILED, R.DEADLINE_EXCEEDED,
+                                    "deadline passed before decoding started", events)
+            elif req.grammar is not None and (why := req.grammar.failure()) is not None:
+                self.terminate(req, S.FAILED, R.MODEL_ERROR, why, events)
+            elif ((paused := req.delivery.paused_since) is not None and self.backpressure_fails
+                  and now - paused > self.backpressure_timeout_s):
+                self.terminate(req, S.FAILED, R.TRANSPORT_ERROR,
+                               f"consumer did not read for {self.backpressure_timeout_s}s", events)

@@ -22,13 +22,18 @@ import json
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..errors import InvalidRequestError
 from ..model.tokenizer import TokenizerLike
 from ..structured import StructuredOutput
+from .finish_rules import is_eos
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .request import Request
 
 INSTALL_HINT = "structured output needs xgrammar: pip install 'pagedecode[structured]'"
 JSON_WHITESPACE_CAP = 2        # whitespace runs in JSON outputs are bounded
@@ -296,6 +301,14 @@ class Constraints:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, cache_size=cache_size, cache_bytes=cache_bytes)
         self.bitmask = TokenBitmask(num_slots, vocab_size, device)
 
+    @classmethod
+    def from_config(cls, tokenizer: TokenizerLike, vocab_size: int, eos_ids: frozenset[int], device: torch.device,
+                    config: EngineConfig) -> "Constraints":
+        return cls(tokenizer, vocab_size, eos_ids, config.max_batch_size, device,
+                   cache_size=config.grammar_cache_size, cache_bytes=config.grammar_cache_bytes,
+                   timeout_s=config.grammar_compile_timeout_s, max_depth=config.max_schema_depth,
+                   max_bytes=config.max_schema_bytes)
+
     def prepare(self, so: StructuredOutput) -> CompileJob:
         """Check the constraint's limits (InvalidRequestError naming them) and start its parse and
         compile in the worker; cheap and thread-safe, never under the engine's lock by need."""
@@ -346,3 +359,30 @@ class Constraints:
         self.bitmask.fill(g.matcher, slot)
         g.mask_for = (slot, n_tokens)
         return self.bitmask.only_stop_tokens(slot, self.eos_ids)
+
+    def take(self, req: Request, token: int) -> bool:
+        """The request's matcher takes its committed token (before the token's text is sent);
+        True when it accepted a stop token: the grammar is complete."""
+        if req.grammar is None:
+            return False
+        try:
+            done = self.accept(req.grammar, token)
+        except RuntimeError:
+            req.trace.add("grammar.rejected", token=token)
+            raise
+        if done:
+            req.trace.add("grammar.terminated", token=token)
+            return True
+        if req.trace.tokens:
+            req.trace.token("grammar.accepted", token=token)
+        return False
+
+    def ends_after(self, req: Request, token: int, eos_ids: frozenset[int]) -> bool:
+        """The grammar allows nothing but stop tokens after `token`: complete without another forward."""
+        if req.grammar is None or is_eos(req, token, eos_ids):
+            return False
+        assert req.slot is not None
+        if self.must_end(req.grammar, req.slot, len(req.output_ids)):
+            req.trace.add("grammar.terminated", must_end=True)
+            return True
+        return False

@@ -1,15 +1,19 @@
 """Turning what a user sent into a Request, or an InvalidRequestError that says what is wrong.
-Nothing here touches the engine's state: a rejected request leaves no trace."""
+Nothing here touches the engine's state: a rejected request leaves no trace. `Intake` holds
+what the checks need (tokenizer, vocabulary, context, the grammar side, the seed generator)."""
 from __future__ import annotations
 
 import numbers
 import random
 import time
+from typing import Any, Sequence
 
 from ..errors import InvalidRequestError
 from ..model.tokenizer import TokenizerLike
 from ..params import SamplingParams, unicode_error
+from .grammar import CompileJob, Constraints
 from .output import OutputPipeline
+from .prefix_cache import namespace
 from .request import Request
 from .trace import Trace
 
@@ -45,7 +49,11 @@ def prompt_ids(prompt: object, tokenizer: TokenizerLike, vocab_size: int, max_co
 
 
 def make_request(prompt: object, params: SamplingParams | None, request_id: str, *, tokenizer: TokenizerLike,
-                 vocab_size: int, max_context: int, rng: random.Random, trace_level: str) -> Request:
+                 vocab_size: int, max_context: int, rng: random.Random, trace_level: str,
+                 cache_identity: str = "", constraints: Constraints | None = None,
+                 job: CompileJob | None = None) -> Request:
+    """The checked Request. A constrained one's grammar is attached (`job`: its parse, prepared
+    by `Intake.prepare_grammar` outside the engine's lock)."""
     if params is None:
         params = SamplingParams()
     if not isinstance(params, SamplingParams):
@@ -62,9 +70,56 @@ def make_request(prompt: object, params: SamplingParams | None, request_id: str,
     params.check_vocab(vocab_size)
     now = time.perf_counter()
     seed = params.seed if params.seed is not None else rng.getrandbits(64)
-    req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, arrival=now,
-                  pipeline=OutputPipeline(tokenizer, ids, params), trace=Trace(request_id, trace_level),
-                  deadline=None if params.deadline_s is None else now + params.deadline_s,
-                  first_token_deadline=None if params.first_token_timeout_s is None
-                  else now + params.first_token_timeout_s)
-    return req
+    grammar = None
+    if params.structured_output is not None:
+        assert constraints is not None and job is not None, "a constrained request's grammar is prepared first"
+        grammar = constraints.attach(params.structured_output, job)
+    return Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, arrival=now,
+                   pipeline=OutputPipeline(tokenizer, ids, params), trace=Trace(request_id, trace_level),
+                   deadline=None if params.deadline_s is None else now + params.deadline_s,
+                   first_token_deadline=None if params.first_token_timeout_s is None
+                   else now + params.first_token_timeout_s,
+                   cache_namespace=namespace(cache_identity, params.cache_salt), grammar=grammar)
+
+
+def paired(prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None
+           ) -> tuple[list[Any], list[SamplingParams | None]]:
+    """generate()'s arguments as a list of prompts and one SamplingParams (or None) each."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    plist: list[SamplingParams | None] = (list(params) if isinstance(params, (list, tuple))
+                                          else [params] * len(prompts))  # type: ignore[list-item]
+    if len(plist) != len(prompts):
+        raise InvalidRequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+    return list(prompts), plist
+
+
+class Intake:
+    def __init__(self, tokenizer: TokenizerLike, vocab_size: int, max_context: int, constraints: Constraints,
+                 seed: int | None, trace_level: str, cache_identity: str) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.constraints = constraints
+        self.rng = random.Random(seed)         # draws the seeds of requests that give none
+        self.trace_level = trace_level
+        self.cache_identity = cache_identity   # the model's part of every prefix-cache key
+
+    def prepare_grammar(self, params: SamplingParams | None) -> CompileJob | None:
+        """Start a constrained request's parse and compile in the grammar worker; cheap, any
+        thread. A constraint over the schema limits raises InvalidRequestError."""
+        so = getattr(params, "structured_output", None)
+        return None if so is None else self.constraints.prepare(so)
+
+    def parsed_grammar(self, params: SamplingParams | None) -> CompileJob | None:
+        """prepare_grammar, then wait for the parse (outside the engine's lock: the step loop goes on)."""
+        job = self.prepare_grammar(params)
+        if job is not None:
+            self.constraints.wait_parsed(job)
+        return job
+
+    def make(self, prompt: object, params: SamplingParams | None, request_id: str, job: CompileJob | None
+             ) -> Request:
+        return make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                            max_context=self.max_context, rng=self.rng, trace_level=self.trace_level,
+                            cache_identity=self.cache_identity, constraints=self.constraints, job=job)

@@ -14,7 +14,7 @@ events in its delivery record's history (delivery.py), and usage counts are leng
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
@@ -23,6 +23,9 @@ from .events import Timings
 from .lifecycle import FinishReason, RequestState, check_transition
 from .output import OutputPipeline, TopLogprobs
 from .trace import Trace
+
+if TYPE_CHECKING:
+    from .grammar import GrammarState
 
 RESOURCES = ("pages", "slot", "rng", "stream", "trace", "grammar")
 
@@ -49,7 +52,7 @@ class Request:
     cached_tokens: int = 0                # prompt tokens served from the prefix cache
     draft_tokens: int = 0                 # speculation: drafts proposed and verified ...
     accepted_draft_tokens: int = 0        # ... and of them, selected
-    grammar: Any = None                   # a GrammarState when the request is constrained
+    grammar: GrammarState | None = None   # its matcher's state when the request is constrained
     slot: int | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | tuple[int, ...] | None = None
@@ -74,6 +77,34 @@ class Request:
         if self.params.prompt_logprobs is None:
             return range(0)
         return range(max(start, len(self.prompt_lps) - 1), min(start + n, len(self.prompt_ids) - 1))
+
+    def scheduled(self, now: float, decode: bool) -> None:
+        """A step is about to compute it (the first time: its queue time ends); decode: its next token."""
+        if self.first_scheduled is None:
+            self.first_scheduled = now
+            self.timings.queue_s = now - self.arrival
+        if self.trace.tokens and decode:
+            self.trace.token("decode.started", t=len(self.output_ids), cache_len=self.num_computed)
+
+    def computed(self, num_new: int, dt: float) -> None:
+        """A step of dt seconds computed num_new of its tokens (the scheduler advanced it)."""
+        if self.state == RequestState.DECODING:
+            self.timings.decode_s += dt
+            if self.trace.tokens:
+                self.trace.token("decode.completed", t=len(self.output_ids), cache_len=self.num_computed)
+        else:
+            self.timings.prefill_s += dt
+            if self.trace.tokens:
+                self.trace.token("prefill.chunk", tokens=num_new, cache_len=self.num_computed)
+
+    def add_prompt_logprobs(self, first: int, lps: list[float], tops: list[TopLogprobs] | None) -> None:
+        """A prefill chunk's prompt logprobs, from prompt token `first` on (they come in order)."""
+        if first != len(self.prompt_lps):
+            raise RuntimeError(f"prompt logprobs from token {first} computed, but {len(self.prompt_lps)} are known")
+        self.prompt_lps.extend(lps)
+        self.prompt_tops.extend(tops if tops is not None else [None] * len(lps))
+        if self.trace.tokens:
+            self.trace.token("prompt_logprobs", first=first, count=len(lps))
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Callable
 
 from .lifecycle import RequestState
 from .page_pool import PagePool
+from .prefix_cache import match, register
 from .request import Request
 from .slots import SlotTable
 
@@ -72,6 +73,24 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def advance(self, req: Request, num_new: int, drafts: int = 0) -> None:
+        """A step computed num_new more of the request's tokens: their K/V are in its pages (a
+        page that filled joins the prefix cache). Of them, `drafts` are speculative proposals:
+        they count as computed once accepted (runtime/speculative.py)."""
+        req.num_computed += num_new - drafts
+        req.processed_tokens += num_new
+        self._register_full_pages(req)
+
+    def settle(self, req: Request) -> None:
+        """After a verify: key the pages its accepted tokens filled, give back the ones only
+        rejected drafts used."""
+        self._register_full_pages(req)
+        self.trim(req)
+
+    def _register_full_pages(self, req: Request) -> None:
+        if self.prefix_caching and req.num_computed // self.page_size > req.pages_registered:
+            register(self.pool, req, self.page_size)
 
     def release(self, req: Request) -> None:
         """A request ended: forget it and give back its pages and slot (none, when it holds none)."""
@@ -192,7 +211,6 @@ class Scheduler:
         if req.needs_prompt_logprobs:          # cached K/V would skip the logits it asks for
             req.trace.add("prefix_cache.bypassed", reason="prompt_logprobs")
             return 0
-        from .prefix_cache import match
         pages = match(self.pool, req, self.page_size)
         for p in pages:
             self.pool.retain(p)

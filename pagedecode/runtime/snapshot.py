@@ -7,6 +7,11 @@ Gauges say how things stand now; counters only grow, from the engine's start.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+    from .speculative import SpecCounters
 
 
 @dataclass(frozen=True)
@@ -37,3 +42,20 @@ class EngineSnapshot:
     def kv_cache_usage(self) -> float:
         """The fraction of KV pages in use, in [0, 1]."""
         return self.pages_used / self.pages_total
+
+
+def take_snapshot(sch: Scheduler, finished_kept: int, steps: int, prompt_tokens: int, generated_tokens: int,
+                  spec: SpecCounters | None = None) -> EngineSnapshot:
+    """One pass over the running and waiting requests (the caller holds the engine's lock)."""
+    pool, slots = sch.pool, sch.slots
+    paused = sum(r.delivery.paused_since is not None for r in sch.running) + \
+        sum(r.delivery.paused_since is not None for r in sch.waiting)
+    return EngineSnapshot(
+        running=len(sch.running), waiting=len(sch.waiting), paused=paused, finished_kept=finished_kept,
+        pages_used=pool.num_pages - pool.free_pages, pages_cached=pool.cached_pages, pages_total=pool.num_pages,
+        slots_used=slots.num_slots - slots.free_slots, slots_total=slots.num_slots, preemptions=sch.preemptions,
+        prefix_cache_queries=sch.cache_queries, prefix_cache_hits=sch.cache_hits, steps=steps,
+        prompt_tokens=prompt_tokens, generated_tokens=generated_tokens,
+        spec_decode_num_drafts=0 if spec is None else spec.drafts,
+        spec_decode_num_draft_tokens=0 if spec is None else spec.draft_tokens,
+        spec_decode_num_accepted_tokens=0 if spec is None else spec.accepted_tokens)

@@ -294,7 +294,7 @@ def lifespan(ae: AsyncEngine, app: Starlette, grace_s: float
              ) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def run(_: Any) -> AsyncIterator[None]:
-        warming = ae.engine.grammar.warm()      # the first constrained request then stalls nobody
+        warming = ae.engine.warm_grammar()      # the first constrained request then stalls nobody
         if warming is not None:
             try:
                 await asyncio.wrap_future(warming)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 import pagedecode as pd
-from pagedecode.runtime.endings import check_ending
+from pagedecode.runtime.finish_rules import check_ending
 from pagedecode.testing import ByteVocabTokenizer, ScriptedModel
 
 from .helpers import check_stream, engine, of, run

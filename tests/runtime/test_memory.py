@@ -85,7 +85,7 @@ def test_a_finished_request_keeps_neither_its_schema_nor_its_bias(stories_engine
     assert 0.7 < estimated / used < 1.4, (estimated, used)
     req = eng.requests.get(next(reversed(eng.requests._finished)))
     assert req.params.structured_output is None and req.params.logit_bias is None and req.params.max_tokens == 2
-    assert all(len(k) < 80 for k in eng.grammar._cache)          # the compile cache keys by a digest
+    assert all(len(k) < 80 for k in eng.constraints.compiler._cache)          # the compile cache keys by a digest
 
 
 def test_ids_above_256_are_counted_as_the_objects_they_are():

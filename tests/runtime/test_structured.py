@@ -103,7 +103,7 @@ def test_bad_constraints_are_refused_and_the_engine_is_unaffected(stories_engine
 def test_a_slow_compile_never_blocks_other_requests(stories_engine_factory):
     eng = stories_engine_factory()
     eng.generate("x", pd.SamplingParams(max_tokens=1, structured_output=pd.StructuredOutput(regex="[a-z]")))
-    eng.grammar.compile_delay_s = 1.5
+    eng.constraints.compiler.compile_delay_s = 1.5
     slow = eng.add_request("Once", pd.SamplingParams(max_tokens=30, structured_output=pd.StructuredOutput(
         regex=r"[a-z]{3} [a-z]{3}")))
     fast = eng.add_request("Lily", pd.SamplingParams(max_tokens=12))
@@ -120,7 +120,7 @@ def test_a_slow_compile_never_blocks_other_requests(stories_engine_factory):
 def test_compile_timeout_cancel_and_deadline_while_compiling(stories_engine_factory):
     eng = stories_engine_factory(grammar_compile_timeout_s=0.2)
     eng.generate("x", pd.SamplingParams(max_tokens=1, structured_output=pd.StructuredOutput(regex="[a-z]")))
-    eng.grammar.compile_delay_s = 1.0
+    eng.constraints.compiler.compile_delay_s = 1.0
     late = eng.add_request("a", pd.SamplingParams(structured_output=pd.StructuredOutput(regex="[0-9]{4}")))
     gone = eng.add_request("b", pd.SamplingParams(structured_output=pd.StructuredOutput(regex="[0-9]{5}")))
     timed = eng.add_request("c", pd.SamplingParams(deadline_s=0.05,
@@ -183,12 +183,12 @@ def test_a_row_with_no_allowed_token_fails_and_never_samples_token_0(stories_eng
     eng = stories_engine_factory()
     so = pd.StructuredOutput(regex="[a-z]{5}")
     eng.generate("x", pd.SamplingParams(max_tokens=1, structured_output=so))
-    real_fill = eng.bitmask.fill
+    real_fill = eng.constraints.bitmask.fill
 
     def empty(matcher, slot):
         real_fill(matcher, slot)
-        eng.bitmask.host[slot] = 0                     # the grammar allows nothing
-    monkeypatch.setattr(eng.bitmask, "fill", empty)
+        eng.constraints.bitmask.host[slot] = 0                     # the grammar allows nothing
+    monkeypatch.setattr(eng.constraints.bitmask, "fill", empty)
     out, plain = eng.generate(["Once", "Lily"], [pd.SamplingParams(max_tokens=5, structured_output=so),
                                                  pd.SamplingParams(max_tokens=5)])
     assert out.state == S.FAILED and out.finish_reason == R.MODEL_ERROR and "no token" in out.error
@@ -241,9 +241,9 @@ def test_the_compiled_grammar_cache_is_bounded_in_bytes(stories_engine_factory):
         so = pd.StructuredOutput(choice=[f"word{i}x{n}" for i in range(300)])
         out = eng.generate("x", pd.SamplingParams(max_tokens=8, structured_output=so))[0]
         assert out.finish_reason == R.GRAMMAR_COMPLETE and out.text in so.choice
-        sizes.append(eng.grammar.cached_bytes)
+        sizes.append(eng.constraints.compiler.cached_bytes)
     assert max(sizes) <= 70_000 and sizes[0] > 20_000, sizes      # each ~29 KB: the oldest go
-    assert len(eng.grammar._cache) == 2
+    assert len(eng.constraints.compiler._cache) == 2
 
 
 def test_choices_with_quotes_backslashes_and_non_ascii_are_exact(stories_engine_factory, capfd):

@@ -48,7 +48,7 @@ def test_a_hostile_constraint_is_refused_naming_the_limit(server, body, param, l
 def test_the_server_imports_xgrammar_before_it_serves(server):
     """The import (~2 s, transformers with it) holds the GIL in bursts of up to ~300 ms in any
     thread: done at start, the first constrained request stalls nobody (issue 19)."""
-    assert server.engine.grammar.xgr is not None
+    assert server.engine.constraints.compiler.xgr is not None
 
 
 def test_an_invalid_grammar_is_still_a_400_naming_the_field(server):

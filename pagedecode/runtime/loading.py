@@ -1,0 +1,54 @@
+"""Engine.from_pretrained: an engine over a checkpoint (a Hugging Face directory or a GGUF file),
+in this process or over tensor-parallel worker processes; and what an EngineConfig sets on the
+model it is given."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..model.llama import configure_cpu_forward
+from .config import EngineConfig
+
+if TYPE_CHECKING:
+    from ..protocols import Model
+    from .engine import Engine
+
+E = TypeVar("E", bound="Engine")
+
+
+def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: Any = None,
+                    tensor_parallel_size: int = 1, quantization: str | None = None,
+                    tokenizer: str | Path | None = None, **engine_options: Any) -> E:
+    """path: a Hugging Face directory or a GGUF file. quantization "q8_0" / "q4_0" keeps the
+    layer weights quantized in memory; tokenizer: a folder holding tokenizer.json to use
+    instead of the model's own. tensor_parallel_size N > 1 starts N - 1 worker processes
+    (model/parallel.py); the engine and every request stay in this one."""
+    from ..model.loader import load_model
+    config = EngineConfig(**{"model_name": str(path), **engine_options})
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
+    if tensor_parallel_size == 1:
+        model, tok = load_model(path, device=device, dtype=dtype, attention_backend=config.attention_backend,
+                                quantization=quantization, tokenizer=tokenizer, cpu_matmul=config.cpu_matmul,
+                                cpu_pack_weights=config.cpu_pack_weights)
+        return cls(model, tok, config)
+    if quantization is not None or tokenizer is not None or Path(path).is_file():
+        raise ValueError("tensor_parallel_size > 1 takes a Hugging Face directory, without quantization "
+                         "or tokenizer")
+    from ..model.parallel import load_tensor_parallel
+    model, tok = load_tensor_parallel(path, tensor_parallel_size, device=device, dtype=dtype,
+                                      attention_backend=config.attention_backend)
+    return cls(model, tok, config)
+
+
+def configure(model: Model, config: EngineConfig) -> None:
+    """A non-"auto" attention_backend, deterministic=True (refused for a model without a
+    batch-invariant forward) and the compiled CPU forward's switches are set on the model."""
+    if config.attention_backend != "auto" and hasattr(model, "attention_backend"):
+        model.attention_backend = config.attention_backend
+    if config.deterministic:
+        if not hasattr(model, "deterministic"):
+            raise ValueError(f"deterministic=True needs a model with a batch-invariant forward (a `deterministic` "
+                             f"attribute, as pagedecode's own models have); {type(model).__name__} has none")
+        model.deterministic = True
+    configure_cpu_forward(model, config.cpu_matmul, config.cpu_pack_weights, config.cpu_keep_freed_memory)
