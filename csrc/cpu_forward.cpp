@@ -751,7 +751,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
               Tensor& buf, bool onednn) {
   const bool bias = b.defined() && b.numel() > 0;
   if (w.scalar_type() == at::kByte) {        // Q8_0 / Q4_0 blocks: quant_matmul.h, in float
-    Tensor y = quant_linear(x.to(at::kFloat).contiguous(), w, w.size(0));
+    Tensor y = quant_linear(x.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);   // LlamaModel quiesces before freeing w
     if (bias) y.add_(b.to(at::kFloat));
     return std::is_same_v<T, float> ? y : y.to(x.scalar_type());
   }
@@ -1125,8 +1125,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("takes_deterministic") = true;   // forward's last argument, and the det_* kernels
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
+  m.def("quiesce", [] { work::Pool::get().quiesce(); },
+        "wait until no worker of the quantized matmuls is inside a chunk (csrc/work_pool.h): call before "
+        "freeing blocks the compiled forward has used");
   m.def("quant_embedding_rows", &quant_embedding_rows,
         "rows of an embedding table in Q8_0 / Q4_0 blocks, dequantized to float32 (csrc/quant_matmul.h)");
-  m.def("quant_linear", &quant_linear,
+  m.def("quant_linear", [](const Tensor& x, const Tensor& blocks, int64_t n) { return quant_linear(x, blocks, n); },
         "x (T, K) float32 @ W^T, W (N, K) in GGUF Q8_0 / Q4_0 blocks, activations int8 per block (csrc/quant_matmul.h)");
 }

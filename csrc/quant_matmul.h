@@ -17,6 +17,8 @@
 
 #pragma once
 
+#include "work_pool.h"
+
 namespace quant {
 
 constexpr int64_t kBlock = 32;
@@ -37,6 +39,16 @@ inline void quantize_rows(const float* x, int8_t* qx, float* dx, int64_t T, int6
   at::parallel_for(0, T * nb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* v = x + i * kBlock;
+#if defined(__AVX512F__)
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float amax_v = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d_v = amax_v / 127.f;
+      const __m512 inv_v = _mm512_set1_ps(d_v > 0.f ? 1.f / d_v : 0.f);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + i * kBlock), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv_v))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + i * kBlock + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv_v))));
+      dx[i] = d_v;
+      continue;
+#endif
       float amax = 0.f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
       const float d = amax / 127.f;
@@ -107,50 +119,201 @@ inline void row_tile(const uint8_t* row, int64_t nb, int64_t block_bytes, bool q
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+#define QUANT_Q4_PAIRS 1
+// Q4_0, two blocks per 512-bit step. The nibbles go to vpdpbusd as stored (0..15, its unsigned
+// operand) and the -8 is folded in: each int32 lane starts from -8 times the sum of the four
+// activations it multiplies (corr, made once per call with the activations), so a pair of blocks
+// costs a shift, an and and one vpdpbusd, against an unpack, a subtraction and two vpsignb per
+// block above (which left Q4_0 compute-bound at half Q8_0's bytes per second). The activations of
+// blocks b, b + 1 are laid out as the unpacked nibbles come: b[0:16], b+1[0:16], b[16:32],
+// b+1[16:32] (an odd last block stays in order, for the 256-bit step).
+
+// qx (T, K) int8 in block order -> xp in pair order, corr (T, K / 4) int32
+inline void pair_layout(const int8_t* qx, int8_t* xp, int32_t* corr, int64_t T, int64_t K) {
+  const int64_t nb = K / kBlock;
+  for (int64_t t = 0; t < T; ++t) {
+    const int8_t* src = qx + t * K;
+    int8_t* dst = xp + t * K;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const int8_t* x0 = src + b * kBlock;
+      int8_t* d = dst + b * kBlock;
+      std::memcpy(d, x0, 16);
+      std::memcpy(d + 16, x0 + 32, 16);
+      std::memcpy(d + 32, x0 + 16, 16);
+      std::memcpy(d + 48, x0 + 48, 16);
+    }
+    if (b < nb) std::memcpy(dst + b * kBlock, src + b * kBlock, kBlock);
+    int32_t* c = corr + t * (K / 4);
+    for (int64_t l = 0; l < K / 4; ++l)
+      c[l] = -8 * (int32_t(dst[4 * l]) + dst[4 * l + 1] + dst[4 * l + 2] + dst[4 * l + 3]);
+  }
+}
+
+template <int R>
+inline void row_tile_q4(const uint8_t* row, int64_t nb, const int8_t* xp, const int32_t* corr, const float* dx,
+                        int64_t K, float* out, int64_t N) {
+  constexpr int64_t kBytes = 2 + kBlock / 2;
+  const __m512i low = _mm512_set1_epi8(15);
+  // lanes 0-3 and 8-11 belong to block b (scale 0), lanes 4-7 and 12-15 to block b + 1 (scale 1)
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const uint8_t* blk = row + b * kBytes;
+    const __m256i p = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + 2)), 1);
+    const __m512i nib = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(p), _mm256_srli_epi16(p, 4), 1), low);
+    uint16_t h0, h1;
+    std::memcpy(&h0, blk, 2);
+    std::memcpy(&h1, blk + kBytes, 2);
+    const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(h0 | uint32_t(h1) << 16)));
+    for (int r = 0; r < R; ++r) {
+      const __m128 dx2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx + r * nb + b)));
+      const __m512 scale = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_mul_ps(dw, dx2)));
+      const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(corr + r * (K / 4) + b * 8), nib,
+                                                _mm512_loadu_si512(xp + r * K + b * kBlock));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, acc[r]);
+    }
+  }
+  float tail[R] = {};
+  if (b < nb) {
+    const uint8_t* blk = row + b * kBytes;
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), _mm256_set1_epi8(15));
+    const float dw = fp16_to_float(blk);
+    for (int r = 0; r < R; ++r) {
+      const __m256i lanes = _mm256_dpbusd_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + r * (K / 4) + b * 8)), nib,
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * K + b * kBlock)));
+      tail[r] = dw * dx[r * nb + b] * hsum(_mm256_cvtepi32_ps(lanes));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
+#endif
+
 constexpr int kTile = 4;        // tokens per weight-block load
 
-// out (T, N) float = x (T, K) @ W^T, W (N, K) in blocks of `block_bytes` (34: Q8_0, 18: Q4_0)
+// One row of W against every token: out[t * ld] for t < T.
+inline void one_row(const uint8_t* row, int64_t nb, int64_t block_bytes, bool q4, const int8_t* qx, const int8_t* xp,
+                    const int32_t* corr, const float* dx, int64_t T, int64_t K, float* out, int64_t ld) {
+#if defined(QUANT_Q4_PAIRS)
+  if (q4) {
+    int64_t t = 0;
+    for (; t + kTile <= T; t += kTile)
+      row_tile_q4<kTile>(row, nb, xp + t * K, corr + t * (K / 4), dx + t * nb, K, out + t * ld, ld);
+    for (; t < T; ++t) row_tile_q4<1>(row, nb, xp + t * K, corr + t * (K / 4), dx + t * nb, K, out + t * ld, ld);
+    return;
+  }
+#endif
+  (void)xp;
+  (void)corr;
+#if defined(__AVX2__)
+  int64_t t = 0;
+  for (; t + kTile <= T; t += kTile)
+    row_tile<kTile>(row, nb, block_bytes, q4, qx + t * K, dx + t * nb, K, out + t * ld, ld);
+  for (; t < T; ++t) row_tile<1>(row, nb, block_bytes, q4, qx + t * K, dx + t * nb, K, out + t * ld, ld);
+#else
+  for (int64_t t = 0; t < T; ++t) {
+    const int8_t* xq = qx + t * K;
+    const float* xd = dx + t * nb;
+    float acc = 0.f;
+    int8_t wq[kBlock];
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * block_bytes;
+      unpack_scalar(blk, q4, wq);
+      int32_t dot = 0;
+      for (int j = 0; j < kBlock; ++j) dot += int32_t(wq[j]) * int32_t(xq[b * kBlock + j]);
+      acc += fp16_to_float(blk) * xd[b] * static_cast<float>(dot);
+    }
+    out[t * ld] = acc;
+  }
+#endif
+}
+
+// A chunk of rows of one call, as work::Pool runs it: in place on the caller, or into a worker's
+// scratch (T, rows) and then copied out.
+struct MatmulJob {
+  const uint8_t* w;
+  const int8_t* qx;
+  const int8_t* xp;
+  const int32_t* corr;
+  const float* dx;
+  float* out;
+  int64_t T, K, N, nb, block_bytes, per_chunk;
+  bool q4;
+
+  bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
+    const int64_t begin = c * per_chunk, end = std::min(N, begin + per_chunk), rows = end - begin;
+    float* o = out + begin;
+    int64_t ld = N;
+    if (scratch != nullptr) {
+      scratch->resize(T * rows);
+      o = scratch->data();
+      ld = rows;
+    }
+    for (int64_t n = begin; n < end; ++n) {
+      if (!live()) return false;
+      one_row(w + n * nb * block_bytes, nb, block_bytes, q4, qx, xp, corr, dx, T, K, o + (n - begin), ld);
+    }
+    return true;
+  }
+
+  void commit(int64_t c, std::vector<float>* scratch) const {
+    const int64_t begin = c * per_chunk, rows = std::min(N, begin + per_chunk) - begin;
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(out + t * N + begin, scratch->data() + t * rows, rows * sizeof(float));
+  }
+};
+
+// out (T, N) float = x (T, K) @ W^T, W (N, K) in blocks of `block_bytes` (34: Q8_0, 18: Q4_0).
+// Rows go out in chunks through work::Pool (work_pool.h): several per thread, so that a thread
+// the OS has descheduled costs the call nothing; a call of under kInlineBytes of weight reads runs
+// on the caller alone. W must stay allocated until work::Pool::get().quiesce() (work_pool.h).
+constexpr int64_t kInlineBytes = 32 << 10;
+constexpr int64_t kChunksPerThread = 8;
+
 inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int64_t K, int64_t N,
                    int64_t block_bytes) {
   const int64_t nb = K / kBlock;
   const bool q4 = block_bytes == 2 + kBlock / 2;
-  std::vector<int8_t> qx(T * K);
-  std::vector<float> dx(T * nb);
-  quantize_rows(x, qx.data(), dx.data(), T, K);
-  const int64_t row_bytes = nb * block_bytes;
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K * T)), [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = w + n * row_bytes;
-#if defined(__AVX2__)
-      int64_t t = 0;
-      for (; t + kTile <= T; t += kTile)
-        row_tile<kTile>(row, nb, block_bytes, q4, qx.data() + t * K, dx.data() + t * nb, K, out + t * N + n, N);
-      for (; t < T; ++t)
-        row_tile<1>(row, nb, block_bytes, q4, qx.data() + t * K, dx.data() + t * nb, K, out + t * N + n, N);
-#else
-      for (int64_t t = 0; t < T; ++t) {
-        const int8_t* xq = qx.data() + t * K;
-        const float* xd = dx.data() + t * nb;
-        float acc = 0.f;
-        int8_t wq[kBlock];
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = row + b * block_bytes;
-          unpack_scalar(blk, q4, wq);
-          int32_t dot = 0;
-          for (int j = 0; j < kBlock; ++j) dot += int32_t(wq[j]) * int32_t(xq[b * kBlock + j]);
-          acc += fp16_to_float(blk) * xd[b] * static_cast<float>(dot);
-        }
-        out[t * N + n] = acc;
-      }
+  work::Pool& pool = work::Pool::get();
+  // the activations, per thread, kept across calls: a worker left behind by an earlier call may
+  // still read them, so they are only reallocated (grown) once no worker is inside a chunk
+  thread_local std::vector<int8_t> qx_buf, xp_buf;
+  thread_local std::vector<float> dx_buf;
+  thread_local std::vector<int32_t> corr_buf;
+  if (static_cast<size_t>(T * K) > qx_buf.capacity() || static_cast<size_t>(T * nb) > dx_buf.capacity() ||
+      (q4 && (static_cast<size_t>(T * K) > xp_buf.capacity() || static_cast<size_t>(T * K / 4) > corr_buf.capacity())))
+    pool.quiesce();
+  qx_buf.resize(T * K);
+  dx_buf.resize(T * nb);
+  quantize_rows(x, qx_buf.data(), dx_buf.data(), T, K);
+  MatmulJob job{w, qx_buf.data(), nullptr, nullptr, dx_buf.data(), out, T, K, N, nb, block_bytes, N, q4};
+#if defined(QUANT_Q4_PAIRS)
+  if (q4) {
+    xp_buf.resize(T * K);
+    corr_buf.resize(T * K / 4);
+    pair_layout(qx_buf.data(), xp_buf.data(), corr_buf.data(), T, K);
+    job.xp = xp_buf.data();
+    job.corr = corr_buf.data();
+  }
 #endif
-    }
-  });
+  const int64_t reads = nb * block_bytes * N * ((T + kTile - 1) / kTile);
+  const int64_t chunks = std::max<int64_t>(1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread, N}));
+  job.per_chunk = (N + chunks - 1) / chunks;
+  pool.run((N + job.per_chunk - 1) / job.per_chunk, job);
 }
 
 }  // namespace quant
 
 // pagedecode._cpu.quant_linear(x (T, K) float32, blocks (N, K / 32 * block bytes) uint8, N) -> (T, N) float32
-inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n_out) {
+// quiesce=false: the caller keeps the blocks allocated until it calls work::Pool::get().quiesce()
+inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n_out, bool quiesce = true) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x must be (T, K) float32");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(0) == n_out,
               "quant_linear: blocks must be (N, K / 32 * block bytes) uint8");
@@ -162,6 +325,7 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, in
   at::Tensor out = at::empty({T, n_out}, x.options());
   if (T > 0 && n_out > 0)
     quant::matmul(x.data_ptr<float>(), blocks.data_ptr<uint8_t>(), out.data_ptr<float>(), T, K, n_out, block_bytes);
+  if (quiesce) work::Pool::get().quiesce();     // the caller may free the blocks once this returns
   return out;
 }
 

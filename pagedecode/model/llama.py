@@ -213,6 +213,8 @@ class LlamaModel:
             self._lm_head_t = small_t(self.lm_head)
             self._lm_head_packed = none
             self._cos32, self._sin32 = cos.float().contiguous(), sin.float().contiguous()
+            # held here: at interpreter exit the module's attributes may be gone before __del__ runs
+            self._quiesce = getattr(_cpu_ext, "quiesce", None) if self.quantized else None
             self.configure_cpu(default_cpu_matmul() if cpu_matmul is None else cpu_matmul,
                                default_cpu_pack_weights() if cpu_pack_weights is None else cpu_pack_weights)
 
@@ -248,6 +250,13 @@ class LlamaModel:
                                                           packed(L.down_w)]
         self._lm_head_packed = packed(self.lm_head)
         self._is_packed = pack
+
+    def __del__(self) -> None:
+        # the compiled quantized matmuls' workers may still be finishing a row of a chunk the
+        # caller took back (csrc/work_pool.h): the blocks are freed only once none is
+        quiesce = getattr(self, "_quiesce", None)
+        if quiesce is not None:
+            quiesce()
 
     def _weights(self) -> list[Weight]:
         out: list[Weight] = [self.embed, self.final_norm]

@@ -60,6 +60,30 @@ def test_kernel_against_dequantized_reference(kind, T, K, N):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_kernel_is_the_same_bit_for_bit_at_any_thread_count(kind):
+    """The matmul's chunks (csrc/work_pool.h) go to whichever thread claims them first, and a
+    worker's chunk may be taken back and recomputed by the caller: the rows of each chunk are fixed
+    by the call alone, so the result may not depend on any of it, even with more threads than cores
+    (workers descheduled mid-chunk). 3 blocks a row: Q4_0's odd last block too."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [(1, 96, 4001), (3, 96, 2000), (5, 576, 700)]
+    cases = [(QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind), torch.randn(T, K, generator=g), N)
+             for T, K, N in shapes]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [_cpu.quant_linear(x, q.blocks, N) for q, x, N in cases]
+        for n in (2, 4):
+            torch.set_num_threads(n)
+            for _ in range(30):
+                for (q, x, N), w in zip(cases, want):
+                    assert torch.equal(_cpu.quant_linear(x, q.blocks, N), w)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 def test_kernel_refuses_what_is_not_blocks():
     q = QuantizedWeight.quantize(torch.randn(4, 64), "q8_0")
     with pytest.raises(RuntimeError, match="float32"):
