@@ -137,12 +137,35 @@ def accuracy(engines: dict[str, Any], ps: list[list[int]], n: int, files: dict[s
 
 
 # -- speed ----------------------------------------------------------------------------------
-def speed(src: dict[str, Any], reqs: list, repeat: int) -> dict[str, Any]:
-    runs = [evh.run_pagedecode(src["path"], reqs, "cpu", src["dtype"], quantization=src["quantization"])
-            for _ in range(repeat)]
-    r = evh.median_run(runs)
-    return {k: v for k, v in r.items() if k not in ("tokens", "decode_batch")} | \
-        {"decode_batch_mean": r["decode_batch"]["mean"], "tokens": r["tokens"]}
+def run_engine(name: str, src: dict[str, Any], files: dict[str, Path] | None, fmt: str, reqs: list, args: Any,
+               path: Path, wname: str) -> dict[str, Any]:
+    """One run of one engine on one case, with the load average as it started."""
+    load = os.getloadavg()[0]
+    if name == "pagedecode":
+        r = evh.run_pagedecode(src["path"], reqs, "cpu", src["dtype"], quantization=src["quantization"])
+        r = {k: v for k, v in r.items() if k != "decode_batch"} | {"decode_batch_mean": r["decode_batch"]["mean"]}
+    elif name == "llamacpp":
+        assert files is not None
+        r = evh.run_llamacpp(files[fmt], reqs, args.threads, 1)
+    else:
+        r = evh.transformers_in_child(args.threads, path, reqs, args.hf_batch if wname == "mixed" else 1, "cpu",
+                                      COMPUTE[fmt])
+    return r | {"load": round(load, 2)}
+
+
+def speed(names: list[str], src: dict[str, Any], files: dict[str, Path] | None, fmt: str, reqs: list, args: Any,
+          path: Path, wname: str, repeat: int) -> dict[str, dict[str, Any]]:
+    """Every engine on one case, interleaved: pagedecode, llama.cpp, (transformers), pagedecode, ...
+    `repeat` rounds; per engine the median run by time, with every run's seconds and load."""
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for _ in range(repeat):
+        for n in names:
+            runs[n].append(run_engine(n, src, files, fmt, reqs, args, path, wname))
+    out = {}
+    for n, rs in runs.items():
+        out[n] = evh.median_run(rs) | {"runs_seconds": [round(r["seconds"], 3) for r in rs],
+                                       "runs_load": [r["load"] for r in rs]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="single,mixed")
     ap.add_argument("--engines", default="pagedecode,llamacpp,transformers")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads, every engine")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of the single workload (the median is kept)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of the single workload (the median is kept)")
+    ap.add_argument("--mixed-repeat", type=int, default=1, help="rounds of the mixed workload")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--hf-workloads", default="single,mixed", help="the workloads transformers runs")
     ap.add_argument("--prompts", type=int, default=8, help="accuracy: fixed prompts (32 token ids each)")
@@ -201,22 +225,17 @@ def main(argv: list[str] | None = None) -> int:
         for wname in workloads:
             reqs = evh.workload(wname, cfg["vocab_size"], cfg.get("max_position_embeddings", 2048))
             useful = sum(o for _, o in reqs)
-            repeat = args.repeat if wname == "single" else 1
+            repeat = args.repeat if wname == "single" else args.mixed_repeat
             own_f32 = None
             for fmt in formats:
                 row: dict[str, Any] = {"model": mname, "workload": wname, "format": fmt, "requests": len(reqs),
                                        "useful_tokens": useful, "weight_bytes": acc[mname][fmt]["weight_bytes"]}
-                got: dict[str, dict[str, Any]] = {}
-                if "pagedecode" in engines:
-                    got["pagedecode"] = speed(sources[fmt], reqs, repeat)
-                if files is not None:
-                    got["llamacpp"] = evh.run_llamacpp(files[fmt], reqs, args.threads, repeat)
+                names = [n for n in ("pagedecode", "llamacpp") if n in engines and (n != "llamacpp" or files)]
                 if "transformers" in engines and fmt in ("f32", "bf16") and wname in args.hf_workloads.split(","):
-                    got["transformers"] = evh.median_run([evh.transformers_in_child(
-                        args.threads, path, reqs, args.hf_batch if wname == "mixed" else 1, "cpu", COMPUTE[fmt])
-                        for _ in range(repeat)])
+                    names.append("transformers")
+                got = speed(names, sources[fmt], files, fmt, reqs, args, path, wname, repeat)
                 for name, r in got.items():
-                    row[name] = {k: v for k, v in r.items() if k != "tokens"}
+                    row[name] = {k: v for k, v in r.items() if k not in ("tokens", "load")}
                     row[name]["seconds"] = round(r["seconds"], 3)
                     row[name]["tok_s"] = round(useful / r["seconds"], 1)
                 if "pagedecode" in got and "llamacpp" in got:
@@ -237,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(1)
     bar.close()
     result["goals"] = goals(rows)
+    result["load_end"] = os.getloadavg()
     write_json(out, result)
     plot(out, lambda axes: draw(axes, rows, result), size=(13, 4.5), ncols=2)
     print(f"wrote {out} (+ .png)")
