@@ -914,7 +914,7 @@ template <typename T>
 Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& wt) {
   const bool bias = b.defined() && b.numel() > 0;
   if (w.scalar_type() == at::kByte) {
-    Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0));
+    Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);
     if (bias) y.add_(b.to(at::kFloat));
     return std::is_same_v<T, float> ? y : y.to(x_in.scalar_type());
   }
