@@ -2,7 +2,7 @@
 are checked alike (by mypy, and by isinstance at construction)."""
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -26,9 +26,11 @@ class Model(Protocol):
     """A model the engine can run: its shape, where it lives, and one forward over a batch.
     forward returns float logits (N, vocab), one row per sequence whose chunk reaches its last
     known token (ForwardBatch.logits_indices), and writes the batch's K/V into the cache."""
-    config: Any          # a ModelShape: pd.ModelConfig, or a test double's config
     device: torch.device
     dtype: torch.dtype
+
+    @property
+    def config(self) -> ModelShape: ...     # pd.ModelConfig, or a test double's config
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor: ...
 

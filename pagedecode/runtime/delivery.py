@@ -20,9 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from .events import DeltaEvent, Event, RequestOutput, StartEvent, TerminalEvent, Usage
+from .events import DeltaEvent, Event, StartEvent, TerminalEvent, Usage
 from .history import CompactHistory
 from .lifecycle import FinishReason, RequestState
+from .result import RequestOutput
 
 if TYPE_CHECKING:
     from .config import EngineConfig

@@ -57,13 +57,14 @@ class Detokenizer(Protocol):
 
 def make_detokenizer(tokenizer: TokenizerLike, prompt_ids: list[int], skip_special_tokens: bool = True
                      ) -> Detokenizer:
+    """The incremental detokenizer for this tokenizer: ByteStream over exact per-token bytes
+    where it has them, else WindowStream (decode a window, emit what it adds)."""
     pieces = tokenizer.byte_pieces
     if pieces is not None:
         return ByteStream(tokenizer, pieces, prompt_ids, skip_special_tokens)
     return WindowStream(tokenizer, prompt_ids, skip_special_tokens)
 
 
-IncrementalDetokenizer = make_detokenizer     # the name the tests and users know
 
 
 def _unfinished(data: bytes) -> bool:

@@ -30,7 +30,7 @@ from .batching import build_batch
 from .config import EngineConfig
 from .delivery import Attachment, Delivery, output
 from .endings import Endings
-from .events import Event, RequestOutput
+from .events import Event
 from .finish_rules import check_ending, is_eos, nothing_allowed
 from .grammar import CompileJob, Constraints
 from .intake import Intake, paired
@@ -39,6 +39,7 @@ from .lifecycle import FinishReason, RequestState
 from .page_pool import CacheEvent, PagePool
 from .registry import RequestRegistry
 from .request import Request
+from .result import RequestOutput
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .selector import SampleRows, Selection, TokenSelector, TopLogprobs, prompt_logprobs
 from .slots import SlotTable

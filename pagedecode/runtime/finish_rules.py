@@ -21,7 +21,7 @@ def is_eos(req: Request, token: int, eos_ids: AbstractSet[int]) -> bool:
     return token in eos_ids and not req.params.ignore_eos
 
 
-def check_ending(req: Request, token: int, stop: object, eos_ids: AbstractSet[int], max_context: int,
+def check_ending(req: Request, token: int, stop: str | tuple[int, ...] | None, eos_ids: AbstractSet[int], max_context: int,
                  grammar_done: bool = False) -> FinishReason | None:
     """The finish reason token fixes, or None when the request goes on.
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
 from .delivery import DeliveryRecord
-from .events import Timings
+from .result import Timings
 from .lifecycle import FinishReason, RequestState, check_transition
 from .output import OutputPipeline, TopLogprobs
 from .trace import Trace

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any
 
-from ..runtime.events import RequestOutput
+from ..runtime.result import RequestOutput
 from .metrics import Metrics
 from .responses import reason_name
 from .tracks import Track

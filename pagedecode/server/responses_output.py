@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
-from ..runtime.events import DeltaEvent, Event, RequestOutput, TerminalEvent
+from ..runtime.events import DeltaEvent, Event, TerminalEvent
+from ..runtime.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
 from .responses import reason_name
 from .state import ServerState

@@ -21,7 +21,8 @@ from typing import Any, AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 
-from ..runtime.events import DeltaEvent, Event, RequestOutput, TerminalEvent
+from ..runtime.events import DeltaEvent, Event, TerminalEvent
+from ..runtime.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
 from .errors import ApiError
 from .responses import chunk_body, finish_fields, logprobs_body, reason_name, sse, sum_usage, usage_body

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
 import pagedecode as pd
-from pagedecode.runtime.detokenizer import (ByteStream, IncrementalDetokenizer, Utf8TailError, WindowStream,
+from pagedecode.runtime.detokenizer import (ByteStream, Utf8TailError, WindowStream,
                                             make_detokenizer)
 
 TEXTS = ["Hello wörld", "naïve café — ünïcode ✓", "日本語のテキスト", "emoji 🎉🚀 mix", "tabs\tand\nnewlines",
@@ -205,13 +205,13 @@ def test_sentencepiece_leading_space_and_byte_fallback(real):
     tok = real["sentencepiece"]
 
     def stream(prompt, output, skip=True, errors="replace"):
-        d = IncrementalDetokenizer(tok, prompt, skip)
+        d = make_detokenizer(tok, prompt, skip)
         return "".join(d.add(t) for t in output) + d.flush(errors)
     assert stream([1, 403, 407, 261, 378], [432, 383]) == ", there"
     assert stream([1], [403, 407]) == "Once upon"           # the first shown token loses its space
     assert stream([1], [1, 403], skip=False) == "<s> Once"   # a shown special stops the strip
     euro = [3 + b for b in "€".encode()]                       # <0xE2> <0x82> <0xAC>
-    d = IncrementalDetokenizer(tok, [1, 403], True)
+    d = make_detokenizer(tok, [1, 403], True)
     assert [d.add(t) for t in euro] == ["", "", ""]          # a run is held ...
     assert d.add(403) == "€ Once"                              # ... until a normal token closes it
     for make in streams_for(tok):
