@@ -363,7 +363,7 @@ class Engine:
             p = req.params
             req.trace.token("token.selected", t=t, token=token, logprob=logprob, cache_len=req.num_computed,
                             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed)
-        grammar_done = self.constraints.take(req, token)      # before its text is sent
+        grammar_done = req.grammar is not None and self.constraints.take(req, token)   # before its text is sent
         stop = None
         if not is_eos(req, token, self.eos_ids):
             assert req.pipeline is not None, "a live request has its output pipeline"
@@ -372,7 +372,7 @@ class Engine:
             stop = em.stop
             if stop is not None:
                 self.endings.stop_hit(req, stop)
-        if not grammar_done and stop is None:
+        if not grammar_done and stop is None and req.grammar is not None:
             grammar_done = self.constraints.ends_after(req, token, self.eos_ids)
         reason = check_ending(req, token, stop, self.eos_ids, self.max_context, grammar_done)
         if reason is not None:
