@@ -910,8 +910,9 @@ void det_matmul(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_
 // linear() in deterministic mode: a small layer's transposed weight through gemv_transposed (each
 // output summed over k in order, whatever the rows), the rest through det_matmul; quantized blocks
 // through quant_matmul.h, whose per-token accumulators are already the same for any number of rows.
+// buf: as linear()'s, the output reused by every layer of one forward (allocated on first use).
 template <typename T>
-Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& wt) {
+Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& wt, Tensor* buf = nullptr) {
   const bool bias = b.defined() && b.numel() > 0;
   if (w.scalar_type() == at::kByte) {
     Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);
@@ -920,7 +921,9 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
   }
   const Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), in = x.size(1), n_out = w.size(0);
-  Tensor out = at::empty({rows, n_out}, x.options());
+  if (buf != nullptr && !(buf->defined() && buf->size(0) == rows && buf->size(1) == n_out))
+    *buf = at::empty({rows, n_out}, x.options());
+  Tensor out = buf != nullptr ? *buf : at::empty({rows, n_out}, x.options());
   const T* bp = bias ? b.data_ptr<T>() : nullptr;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -972,7 +975,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   auto mm = [&](const Tensor& in, int64_t w, int64_t b, int64_t wt, int64_t packed, const Tensor* L,
                 Tensor& buf) -> Tensor {
     const Tensor none;
-    return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[wt])
+    return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], &buf)
                : linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], L[packed], buf, onednn);
   };
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
@@ -998,7 +1001,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   Tensor last = h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
   rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps, det);
-  if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_t).to(at::kFloat);
+  if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_t, &buf_logits).to(at::kFloat);
   return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits, onednn).to(at::kFloat);
 }
 
