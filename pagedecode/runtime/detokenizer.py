@@ -152,10 +152,13 @@ class ByteStream:
         held = self._utf8.getstate()[0]
         text = self._utf8.decode(data)
         if self._prompt_held and text:
-            self._prompt_held = 0
+            prompt_bytes, self._prompt_held = held[:self._prompt_held], 0
             if text[0] == "\ufffd" and not (held + data).startswith("\ufffd".encode()):
-                self._prompt_text += self._stripped("\ufffd")   # the prompt's character never completed
-                text = text[1:]
+                # the prompt's held bytes never completed a character: their U+FFFDs (one per
+                # maximal invalid subpart: ED A0 is two) are the prompt's
+                n = len(prompt_bytes.decode("utf-8", "replace"))
+                self._prompt_text += self._stripped("\ufffd" * n)
+                text = text[n:]
         return self._stripped(text)
 
     def _invalid_run(self) -> str:

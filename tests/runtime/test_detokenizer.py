@@ -6,7 +6,7 @@ every split of the ids into prompt and output."""
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
 import pagedecode as pd
@@ -277,6 +277,7 @@ def test_output_ending_inside_a_valid_character_still_fails(real, kinds, data):
 
 @settings(max_examples=200, deadline=None)
 @given(prompt=st.binary(min_size=0, max_size=6), output=st.binary(min_size=0, max_size=8))
+@example(prompt=b"\xed\xa0", output=b"\x00")     # the prompt's held ED A0 is two U+FFFDs, both the prompt's
 def test_plain_bytes_stream_like_python_replace(prompt, output):
     """One token per byte (pd.testing.ByteVocabTokenizer): each maximal invalid subpart is U+FFFD
     as soon as it is known invalid, the stream is what the decode adds after the prompt's, and a
