@@ -237,15 +237,16 @@ model = random_model(torch.float32)    # kept alive, as an engine keeps its mode
 engine = Engine(model, ByteVocabTokenizer({{i: bytes([65 + i % 26]) for i in range(97)}}),
                 EngineConfig(max_cache_tokens=64, cpu_keep_freed_memory=True))
 faults = []
-for _ in range(8):                    # a "step": three 24 MB activations, written, then freed
+for _ in range(10):                   # a "step": three 24 MB activations, written, then freed
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step = [torch.ones(6 << 20) for _ in range(3)]
     del step
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(_cpu.keep_freed_memory(), max(faults[2:]))
+print(_cpu.keep_freed_memory(), max(faults[3:]))
 """.format(tests=str(Path(__file__).resolve().parents[1]))
     env = {k: v for k, v in os.environ.items() if k != "PAGEDECODE_MALLOC"}
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, capture_output=True,
                          text=True).stdout.split()
     assert out[-2] == "True", out                  # glibc took both settings
     assert int(out[-1]) < 100, out                 # after the first steps, none faulted in again
+    # (the first step faults all three in; with an engine built, the heap settles one step later)

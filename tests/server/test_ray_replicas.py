@@ -20,8 +20,9 @@ PREFIX = [(7 * i + 3) % 500 + 2 for i in range(512)]        # 512 token ids: 32 
 
 
 class Cluster:
-    def __init__(self, url, pids, sub=None):
+    def __init__(self, url, pids, sub=None, others=frozenset()):
         self.url, self.pids, self.sub = url, pids, sub
+        self.others = others           # this process' children that Ray did not start (other tests')
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         self.stopped = False
 
@@ -44,6 +45,7 @@ def cluster():
     from ray import serve
 
     import pagedecode.ray as pdray
+    others = frozenset(p.pid for p in psutil.Process().children(recursive=True))
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     except Exception as e:       # noqa: BLE001 - whatever keeps Ray from starting here is the reason
@@ -65,8 +67,8 @@ def cluster():
                               health_check_period_s=1.0, grace_s=1.0, kv_events=kv, kv_events_topic="kv")
         serve.run(app, name=APP, route_prefix="/", blocking=False)
         me = psutil.Process()
-        pids = {p.pid for p in me.children(recursive=True)}
-        c = Cluster(f"http://127.0.0.1:{port}", pids, sub)
+        pids = {p.pid for p in me.children(recursive=True)} - others
+        c = Cluster(f"http://127.0.0.1:{port}", pids, sub, others)
         for i in range(2):
             c.ping(i)
         yield c
@@ -242,7 +244,7 @@ def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_and_comes_ba
 
 def test_shutdown_leaves_no_ray_process(cluster):
     from ray import serve
-    pids = cluster.pids | {p.pid for p in psutil.Process().children(recursive=True)}
+    pids = (cluster.pids | {p.pid for p in psutil.Process().children(recursive=True)}) - cluster.others
     assert pids, "Ray started no process?"
     serve.shutdown()
     ray.shutdown()
@@ -253,4 +255,12 @@ def test_shutdown_leaves_no_ray_process(cluster):
         if not left:
             break
         time.sleep(0.25)
-    assert not left, left
+    assert not left, [_describe(p) for p in left]
+
+
+def _describe(pid):
+    try:
+        p = psutil.Process(pid)
+        return pid, p.status(), p.name(), " ".join(p.cmdline())[:200], p.ppid()
+    except psutil.NoSuchProcess:
+        return pid, "gone"
