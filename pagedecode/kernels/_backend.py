@@ -44,3 +44,17 @@ def dot_dtype(t: torch.Tensor):
     if interpreting() and t.dtype == torch.bfloat16:
         return tl.float32
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[t.dtype]
+
+
+if HAS_TRITON:
+    @triton.jit
+    def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """This program's (row tile, column tile) of an M x N output, in grouped order: GROUP_M
+        row tiles walk the column tiles together, so consecutive programs share a weight tile
+        and their activation rows stay in L2. Which program computes a tile never changes how
+        the tile is computed."""
+        pid = tl.program_id(0)
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+        return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m

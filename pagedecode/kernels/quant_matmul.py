@@ -33,6 +33,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from ._backend import grouped_tile
+
 BLOCK = 32
 BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
 # rows up to this many take the GEMV, more the GEMM. Measured on an H200 (14336 x 4096, bf16): the
@@ -137,15 +139,7 @@ if HAS_TRITON:
                      Q4: tl.constexpr, BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
         """out[m0:m0 + BLOCK_M, n0:n0 + BLOCK_N]; BLOCK_K a multiple of 32 (whole weight blocks)."""
-        # grouped order: GROUP_M row tiles walk the N tiles together, so consecutive programs
-        # share a weight tile (and their activation rows stay in L2)
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
