@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check
 
 # --no-build-isolation: setup.py compiles csrc/cpu_forward.cpp against the venv's torch
-$(BIN)/.installed: pyproject.toml setup.py csrc/cpu_forward.cpp csrc/quant_matmul.h
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m venv $(VENV)
 	$(PIP) "$(TORCH_SPEC)" "setuptools>=68" wheel
 	$(PIP) --no-build-isolation -e ".[test]" "$(TORCH_SPEC)"   # the pin again: no extra (lm-eval's) moves torch
