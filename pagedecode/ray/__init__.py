@@ -15,7 +15,8 @@ Routing keeps the request contract across replicas:
 - a request with an `Idempotency-Key` goes to the key's owner on a consistent-hash ring (64
   points per replica), so a retry attaches to its first generation;
 - a request id names its replica (each replica's ids start `req-rN-`, EngineConfig's
-  request_id_prefix), so `/v1/requests/{id}/events` and `/trace` reach the replica holding it;
+  request_id_prefix; its Responses API ids `resp_rN-`), so `/v1/requests/{id}/events`, `/trace`
+  and `/v1/responses/{id}` reach the replica holding it;
 - other completions prefer the replica whose prefix cache likely holds the prompt's start:
   the router keys the prompt's full pages with the prefix cache's own chained page hash
   (runtime/prefix_cache.py page_key, the model name and cache_salt as namespace), remembers

@@ -17,7 +17,7 @@ ROUTINGS = ("prefix", "round_robin")
 
 def _server_option_names() -> tuple[str, ...]:
     from ..server.state import ServerOptions
-    return tuple(f.name for f in fields(ServerOptions) if f.name != "model_name")
+    return tuple(f.name for f in fields(ServerOptions) if f.name not in ("model_name", "response_id_prefix"))
 
 
 @dataclass

@@ -33,7 +33,8 @@ class EngineReplica:
         self.ae = pd.AsyncEngine(engine)
         self.app = build_asgi(self.ae, model_name=spec.served_model_name,
                               chat_template=ChatTemplate(source, specials) if source else None,
-                              generation_defaults=generation_defaults(Path(spec.model)), **spec.server)
+                              generation_defaults=generation_defaults(Path(spec.model)),
+                              response_id_prefix=f"resp_r{index}-", **spec.server)
         self.state = self.app.state.pagedecode
         self._started: asyncio.Future[None] | None = None
         self.publisher = None

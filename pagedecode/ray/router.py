@@ -23,7 +23,7 @@ REPLICA_HEADER = "x-pagedecode-replica"
 RING_POINTS = 64                 # virtual nodes per replica on the hash ring
 INDEX_KEYS = 200_000             # page keys the router remembers per replica (LRU)
 PROBE_S = 0.5                    # how often a replica marked down is probed
-ID_TAG = re.compile(r"^(?:req|resp)-r(\d+)-")
+ID_TAG = re.compile(r"^(?:req-|resp_)r(\d+)-")     # a replica's request and response ids
 
 
 def _failure_types() -> tuple[type[BaseException], ...]:

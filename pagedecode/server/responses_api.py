@@ -57,7 +57,7 @@ async def _started(state: ServerState, request: Request) -> tuple[Track, bool]:
         await state.prepare_grammar(parsed, {"response_format": True})
         state.admit()
         [track] = state.start(state.prompts_of(parsed), parsed, True, tenant,
-                              request_id=f"resp_{secrets.token_hex(16)}", response=meta)
+                              request_id=state.options.response_id_prefix + secrets.token_hex(16), response=meta)
     except ApiError as e:
         raise renamed(e) from None
     return track, parsed.sse

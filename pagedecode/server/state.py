@@ -52,6 +52,8 @@ class ServerOptions:
     idempotency_ttl_s: float = 600.0
     idempotency_max_keys: int = 10_000
     metrics_compat: str | None = None           # "vllm": the gateway gauges under vLLM's names too (metrics.py)
+    response_id_prefix: str = "resp_"           # Responses API ids: this and 128 random bits (a Ray replica's
+                                                # names it, as its engine's request_id_prefix does)
 
 
 class ServerState:

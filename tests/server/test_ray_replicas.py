@@ -15,6 +15,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
+from .conftest import TEMPLATE
+
 APP = "pagedecode"
 PREFIX = [(7 * i + 3) % 500 + 2 for i in range(512)]        # 512 token ids: 32 full pages
 
@@ -41,7 +43,7 @@ def _free_port():
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     from ray import serve
 
     import pagedecode.ray as pdray
@@ -63,8 +65,10 @@ def cluster():
         kv = None
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        template = tmp_path_factory.mktemp("ray") / "chat.jinja"        # the Responses API needs one
+        template.write_text(TEMPLATE)
         app = pdray.build_app(None, 2, ray_actor_options={"num_cpus": 0.5}, torch_threads=1, max_batch_size=16,
-                              health_check_period_s=1.0, grace_s=1.0, kv_events=kv, kv_events_topic="kv")
+                              health_check_period_s=1.0, grace_s=1.0, kv_events=kv, kv_events_topic="kv", chat_template=str(template))
         serve.run(app, name=APP, route_prefix="/", blocking=False)
         me = psutil.Process()
         pids = {p.pid for p in me.children(recursive=True)} - others
@@ -169,6 +173,24 @@ def test_resume_through_the_events_endpoint_on_the_owning_replica(cluster):
             done = done or line == "data: [DONE]"
     assert resumed and resumed[0] == seen[-1] + 1 and resumed == list(range(resumed[0], resumed[-1] + 1))
     assert done
+
+
+def test_a_stored_response_is_retrieved_and_deleted_on_the_replica_that_made_it(cluster):
+    """Responses API ids name their replica (resp_rN-...), as request ids do: retrieving,
+    cancelling or deleting one reaches the replica that holds it, whichever replica made it."""
+    made = {}
+    for k in range(6):
+        raw = cluster.client.responses.with_raw_response.create(model="default-model-v2", input=f"Once {k}",
+                                                               max_output_tokens=3, temperature=0)
+        made[raw.parse().id] = _replica(raw)
+    assert len(set(made.values())) == 2, made          # least loaded ties alternate: both made some
+    for rid, name in made.items():
+        assert rid.startswith(f"resp_r{name[-1]}-"), rid
+        raw = cluster.client.responses.with_raw_response.retrieve(rid)
+        assert _replica(raw) == name and raw.parse().id == rid and raw.parse().status == "incomplete"   # max_output_tokens
+        cluster.client.responses.delete(rid)
+        with pytest.raises(openai.NotFoundError):
+            cluster.client.responses.retrieve(rid)
 
 
 def test_prefix_affinity_lands_on_one_replica_and_hits_its_cache(cluster):
