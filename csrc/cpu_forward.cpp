@@ -597,6 +597,11 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedecode._cpu.forward
 // float32 up to 2, while at 4 rows oneDNN took 14.1 ms to the gemv's 19.7.
 template <typename T>
 constexpr int64_t kGemvRows = std::is_same_v<T, float> ? 2 : 4;
+// A small layer (its weight also transposed: SMALL_LAYER in model/llama.py) goes through
+// gemv_transposed up to this many rows: oneDNN's call costs more than the whole product there
+// (stories260k, float32: a 3-row forward 334 us to a 1-row one's 106, a speculative verify of 5
+// rows 385). Each row's result is the one a 1-row call gives, bit for bit.
+constexpr int64_t kSmallGemvRows = 64;
 constexpr int64_t kPerLayer = 16;
 
 #if defined(__AVX512F__)
@@ -723,8 +728,53 @@ const LinearOp* onednn_linear() {
 // element scales a whole row of wt into float accumulators, so the loop runs over outputs in
 // whole vectors with no horizontal sum per output (on a 64-wide layer, the dot products above
 // spend most of their time in those sums).
+#if defined(__AVX512F__)
+// float32 with AVX-512: up to 4 rows at once, 64 outputs at a time, the 4 x 4 accumulators in
+// registers and each vector of wt loaded once for the rows (a speculative verify's 5 rows of
+// stories260k: 191 us a forward with one row at a time, see kSmallGemvRows). Every output is
+// the same sequence of operations whatever NR is (bias or 0, then one fma per k in order), so a
+// row's result does not depend on the rows beside it (deterministic mode relies on that).
+template <int NR>
+void gemv_transposed_f32(const float* x, const float* wt, const float* b, float* out, int64_t in, int64_t n_out) {
+  for (int64_t j0 = 0; j0 < n_out; j0 += 64) {
+    __mmask16 m[4];
+    __m512 acc[NR][4];
+    for (int c = 0; c < 4; ++c) {
+      const int64_t left = std::clamp<int64_t>(n_out - j0 - 16 * c, 0, 16);
+      m[c] = static_cast<__mmask16>((1u << left) - 1u);
+      const __m512 init = b != nullptr ? _mm512_maskz_loadu_ps(m[c], b + j0 + 16 * c) : _mm512_setzero_ps();
+      for (int r = 0; r < NR; ++r) acc[r][c] = init;
+    }
+    for (int64_t k = 0; k < in; ++k) {
+      const float* wk = wt + k * n_out + j0;
+      __m512 w[4];
+      for (int c = 0; c < 4; ++c) w[c] = _mm512_maskz_loadu_ps(m[c], wk + 16 * c);
+      for (int r = 0; r < NR; ++r) {
+        const __m512 xr = _mm512_set1_ps(x[r * in + k]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xr, w[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + r * n_out + j0 + 16 * c, m[c], acc[r][c]);
+  }
+}
+#endif
+
 template <typename T>
 void gemv_transposed(const T* x, const T* wt, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) gemv_transposed_f32<4>(x + r * in, wt, b, out + r * n_out, in, n_out);
+    switch (rows - r) {
+      case 3: gemv_transposed_f32<3>(x + r * in, wt, b, out + r * n_out, in, n_out); break;
+      case 2: gemv_transposed_f32<2>(x + r * in, wt, b, out + r * n_out, in, n_out); break;
+      case 1: gemv_transposed_f32<1>(x + r * in, wt, b, out + r * n_out, in, n_out); break;
+      default: break;
+    }
+    return;
+  }
+#endif
   thread_local std::vector<float> acc;
   acc.resize(n_out);
   float* a = acc.data();
@@ -756,7 +806,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
     return std::is_same_v<T, float> ? y : y.to(x.scalar_type());
   }
   const int64_t rows = x.size(0), n_out = w.size(0);
-  if (rows <= kGemvRows<T> && x.is_contiguous()) {
+  const bool small = wt.numel() > 0 && rows <= kSmallGemvRows;
+  if ((rows <= kGemvRows<T> || small) && x.is_contiguous()) {
     if (!buf.defined()) buf = at::empty({rows, n_out}, x.options());
     T* out = buf.data_ptr<T>();
     const T* bp = bias ? b.data_ptr<T>() : nullptr;

@@ -175,6 +175,30 @@ def check_against_torch(model, shape, rng, page_size, num_pages, specs, tol):
 
 
 @needs_ext
+@pytest.mark.parametrize("rows", [5, 9, 64])
+def test_a_chunk_row_equals_its_one_row_forward(rows):
+    """A small model's multi-row step (a speculative verify of 1 + k rows, a short chunk) runs its
+    layers through the register-tiled gemv_transposed (kSmallGemvRows), 4 rows at a time: every row's
+    logits are bit for bit those of the same position run alone (a decode step)."""
+    model = random_model(torch.float32, heads=4, kv_heads=2, head_dim=16, bias=False)
+    page_size, num_pages = 16, 16
+    kv = KVCache(2, num_pages, page_size, 2, 16, torch.float32, torch.device("cpu"))
+    ids = torch.tensor(random.Random(3).choices(range(97), k=20 + rows))
+    pages = torch.arange(num_pages, dtype=torch.int32).view(1, num_pages)
+
+    def forward(lo, hi):
+        pos = torch.arange(lo, hi)
+        return model.forward(ForwardBatch(ids[lo:hi], pos, pos.clone(), pages, torch.tensor([hi], dtype=torch.int32),
+                                          torch.tensor([0, hi - lo], dtype=torch.int32), torch.arange(hi - lo),
+                                          num_decode=int(hi - lo == 1), max_new=hi - lo), kv)
+
+    forward(0, 20)
+    chunk = forward(20, 20 + rows)
+    alone = torch.cat([forward(p, p + 1) for p in range(20, 20 + rows)])
+    assert torch.equal(chunk, alone)
+
+
+@needs_ext
 def test_falls_back_where_it_does_not_apply():
     model = random_model(torch.float32)
     model.attention_backend = "torch"
