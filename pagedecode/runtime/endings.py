@@ -23,10 +23,9 @@ from .request import RESOURCES, Request
 from .scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger("pagedecode")
-S, R = RequestState, FinishReason
 
 
-ENDED = (S.DRAINING, S.FINISHED, S.CANCELLED, S.FAILED)
+ENDED = (RequestState.DRAINING, RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED)
 
 
 class Endings:
@@ -41,22 +40,22 @@ class Endings:
         self._wake = wake
 
     # -- asked from any thread ------------------------------------------------------------------
-    def cancel(self, request_id: str, reason: FinishReason = R.CANCELLED) -> bool:
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """Ask to cancel; effective at the next safe point. False when the request is unknown,
         terminal, or its finish reason is already fixed (draining)."""
         with self._lock:
             req = self.requests.live.get(request_id)
             if req is None or req.state in ENDED:
                 return False
-            if req.state != S.CANCEL_REQUESTED:
+            if req.state != RequestState.CANCEL_REQUESTED:
                 req.trace.add("cancel.requested", reason=reason.value)
                 req.cancel_reason = reason
-                req.transition(S.CANCEL_REQUESTED)      # observed: nothing more is scheduled
+                req.transition(RequestState.CANCEL_REQUESTED)      # observed: nothing more is scheduled
                 req.trace.add("cancel.observed")
         self._wake()
         return True
 
-    def cancel_all(self, reason: FinishReason = R.CANCELLED) -> int:
+    def cancel_all(self, reason: FinishReason = FinishReason.CANCELLED) -> int:
         """Ask every live request to cancel; returns how many were asked."""
         with self._lock:
             return sum(self.cancel(rid, reason) for rid in list(self.requests.live))
@@ -69,24 +68,24 @@ class Endings:
     # -- endings ----------------------------------------------------------------------------
     def finish(self, req: Request, reason: FinishReason, events: list[Event]) -> None:
         """A normal end: fix the reason (DRAINING), flush what is held, then FINISHED."""
-        req.transition(S.DRAINING)
+        req.transition(RequestState.DRAINING)
         req.finish_reason = reason
-        if reason != R.STOP_SEQUENCE and req.pipeline is not None:
-            em = req.pipeline.finish("drop" if reason == R.DEADLINE_EXCEEDED else None)
+        if reason != FinishReason.STOP_SEQUENCE and req.pipeline is not None:
+            em = req.pipeline.finish("drop" if reason == FinishReason.DEADLINE_EXCEEDED else None)
             self.delivery.deliver(req, em, events)
             if em.stop is not None:
                 self.stop_hit(req, em.stop)
-                reason = R.STOP_SEQUENCE
+                reason = FinishReason.STOP_SEQUENCE
             if em.error is not None:
-                self.terminate(req, S.FAILED, R.CONTENT_INTERRUPTED, em.error, events)
+                self.terminate(req, RequestState.FAILED, FinishReason.CONTENT_INTERRUPTED, em.error, events)
                 return
-        self.terminate(req, S.FINISHED, reason, None, events)
+        self.terminate(req, RequestState.FINISHED, reason, None, events)
 
     def fail(self, req: Request, exc: BaseException, events: list[Event]) -> None:
         if req.state.terminal:
             log.exception("request %s failed after it ended", req.request_id)
             return
-        self.terminate(req, S.FAILED, R.MODEL_ERROR, f"{type(exc).__name__}: {exc}", events)
+        self.terminate(req, RequestState.FAILED, FinishReason.MODEL_ERROR, f"{type(exc).__name__}: {exc}", events)
 
     def terminate(self, req: Request, state: RequestState, reason: FinishReason, error: str | None,
                    events: list[Event]) -> None:
@@ -123,31 +122,31 @@ class Endings:
         log.error("model step failed: %s: %s", type(exc).__name__, exc)
         for s in plan.seqs:
             req = s.request
-            if not req.state.terminal and req.state != S.CANCEL_REQUESTED:
-                self.terminate(req, S.FAILED, R.MODEL_ERROR, f"model step failed: {type(exc).__name__}: {exc}",
-                                events)
+            if not req.state.terminal and req.state != RequestState.CANCEL_REQUESTED:
+                self.terminate(req, RequestState.FAILED, FinishReason.MODEL_ERROR,
+                               f"model step failed: {type(exc).__name__}: {exc}", events)
 
     def safe_point(self, events: list[Event]) -> None:
         now = time.perf_counter()
         for req in list(self.requests.live.values()):
-            if req.state == S.CANCEL_REQUESTED:
+            if req.state == RequestState.CANCEL_REQUESTED:
                 req.trace.add("cancel.effective")
-                self.terminate(req, S.CANCELLED, req.cancel_reason, None, events)
+                self.terminate(req, RequestState.CANCELLED, req.cancel_reason, None, events)
             elif (req.first_token_deadline is not None and not req.output_ids
                   and now >= req.first_token_deadline):
                 req.trace.add("deadline", state=req.state.value, first_token=True)
-                self.terminate(req, S.FAILED, R.DEADLINE_EXCEEDED,
-                                f"no first token within {req.params.first_token_timeout_s}s", events)
+                self.terminate(req, RequestState.FAILED, FinishReason.DEADLINE_EXCEEDED,
+                               f"no first token within {req.params.first_token_timeout_s}s", events)
             elif req.deadline is not None and now >= req.deadline:
                 req.trace.add("deadline", state=req.state.value)
-                if req.state == S.DECODING:
-                    self.finish(req, R.DEADLINE_EXCEEDED, events)
+                if req.state == RequestState.DECODING:
+                    self.finish(req, FinishReason.DEADLINE_EXCEEDED, events)
                 else:
-                    self.terminate(req, S.FAILED, R.DEADLINE_EXCEEDED,
-                                    "deadline passed before decoding started", events)
+                    self.terminate(req, RequestState.FAILED, FinishReason.DEADLINE_EXCEEDED,
+                                   "deadline passed before decoding started", events)
             elif req.grammar is not None and (why := req.grammar.failure()) is not None:
-                self.terminate(req, S.FAILED, R.MODEL_ERROR, why, events)
+                self.terminate(req, RequestState.FAILED, FinishReason.MODEL_ERROR, why, events)
             elif ((paused := req.delivery.paused_since) is not None and self.backpressure_fails
                   and now - paused > self.backpressure_timeout_s):
-                self.terminate(req, S.FAILED, R.TRANSPORT_ERROR,
+                self.terminate(req, RequestState.FAILED, FinishReason.TRANSPORT_ERROR,
                                f"consumer did not read for {self.backpressure_timeout_s}s", events)

@@ -47,7 +47,6 @@ from .snapshot import EngineSnapshot, take_snapshot
 from .speculative import Speculator
 from .trace import now_us
 
-S, R = RequestState, FinishReason
 
 
 class Engine:
@@ -171,7 +170,7 @@ class Engine:
         self.requests.add(req)
         req.trace.add("added", prompt_tokens=len(req.prompt_ids), seed=req.seed,
                       deterministic=self.config.deterministic)
-        req.transition(S.QUEUED)
+        req.transition(RequestState.QUEUED)
         self._prompt_tokens += len(req.prompt_ids)
         self.delivery.start(req, self.model_name, self._outbox)
         self.scheduler.add(req)
@@ -278,7 +277,7 @@ class Engine:
         waiting for its grammar's compile."""
         if req.grammar is not None and not self.constraints.ready(req.grammar):
             return False
-        return req.state != S.CANCEL_REQUESTED and not self.delivery.held_back(req)
+        return req.state != RequestState.CANCEL_REQUESTED and not self.delivery.held_back(req)
 
     def _run(self, plan: SchedulerOutput) -> Selection:
         """Everything between scheduling and commit; reads requests, changes none of them."""
@@ -317,7 +316,7 @@ class Engine:
         for k, s in enumerate(plan.seqs):
             req, i = s.request, row
             row += s.samples
-            if req.state == S.CANCEL_REQUESTED or req.state.terminal:
+            if req.state == RequestState.CANCEL_REQUESTED or req.state.terminal:
                 continue                        # cancelled while the step ran: its result is discarded
             try:
                 self.scheduler.advance(req, s.num_new, len(s.drafts))   # drafts count once accepted
@@ -325,7 +324,7 @@ class Engine:
                 if sel.prompt is not None and k in sel.prompt:
                     req.add_prompt_logprobs(*sel.prompt[k])
                 if s.samples and req.params.max_tokens == 0:      # prompt logprobs only: no token
-                    self.endings.finish(req, R.MAX_OUTPUT_TOKENS, events)
+                    self.endings.finish(req, FinishReason.MAX_OUTPUT_TOKENS, events)
                 elif s.drafts:
                     runs.append((s, i))
                 elif s.samples:
@@ -349,7 +348,7 @@ class Engine:
         self.endings.fail(req, exc, events)      # speculative.py's Host
 
     def _after_verify(self, req: Request) -> None:
-        if not (req.state.terminal or req.state == S.CANCEL_REQUESTED):   # an ended one gave back everything
+        if not (req.state.terminal or req.state == RequestState.CANCEL_REQUESTED):   # an ended one gave back everything
             self.scheduler.settle(req)
 
     def _on_token(self, req: Request, token: int, logprob: float | None, top: TopLogprobs | None,
@@ -357,8 +356,8 @@ class Engine:
         req.output_ids.append(token)
         self._generated_tokens += 1
         t = len(req.output_ids)
-        if req.state == S.PREFILLING:
-            req.transition(S.DECODING)
+        if req.state == RequestState.PREFILLING:
+            req.transition(RequestState.DECODING)
         if req.trace.tokens:
             p = req.params
             req.trace.token("token.selected", t=t, token=token, logprob=logprob, cache_len=req.num_computed,

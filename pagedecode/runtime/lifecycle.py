@@ -35,18 +35,18 @@ class FinishReason(str, enum.Enum):
     TRANSPORT_ERROR = "transport_error"
 
 
-S = RequestState
-TERMINAL = frozenset({S.FINISHED, S.CANCELLED, S.FAILED})
+TERMINAL = frozenset({RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED})
 ALLOWED: dict[RequestState, frozenset[RequestState]] = {
-    S.CREATED: frozenset({S.QUEUED, S.FAILED}),
-    S.QUEUED: frozenset({S.PREFILLING, S.FAILED, S.CANCEL_REQUESTED}),
-    S.PREFILLING: frozenset({S.DECODING, S.DRAINING, S.FAILED, S.CANCEL_REQUESTED}),   # DRAINING: max_tokens 0
-    S.DECODING: frozenset({S.DRAINING, S.FAILED, S.CANCEL_REQUESTED}),
-    S.DRAINING: frozenset({S.FINISHED, S.FAILED}),
-    S.CANCEL_REQUESTED: frozenset({S.CANCELLED}),
-    S.FINISHED: frozenset(),
-    S.CANCELLED: frozenset(),
-    S.FAILED: frozenset(),
+    RequestState.CREATED: frozenset({RequestState.QUEUED, RequestState.FAILED}),
+    RequestState.QUEUED: frozenset({RequestState.PREFILLING, RequestState.FAILED, RequestState.CANCEL_REQUESTED}),
+    RequestState.PREFILLING: frozenset({RequestState.DECODING, RequestState.DRAINING,   # DRAINING: max_tokens 0
+                                        RequestState.FAILED, RequestState.CANCEL_REQUESTED}),
+    RequestState.DECODING: frozenset({RequestState.DRAINING, RequestState.FAILED, RequestState.CANCEL_REQUESTED}),
+    RequestState.DRAINING: frozenset({RequestState.FINISHED, RequestState.FAILED}),
+    RequestState.CANCEL_REQUESTED: frozenset({RequestState.CANCELLED}),
+    RequestState.FINISHED: frozenset(),
+    RequestState.CANCELLED: frozenset(),
+    RequestState.FAILED: frozenset(),
 }
 
 
