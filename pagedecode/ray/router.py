@@ -23,6 +23,7 @@ REPLICA_HEADER = "x-pagedecode-replica"
 RING_POINTS = 64                 # virtual nodes per replica on the hash ring
 INDEX_KEYS = 200_000             # page keys the router remembers per replica (LRU)
 PROBE_S = 0.5                    # how often a replica marked down is probed
+PROMPTED = ("/v1/completions", "/v1/chat/completions")   # routed by their prompt's prefix
 ID_TAG = re.compile(r"^(?:req-|resp_)r(\d+)-")     # a replica's request and response ids
 
 
@@ -151,8 +152,10 @@ class Router:
             remembered.popitem(last=False)
         return pick
 
-    def choose(self, method: str, path: str, headers: dict[str, str], body: bytes) -> int:
-        live = self.live()
+    def owner(self, path: str, headers: dict[str, str]) -> int | None:
+        """The replica a request must go to: the one it pins, the one holding the id in its path,
+        its Idempotency-Key's owner; None when the router may choose. LookupError: a pin to no
+        replica."""
         pinned = headers.get(REPLICA_HEADER)
         if pinned is not None:
             m = re.fullmatch(r"replica-(\d+)", pinned.strip())
@@ -164,21 +167,36 @@ class Router:
             tag = ID_TAG.match(m.group(1))
             if tag is not None and int(tag.group(1)) < self.n:
                 return int(tag.group(1))
-            owner = self.ring.owner("id:" + m.group(1), live)
-            assert owner is not None
-            return owner
+            return self.ring.owner("id:" + m.group(1), self.live())
         key = headers.get("idempotency-key")
         if key is not None:
-            owner = self.ring.owner("key:" + key, live)
-            assert owner is not None
-            return owner
-        if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            return self.ring.owner("key:" + key, self.live())
+        return None
+
+    async def choose(self, method: str, path: str, headers: dict[str, str], body: bytes) -> int:
+        i = self.owner(path, headers)
+        if i is not None:
+            return i
+        if method == "POST" and path in PROMPTED:
+            prefix = self.spec.routing == "prefix"
+            keys = await self.body_keys(body, path.endswith("chat/completions")) if prefix else []
+            return self.by_prefix(keys, self.live())
+        return self.least_loaded(self.live())
+
+    async def body_keys(self, body: bytes, chat: bool) -> list[bytes]:
+        """prompt_keys of a body, computed off the event loop (a long prompt's tokenizing and
+        hashing must not hold up the router's other requests); none for a body over the
+        replicas' max_body_bytes (they refuse it: 413) or one that is not JSON."""
+        if self.routing_info is None or len(body) > int(self.spec.server.get("max_body_bytes", 1 << 20)):
+            return []
+
+        def keys() -> list[bytes]:
             try:
                 parsed = json.loads(body)
             except ValueError:
-                parsed = None
-            return self.by_prefix(self.prompt_keys(parsed, path.endswith("chat/completions")), live)
-        return self.least_loaded(live)
+                return []
+            return self.prompt_keys(parsed, chat)
+        return await asyncio.to_thread(keys)
 
     # -- failures -----------------------------------------------------------------------------
     def mark_down(self, i: int, why: BaseException) -> None:
@@ -217,9 +235,9 @@ class Router:
             return JSONResponse(self.view())
         if self.routing_info is None and self.spec.routing == "prefix":
             await self.load_routing_info()
-        t0 = time.perf_counter()          # the router's own cost: choosing, no waiting
+        t0 = time.perf_counter()          # the router's own cost: choosing (a prompt's keys included)
         try:
-            i = self.choose(method, path, headers, body)
+            i = await self.choose(method, path, headers, body)
         except LookupError as e:
             return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error",
                                            "param": "X-Pagedecode-Replica", "code": "invalid_value"}}, 400)

@@ -106,6 +106,38 @@ def test_round_robin_alternates_and_prefix_affinity_sticks_up_to_the_load_cap():
     assert picks[:3] == [first] * 3 and picks[3] != first
 
 
+def test_a_long_prompts_keys_are_computed_off_the_event_loop_and_an_oversized_body_is_not_read():
+    """The router keys a prompt in a worker thread: a long one must not hold up the requests it
+    is routing meanwhile (the loop went on ticking). A body over the replicas' max_body_bytes
+    (they answer 413) is not parsed at all."""
+    import asyncio
+    r = _router()
+    r.routing_info = {"tokenizer": None, "template": (None, None), "page_size": 16}
+    ids = [(7 * i + 3) % 500 + 2 for i in range(120_000)]
+    body = json.dumps({"prompt": ids}).encode()
+    assert len(body) < 1 << 20
+
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+        t = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        keys = await r.body_keys(body, chat=False)
+        t.cancel()
+        return keys, ticks
+    keys, ticks = asyncio.run(run())
+    # computed on the loop, no tick could run until it was done; in a thread the loop gets the GIL
+    # at each switch interval (a few ticks; 1 is enough to tell)
+    assert len(keys) == (len(ids) - 1) // 16 and ticks >= 1, ticks
+    big = json.dumps({"prompt": ids * 2}).encode()
+    assert len(big) > 1 << 20 and asyncio.run(r.body_keys(big, chat=False)) == []
+
+
 def test_the_ring_keeps_a_keys_owner_and_skips_a_dead_one():
     from pagedecode.ray import Ring
     ring = Ring(3)
