@@ -186,8 +186,8 @@ class Router:
     async def body_keys(self, body: bytes, chat: bool) -> list[bytes]:
         """prompt_keys of a body, computed off the event loop (a long prompt's tokenizing and
         hashing must not hold up the router's other requests); none for a body over the
-        replicas' max_body_bytes (they refuse it: 413) or one that is not JSON."""
-        if self.routing_info is None or len(body) > int(self.spec.server.get("max_body_bytes", 1 << 20)):
+        replicas' max_body_bytes (read_body refused it already) or one that is not JSON."""
+        if self.routing_info is None or len(body) > self.max_body_bytes:
             return []
 
         def keys() -> list[bytes]:
@@ -226,21 +226,44 @@ class Router:
                 "routed": self.routed, "routing_s": self.routing_s, "affinity_hits": self.affinity_hits,
                 "routing": self.spec.routing}
 
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.spec.server.get("max_body_bytes", 1 << 20))
+
+    async def read_body(self, request: Any) -> bytes:
+        """The body, up to the replicas' max_body_bytes (past it: 413, as a replica answers,
+        without reading or holding the rest)."""
+        from ..server.errors import ApiError
+        most = self.max_body_bytes
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > most:
+            raise ApiError(413, f"request body over {most} bytes")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > most:
+                raise ApiError(413, f"request body over {most} bytes")
+        return bytes(data)
+
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
-        body = await request.body()
-        headers = {k.lower(): v for k, v in request.headers.items()}
+
+        from ..server.errors import ApiError
         method, path = request.method, request.url.path
         if path == "/v1/replicas" and method == "GET":          # the router's own view
             return JSONResponse(self.view())
-        if self.routing_info is None and self.spec.routing == "prefix":
-            await self.load_routing_info()
-        t0 = time.perf_counter()          # the router's own cost: choosing (a prompt's keys included)
+        headers = {k.lower(): v for k, v in request.headers.items()}
         try:
-            i = await self.choose(method, path, headers, body)
-        except LookupError as e:
-            return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error",
-                                           "param": "X-Pagedecode-Replica", "code": "invalid_value"}}, 400)
+            body = await self.read_body(request)
+            if self.routing_info is None and self.spec.routing == "prefix":
+                await self.load_routing_info()
+            t0 = time.perf_counter()          # the router's own cost: choosing (a prompt's keys included)
+            try:
+                i = await self.choose(method, path, headers, body)
+            except LookupError as e:
+                raise ApiError(400, str(e), param="X-Pagedecode-Replica", code="invalid_value") from None
+        except ApiError as e:
+            return JSONResponse(e.body(), e.status, headers=e.headers)
         self.routing_s += time.perf_counter() - t0
         self.routed += 1
         return await self.forward(i, request.scope, method, path, body)

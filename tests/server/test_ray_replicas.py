@@ -171,6 +171,21 @@ def test_both_replicas_serve_and_name_themselves(cluster):
     assert seen == {"replica-0", "replica-1"}
 
 
+def test_the_router_refuses_what_no_replica_would_take_and_goes_on(cluster):
+    """Answered by the router itself, as a replica would (OpenAI's error body): a body past
+    max_body_bytes is 413 (not read whole, not parsed), a pin to no replica is 400 naming the
+    header; a completion right after still runs."""
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'", "max_tokens": 1}'
+    r = httpx.post(cluster.url + "/v1/completions", content=big, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.post(cluster.url + "/v1/completions", json={"prompt": "Once", "max_tokens": 1}, timeout=60,
+                   headers={"X-Pagedecode-Replica": "replica-9"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Pagedecode-Replica", r.text
+    out = cluster.client.completions.create(model="default-model-v2", prompt="Once", max_tokens=2)
+    assert out.choices[0].finish_reason == "length"
+
+
 def test_same_idempotency_key_is_one_generation_over_20_retries(cluster):
     key = f"retry-{time.time_ns()}"
     outs = [cluster.client.completions.with_raw_response.create(
