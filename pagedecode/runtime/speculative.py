@@ -42,7 +42,7 @@ from .events import Event
 from .lifecycle import RequestState
 from .request import Request
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from .selector import Selection
+from .selector import SampleRows, Selection, TokenSelector, uses_penalties
 
 _ITEM = array("q").itemsize
 log = logging.getLogger("pagedecode")
@@ -85,6 +85,8 @@ class _Gate:
 
 class Host(Protocol):
     """What the verification loop needs from the engine: its own selection and commit."""
+
+    selector: TokenSelector
 
     def _select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection: ...
 
@@ -136,9 +138,31 @@ class Speculator:
         drafted = self._propose([(s.request, k) for s, k in wants])
         for (s, _), drafts in zip(wants, drafted):
             req = s.request
+            if req.grammar is not None:
+                drafts = self._grammar_allows(req, drafts)
             if drafts and scheduler.try_extend(req, 1 + len(drafts)):
                 plan.decode.remove(s)
                 plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts)))
+
+    @staticmethod
+    def _grammar_allows(req: Request, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the request's grammar forbids after those before it:
+        its matcher is advanced over them and rolled back (xgrammar's rollback), so it is where
+        it was; a forbidden draft could only be rejected, and would cost its row."""
+        assert req.grammar is not None
+        matcher = req.grammar.matcher
+        if matcher is None or not drafts:
+            return []
+        n = 0
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        if n < len(drafts):
+            req.trace.add("spec.cut", proposed=len(drafts), allowed=n)
+        return drafts[:n]
 
     def _room(self, req: Request) -> int:
         """Drafts that can still matter: y_{t+1+j} must stay within max_tokens, and the positions
@@ -168,11 +192,43 @@ class Speculator:
         """planned: the step's verify seqs, in row order; logits (sum of their k, V): the rows
         after each draft. runs: those still to commit (not cancelled while the step ran), each
         with its row in `first`, the selection of row r0. Takes each run's tokens one depth at a
-        time, as plain decoding would, until a token differs from its draft or ends the request."""
+        time, as plain decoding would, until a token differs from its draft or ends the request.
+
+        Row r_j of a run chooses y_{t+1+j} from the history prompt + y1..yt + d1..dj, which is
+        the request's history exactly when d1..dj are accepted, the only case it is read. So
+        for a request whose selection depends on nothing else (no penalties, whose state counts
+        the tokens taken so far, no grammar, whose matcher does, min_tokens already met) every
+        row is chosen up front in one selector call, each at its own output index (its Philox
+        position); the others choose one depth at a time after the tokens before are taken."""
         offset, n, record = {}, 0, {}
         for s in planned:
             offset[id(s)] = n
             n += len(s.drafts)
+        at_once = [s for s, _ in runs if self._at_once(s.request)]
+        upfront: Selection | None = None
+        base: dict[int, int] = {}
+        if at_once:
+            picks: list[int] = []
+            slots: list[int | None] = []
+            index: list[int] = []
+            reqs: list[Request] = []
+            for s in at_once:
+                req, k = s.request, len(s.drafts)
+                base[id(s)] = len(picks)
+                picks.extend(range(offset[id(s)], offset[id(s)] + k))
+                slots.extend([req.slot] * k)
+                t = len(req.output_ids) + 1            # y_{t+1} is row r0's
+                index.extend(range(t, t + k))
+                reqs.extend([req] * k)
+            try:
+                rows = torch.tensor([picks, slots, index], dtype=torch.int64).to(logits.device)
+                upfront = host.selector.select(logits.index_select(0, rows[0]), reqs, None,
+                                               SampleRows(rows[1], rows[2]))
+            except Exception as exc:                   # as a failed step would: these requests fail
+                failed = {id(s) for s in at_once}
+                for s in at_once:
+                    host._fail(s.request, exc, events)
+                runs = [(s, row) for s, row in runs if id(s) not in failed]
         for s, _ in runs:
             s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
             record[id(s)] = self._trace(s)
@@ -203,18 +259,30 @@ class Speculator:
             for s in went_on:                        # its draft was selected: that K/V is valid
                 s.request.num_computed += 1
             pending = []
-            if went_on:
-                rows = torch.tensor([offset[id(s)] + depth - 1 for s in went_on], device=logits.device)
+            later = []
+            for s in went_on:
+                if upfront is not None and id(s) in base:
+                    pending.append((s, upfront, base[id(s)] + depth - 1))
+                else:
+                    later.append(s)
+            if later:
+                rows = torch.tensor([offset[id(s)] + depth - 1 for s in later], device=logits.device)
                 try:
-                    sel = host._select(logits.index_select(0, rows), [s.request for s in went_on])
+                    sel = host._select(logits.index_select(0, rows), [s.request for s in later])
                 except Exception as exc:            # as a failed step would: these requests fail
-                    for s in went_on:
+                    for s in later:
                         host._fail(s.request, exc, events)
-                    break
-                pending = [(s, sel, row) for row, s in enumerate(went_on)]
+                else:
+                    pending += [(s, sel, row) for row, s in enumerate(later)]
         for s, _ in runs:
             self._record(s, accepted[id(s)])
             after(s.request)
+
+    @staticmethod
+    def _at_once(req: Request) -> bool:
+        """All of its draft rows can be chosen before any of their tokens is taken (verify)."""
+        p = req.params
+        return req.grammar is None and not uses_penalties(p) and len(req.output_ids) + 1 >= p.min_tokens
 
     @staticmethod
     def _trace(s: ScheduledSeq) -> dict | None:

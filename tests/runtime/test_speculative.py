@@ -197,6 +197,42 @@ def test_grammar_output_equal_under_speculation(stories_engine_factory):
     assert all(w[4] == R.GRAMMAR_COMPLETE for w in want)
 
 
+def test_drafts_the_grammar_forbids_are_cut_before_verification(stories_engine_factory):
+    """The n-gram drafts of "(ab,ab,abc,...": more items than the grammar's seven, and longer
+    items than it allows. Each draft run that reaches the forward is one the request's matcher
+    accepts token by token (checked, then rolled back, after every extend); the cut ones are
+    traced; the outputs stay those of the plain engine."""
+    pytest.importorskip("xgrammar")
+    so = pd.StructuredOutput(ebnf='root ::= "(" item ("," item){0,6} ")"\nitem ::= "ab" | "abc" | [a-z]{1,3}')
+    params = [pd.SamplingParams(max_tokens=60, structured_output=so),
+              pd.SamplingParams(max_tokens=60, temperature=1.0, seed=7, structured_output=so)]
+    prompts = ["(ab,ab,abc,ab,ab,abc,ab", "(abc,ab,abc,ab,abc"]
+    want = outputs(stories_engine_factory(), prompts, params)
+    spec = stories_engine_factory(speculative=NGRAM)
+    extend, verified = spec.speculator.extend, []
+
+    def checked(plan, scheduler, budget):
+        extend(plan, scheduler, budget)
+        for s in plan.verify:
+            matcher = s.request.grammar.matcher
+            taken = 0
+            for token in s.drafts:
+                assert matcher.accept_token(token), f"draft {s.drafts} reached the forward: {token} forbidden"
+                taken += 1
+            matcher.rollback(taken)
+            verified.append(s.drafts)
+
+    spec.speculator.extend = checked
+    rids = [spec.add_request(p, q) for p, q in zip(prompts, params)]
+    while spec.has_unfinished():
+        spec.step()
+    got = [spec.result(r) for r in rids]
+    assert [(o.token_ids, o.text, o.logprobs, o.top_logprobs, o.finish_reason, o.selected_token_ids)
+            for o in got] == want
+    cuts = [r for rid in rids for r in spec.trace(rid) if r["kind"] == "spec.cut"]
+    assert verified and cuts and all(r["allowed"] < r["proposed"] for r in cuts)
+
+
 # -- the step-state contract around a verify step --------------------------------------------------
 
 def test_prefix_cache_registers_only_accepted_tokens():
