@@ -21,6 +21,7 @@ Shutdown: see DrainingServer.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import resource
 from dataclasses import dataclass
@@ -85,6 +86,12 @@ class _Transport:
         return getattr(self._transport, name)
 
 
+# the order in which connections became idle (opened, or a response done): the smallest has been
+# idle the longest. Not the loop's clock: uvloop's (uv_now) moves once per loop iteration, so the
+# connections accepted in one iteration tied and the cap closed any of them, not the oldest
+_went_idle = itertools.count()
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the header and body timeouts and the connection cap."""
 
@@ -98,7 +105,7 @@ class GuardedH11Protocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._body_cycle: Any = None          # the request whose body the body timer is for
         self._refused = False
-        self.idle_since = self.loop.time()
+        self.idle_since = next(_went_idle)
         super().connection_made(cast(asyncio.Transport, _Transport(transport)))
         if len(self.connections) > self.limits.max_connections and not self._make_room():
             self._refuse()
@@ -150,7 +157,7 @@ class GuardedH11Protocol(H11Protocol):
         self._follow_cycle()
 
     def on_response_complete(self) -> None:
-        self.idle_since = self.loop.time()
+        self.idle_since = next(_went_idle)
         super().on_response_complete()
         self._follow_cycle()                  # a pipelined request may have started
 
