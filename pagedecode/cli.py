@@ -184,19 +184,10 @@ def _report(ids: list[str], arrival: dict[str, float], stamps: dict[str, list[tu
     print(f"{'prefix-cache hits (tokens)':<28}{engine.prefix_cache_hits:>10} of {engine.prefix_cache_queries}")
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .server.serve import HelpFormatter, add_arguments, add_speculative_arguments
+    from .server.serve import HelpFormatter, add_arguments, add_model_arguments, add_speculative_arguments, positive
     ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--version", action="version", version=f"pagedecode {__version__}")
@@ -204,17 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("generate", "stream one completion to stdout"),
                        ("demo", "several concurrent requests with a progress display and a latency table")):
         p = sub.add_parser(name, help=what, description=what, formatter_class=HelpFormatter)
-        p.add_argument("--model", default=None,
-                       help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
-        p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0"],
-                       help="keep the layer weights quantized in memory (a GGUF's own Q8_0 / Q4_0 stay so anyway)")
-        p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
-        p.add_argument("--device", default="cpu", help="cpu or cuda")
-        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                       help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")
-        p.add_argument("--tensor-parallel-size", type=_positive, default=1,
-                       help="ranks the model is sharded over (processes started by the engine)")
-        p.add_argument("--max-tokens", type=_positive, default=64 if name == "generate" else 48,
+        add_model_arguments(p)
+        p.add_argument("--max-tokens", type=positive, default=64 if name == "generate" else 48,
                        help="most tokens to generate per request")
         p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.8,
                        help="0 selects greedily")
@@ -234,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")
         else:
-            p.add_argument("--requests", type=_positive, default=8, help="number of concurrent requests")
+            p.add_argument("--requests", type=positive, default=8, help="number of concurrent requests")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pagedecode[server])",
                        formatter_class=HelpFormatter)
     add_arguments(s)

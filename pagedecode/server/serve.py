@@ -38,12 +38,34 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def positive(text: str) -> int:
+    """argparse's type for a count: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What to load and where: --model, --quantization, --tokenizer, --device, --dtype,
+    --tensor-parallel-size (generate, demo and serve)."""
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
     p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0"],
                    help="keep the layer weights quantized in memory (a GGUF's own Q8_0 / Q4_0 stay so anyway)")
     p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")
+    p.add_argument("--tensor-parallel-size", type=positive, default=1,
+                   help="ranks the model is sharded over (processes started by the engine)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     p.add_argument("--api-key", action="append", default=None,
@@ -58,11 +80,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="chat content's special-token strings ('</s>') become the real tokens (unsafe)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name, or the GGUF file's without .gguf)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks the model is sharded over (processes started by the engine)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-prompts-per-request", type=int, default=64,
