@@ -10,8 +10,9 @@ Workloads (greedy):
   c  the random 135M Llama (SmolLM-135M's shape, benchmarks/engine_vs_hf.py): text with little
      repetition, 48 tokens each from 32 random prompt ids
 each single stream (one request at a time) and 16 concurrent requests. Off and on runs alternate
-(the machine may be shared: the load average is recorded before and after each run); the best
-of --repeat runs is reported. Outputs must be identical on and off (checked). Per case: output
+(the machine may be shared: the load average is recorded before and after each run); medians
+of --repeat runs are reported, by wall time and by the process's CPU time (steadier on a shared
+machine). Outputs must be identical on and off (checked). Per case: output
 tokens/s, the ratio, acceptance (accepted / proposed draft tokens) and tokens per verify step
 ((accepted + verify runs) / verify runs). llama.cpp's `llama-lookup` (benchmarks/peers/llamacpp.sh
 builds it) runs the single-stream stories260k cases too when it is built. JSON under
@@ -23,6 +24,7 @@ import argparse
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -77,21 +79,23 @@ def workloads(names: list[str]) -> dict[str, dict]:
 def run_once(engine: pd.Engine, prompts: list, max_tokens: int, concurrent: int) -> dict:
     params = pd.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     before = engine.snapshot()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     if concurrent == 1:
         outs = [engine.generate([p], params)[0] for p in prompts]
     else:
         outs = engine.generate([prompts[i % len(prompts)] for i in range(concurrent)], params)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = engine.snapshot()
     tokens = sum(len(o.selected_token_ids) for o in outs)
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": after.steps - before.steps,
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "tokens_per_cpu_s": tokens / cpu, "steps": after.steps - before.steps,
             "verify_runs": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
             "acceptance": accepted / proposed if proposed else None,
             "tokens_per_verify": (accepted + drafts) / drafts if drafts else None,
+            "mean_accepted": accepted / drafts if drafts else None,
             "outputs": [o.selected_token_ids for o in outs]}
 
 
@@ -132,14 +136,20 @@ def bench(args: argparse.Namespace) -> dict:
                     log(f"{name} x{concurrent} spec={'on' if on else 'off'} run {rep + 1}: "
                         f"{r['tokens_per_s']:.1f} tok/s (load {la:.1f})")
             same = all(r["outputs"] == runs[False][0]["outputs"] for r in runs[True] + runs[False])
-            best = {on: max(rs, key=lambda r: r["tokens_per_s"]) for on, rs in runs.items()}
             for rs in runs.values():
                 for r in rs:
                     del r["outputs"]
+            med = {on: {key: statistics.median(r[key] for r in rs) for key in ("tokens_per_s", "tokens_per_cpu_s")}
+                   for on, rs in runs.items()}
+            last = runs[True][-1]
             case = {"workload": name, "concurrent": concurrent, "identical_outputs": same,
-                    "off_tokens_per_s": best[False]["tokens_per_s"], "on_tokens_per_s": best[True]["tokens_per_s"],
-                    "speedup": best[True]["tokens_per_s"] / best[False]["tokens_per_s"],
-                    "acceptance": best[True]["acceptance"], "tokens_per_verify": best[True]["tokens_per_verify"],
+                    "off_tokens_per_s": med[False]["tokens_per_s"], "on_tokens_per_s": med[True]["tokens_per_s"],
+                    "speedup": med[True]["tokens_per_s"] / med[False]["tokens_per_s"],
+                    "speedup_cpu": med[True]["tokens_per_cpu_s"] / med[False]["tokens_per_cpu_s"],
+                    "acceptance": last["acceptance"], "tokens_per_verify": last["tokens_per_verify"],
+                    "mean_accepted": last["mean_accepted"], "verify_runs": last["verify_runs"],
+                    "steps_on": last["steps"], "steps_off": runs[False][-1]["steps"],
+                    "load": [r["load_before"] for rs in runs.values() for r in rs],
                     "runs": {"off": runs[False], "on": runs[True]}}
             if name in ("a", "b") and concurrent == 1:
                 gguf = LLAMACPP / "stories260k.f32.gguf"
@@ -226,12 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     path = result_path("speculative", args.out)
     write_json(path, result)
     plot(path, draw(result))
-    print(f"{'case':10} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7} {'tok/verify':>10}")
+    print(f"{'case':10} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'cpu':>6} {'accept':>7} {'mean acc':>8} "
+          f"{'tok/verify':>10} {'load':>9}")
     for c in result["cases"]:
-        acc = f"{c['acceptance']:.2f}" if c["acceptance"] is not None else "-"
-        tpv = f"{c['tokens_per_verify']:.2f}" if c["tokens_per_verify"] is not None else "-"
+        def f(v):
+            return f"{v:.2f}" if v is not None else "-"
         print(f"{c['workload'] + ' x' + str(c['concurrent']):10} {c['off_tokens_per_s']:10.1f} "
-              f"{c['on_tokens_per_s']:10.1f} {c['speedup']:6.2f} {acc:>7} {tpv:>10}")
+              f"{c['on_tokens_per_s']:10.1f} {c['speedup']:6.2f} {c['speedup_cpu']:6.2f} {f(c['acceptance']):>7} "
+              f"{f(c['mean_accepted']):>8} {f(c['tokens_per_verify']):>10} "
+              f"{min(c['load']):4.1f}-{max(c['load']):.1f}")
     print(f"written {path}")
     return 0 if all(c["identical_outputs"] for c in result["cases"]) else 1
 

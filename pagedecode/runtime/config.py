@@ -123,6 +123,9 @@ class SpeculativeConfig:
     min_acceptance: float = 0.3              # per request: rolling acceptance below this turns
                                              # proposals off for it ...
     backoff_steps: int = 8                   # ... for this many steps, doubled on every new miss
+    min_gain: float = 0.97                   # per batch size: output tokens/s of steps that verify below
+                                             # this times that of steps that do not turns proposals off
+                                             # there for backoff_steps (doubling); 0: never
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -139,5 +142,7 @@ class SpeculativeConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if not 0.0 <= self.min_gain <= 10.0:
+            raise ValueError(f"min_gain must be in [0, 10], got {self.min_gain}")
         if self.backoff_steps < 1:
             raise ValueError(f"backoff_steps must be >= 1, got {self.backoff_steps}")

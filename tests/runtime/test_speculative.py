@@ -25,7 +25,7 @@ def cyclic(prompt, output):
 
 @pytest.mark.parametrize("kwargs", [dict(method="eagle"), dict(num_tokens=0), dict(min_ngram=3, max_ngram=2),
                                     dict(min_ngram=0), dict(method="draft"), dict(draft_model="x"),
-                                    dict(min_acceptance=1.5), dict(max_batch=0)])
+                                    dict(min_acceptance=1.5), dict(max_batch=0), dict(min_gain=-1)])
 def test_bad_speculative_configs_are_refused(kwargs):
     with pytest.raises(ValueError):
         pd.SpeculativeConfig(**kwargs)
@@ -358,10 +358,35 @@ def test_acceptance_gate_backs_off_a_request_whose_drafts_fail():
         rid = eng.add_request([1], pd.SamplingParams(max_tokens=120))
         run(eng)
         return eng.result(rid).usage
-    ungated = drafts(pd.SpeculativeConfig(num_tokens=2, min_acceptance=0.0))
-    gated = drafts(pd.SpeculativeConfig(num_tokens=2))
+    ungated = drafts(pd.SpeculativeConfig(num_tokens=2, min_acceptance=0.0, min_gain=0.0))
+    gated = drafts(pd.SpeculativeConfig(num_tokens=2, min_gain=0.0))        # the acceptance gate alone
     assert ungated.accepted_draft_tokens == gated.accepted_draft_tokens == 0
     assert 0 < gated.draft_tokens < ungated.draft_tokens / 3
+
+
+@pytest.mark.parametrize("slow", ["verify", "every"])
+def test_cost_gate_stops_proposals_where_verify_steps_cost_more_than_they_give(slow):
+    """Nearly every draft is accepted (the cyclic script), so only the step-cost gate acts: where a
+    verify step takes 20 ms and a plain one none, it turns proposals off after a few steps (it
+    measures the plain rate itself, taking a few plain steps); where every step takes 20 ms,
+    verifying 5 tokens a step pays and proposals go on."""
+    import time
+
+    def delay(info):
+        if slow == "every" or any(info["batch"].drafts):
+            time.sleep(0.02)
+
+    def drafts(min_gain):
+        eng = engine(cyclic, speculative=pd.SpeculativeConfig(min_gain=min_gain), on_forward=delay)
+        rid = eng.add_request(PROMPT, pd.SamplingParams(max_tokens=300))
+        run(eng)
+        return eng.result(rid).usage
+    ungated, gated = drafts(0.0), drafts(0.97)
+    assert ungated.accepted_draft_tokens > 0.8 * ungated.draft_tokens > 150
+    if slow == "verify":
+        assert 0 < gated.draft_tokens < ungated.draft_tokens / 2
+    else:
+        assert gated.draft_tokens > 0.8 * ungated.draft_tokens
 
 
 # -- the draft-model proposer ----------------------------------------------------------------------
@@ -376,7 +401,7 @@ def test_draft_model_scripted_outputs_equal_and_its_cache_rolls_back():
         return 103 if len(output) % 5 == 4 else cyclic(prompt, output)
 
     draft = ScriptedModel(wrong_at_fifths, vocab_size=200, eos_token_ids=[EOS])
-    config = pd.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=3, min_acceptance=0.0)
+    config = pd.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=3, min_acceptance=0.0, min_gain=0.0)
     params = [pd.SamplingParams(max_tokens=37), pd.SamplingParams(max_tokens=23, stop=["yCDE"]),
               pd.SamplingParams(max_tokens=30, temperature=6.0, seed=4)]
     got, want = [], []
