@@ -822,148 +822,45 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
   return bias ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
 }
 
-// -- the deterministic matmul (EngineConfig.deterministic) -----------------------------------
-// out (rows, n_out) = x (rows, in) @ w (n_out, in)^T (+ b), every output computed by one fixed
-// sequence of operations whatever `rows` is: one 16-lane float accumulator per output, over k in
-// steps of 16 elements (float; bf16 widened) or 32 (bf16 pairs, vdpbf16ps, where the CPU has
-// AVX-512-BF16), the last step masked, then sum16's tree; the bias added last. oneDNN's blocking
-// (and so its order of summation) changes with the number of rows, and the default path sends
-// 1-4 rows to a gemv with another order again; this kernel never does either. Register tiles
-// of MR rows x NR outputs (16 accumulators at most, summed by one sum16) only choose which outputs
-// run side by side, never how one is summed; threads split the rows and outputs into tiles, never
-// an output's sum. The portable build (no AVX-512) keeps the order with 16 plain float lanes.
-#if defined(__AVX512F__)
-#if defined(__AVX512BF16__)
-template <typename T> constexpr bool kDetDpBf16 = std::is_same_v<T, c10::BFloat16>;
-#else
-template <typename T> constexpr bool kDetDpBf16 = false;
-#endif
-template <typename T> constexpr int64_t kDetStep = kDetDpBf16<T> ? 32 : 16;       // elements per k step
-template <typename T> using DetVec = std::conditional_t<kDetDpBf16<T>, __m512i, __m512>;
+// -- the deterministic matmul (EngineConfig.deterministic): csrc/det_matmul.h ---------------------
+// Included here, inside this file's namespace, for to<T>() and f32() above.
+#include "det_matmul.h"
 
-// the k step at p: `n` valid elements (n < kDetStep: a masked load, zeros after)
+// w as det::matmul takes it: `packed` when it is w's det::pack (LlamaModel keeps one in deterministic
+// mode, in the slot the default path gives oneDNN's copy), else packed now into `scratch`
 template <typename T>
-inline DetVec<T> det_load(const T* p, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-  } else if constexpr (kDetDpBf16<T>) {
-    return n >= 32 ? _mm512_loadu_si512(p)
-                   : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << n) - 1), p);
-  } else {                                  // bf16 without vdpbf16ps: widened to float (exact)
-    const __m256i h = n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                              : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+const T* det_packed(const Tensor& w, const Tensor& packed, Tensor& scratch) {
+  const int64_t n = det::packed_numel<T>(w.size(0), w.size(1));
+  if (packed.defined() && !packed.is_mkldnn() && packed.scalar_type() == w.scalar_type() && packed.numel() == n &&
+      packed.dim() == 3)
+    return packed.data_ptr<T>();
+  scratch = at::empty({n}, w.options());
+  det::pack(w.data_ptr<T>(), w.size(0), w.size(1), scratch.data_ptr<T>());
+  return scratch.data_ptr<T>();
 }
 
-template <typename T>
-inline __m512 det_fma(__m512 acc, DetVec<T> a, DetVec<T> b) {
-  if constexpr (kDetDpBf16<T>) {
-#if defined(__AVX512BF16__)
-    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-#else
-    return acc;
-#endif
-  } else {
-    return _mm512_fmadd_ps(a, b, acc);
-  }
-}
-
-// sums[r * NR + c] = x_r . w_c for MR rows of x and NR rows of w (both `in` wide, rows `in` apart)
-template <typename T, int MR, int NR>
-inline void det_tile(const T* x, const T* w, int64_t in, float* sums) {
-  static_assert(MR * NR <= 16);
-  constexpr int64_t S = kDetStep<T>;
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + S <= in; k += S) {
-    DetVec<T> xv[MR];
-    for (int r = 0; r < MR; ++r) xv[r] = det_load(x + r * in + k, S);
-    for (int c = 0; c < NR; ++c) {
-      const DetVec<T> wv = det_load(w + c * in + k, S);
-      for (int r = 0; r < MR; ++r) acc[r * NR + c] = det_fma<T>(acc[r * NR + c], xv[r], wv);
-    }
-  }
-  if (k < in) {
-    DetVec<T> xv[MR];
-    for (int r = 0; r < MR; ++r) xv[r] = det_load(x + r * in + k, in - k);
-    for (int c = 0; c < NR; ++c) {
-      const DetVec<T> wv = det_load(w + c * in + k, in - k);
-      for (int r = 0; r < MR; ++r) acc[r * NR + c] = det_fma<T>(acc[r * NR + c], xv[r], wv);
-    }
-  }
-  _mm512_storeu_ps(sums, sum16(acc));
-}
-
-// rows r0 .. r0 + MR against outputs c0 .. c1: NR outputs a tile, the rest one at a time
-template <typename T, int MR, int NR>
-inline void det_rows(const T* x, const T* w, const T* b, T* out, int64_t r0, int64_t c0, int64_t c1, int64_t in,
-                     int64_t n_out) {
-  alignas(64) float sums[16];
-  auto put = [&](int64_t c, int nr) {
-    for (int r = 0; r < MR; ++r)
-      for (int i = 0; i < nr; ++i) {
-        const float v = sums[r * nr + i];
-        out[(r0 + r) * n_out + c + i] = to<T>(b != nullptr ? v + f32(b[c + i]) : v);
-      }
+// (n_out, in) -> det::pack's layout, (panels, k_padded / kGroup, 16 kGroup)
+Tensor det_pack_op(const Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "pagedecode._cpu.det_pack: w (N, K) contiguous float32 or bfloat16");
+  auto shaped = [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t G = det::kGroup<T>;
+    Tensor out = at::empty({det::panels(w.size(0)), det::k_padded<T>(w.size(1)) / G, det::kLanes * G}, w.options());
+    det::pack(w.data_ptr<T>(), w.size(0), w.size(1), out.data_ptr<T>());
+    return out;
   };
-  int64_t c = c0;
-  for (; c + NR <= c1; c += NR) {
-    det_tile<T, MR, NR>(x + r0 * in, w + c * in, in, sums);
-    put(c, NR);
-  }
-  for (; c < c1; ++c) {
-    det_tile<T, MR, 1>(x + r0 * in, w + c * in, in, sums);
-    put(c, 1);
-  }
-}
-#else
-template <typename T>
-inline float det_dot(const T* x, const T* w, int64_t in) {
-  float lanes[16] = {0.f};
-  for (int64_t k = 0; k < in; k += 16)
-    for (int l = 0; l < 16 && k + l < in; ++l) lanes[l] += f32(x[k + l]) * f32(w[k + l]);
-  return lanes_total(lanes);
-}
-#endif
-
-constexpr int64_t kDetTileRows = 64, kDetTileCols = 64;    // a work item: 64 rows x 64 outputs at most
-
-template <typename T>
-void det_matmul(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out) {
-  const int64_t row_tiles = (rows + kDetTileRows - 1) / kDetTileRows;
-  const int64_t col_tiles = (n_out + kDetTileCols - 1) / kDetTileCols;
-  at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = (t / col_tiles) * kDetTileRows, r1 = std::min(rows, r0 + kDetTileRows);
-      const int64_t c0 = (t % col_tiles) * kDetTileCols, c1 = std::min(n_out, c0 + kDetTileCols);
-#if defined(__AVX512F__)
-      int64_t r = r0;
-      for (; r + 4 <= r1; r += 4) det_rows<T, 4, 4>(x, w, b, out, r, c0, c1, in, n_out);
-      switch (r1 - r) {
-        case 3: det_rows<T, 3, 5>(x, w, b, out, r, c0, c1, in, n_out); break;
-        case 2: det_rows<T, 2, 8>(x, w, b, out, r, c0, c1, in, n_out); break;
-        case 1: det_rows<T, 1, 16>(x, w, b, out, r, c0, c1, in, n_out); break;
-        default: break;
-      }
-#else
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) {
-          const float v = det_dot(x + r * in, w + c * in, in);
-          out[r * n_out + c] = to<T>(b != nullptr ? v + f32(b[c]) : v);
-        }
-#endif
-    }
-  });
+  return w.scalar_type() == at::kFloat ? shaped(float{}) : shaped(at::BFloat16{});
 }
 
 // linear() in deterministic mode: a small layer's transposed weight through gemv_transposed (each
-// output summed over k in order, whatever the rows), the rest through det_matmul; quantized blocks
-// through quant_matmul.h, whose per-token accumulators are already the same for any number of rows.
-// buf: as linear()'s, the output reused by every layer of one forward (allocated on first use).
+// output summed over k in order, whatever the rows), the rest through det::matmul (on `packed`, or
+// w packed for the call); quantized blocks through quant_matmul.h, whose per-token accumulators are
+// already the same for any number of rows. buf: as linear()'s, the output reused by every layer of
+// one forward (allocated on first use).
 template <typename T>
-Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& wt, Tensor* buf = nullptr) {
+Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& wt, const Tensor& packed,
+                  Tensor* buf = nullptr) {
   const bool bias = b.defined() && b.numel() > 0;
   if (w.scalar_type() == at::kByte) {
     Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);
@@ -984,7 +881,8 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
       gemv_transposed(xp + begin * in, wtp, bp, op + begin * n_out, end - begin, in, n_out);
     });
   } else {
-    det_matmul(xp, w.data_ptr<T>(), bp, op, rows, in, n_out);
+    Tensor scratch;
+    det::matmul(xp, det_packed<T>(w, packed, scratch), bp, op, rows, in, n_out);
   }
   return out;
 }
@@ -992,8 +890,9 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
 // layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (each weight
 // in the model's dtype or uint8 Q8_0 / Q4_0 blocks, which linear() sends to quant_matmul.h), then the
 // four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), then the
-// same four packed for oneDNN; an empty tensor for an absent bias, a layer without its transposed
-// copy, or a weight not packed; lm_head_t and lm_head_packed likewise.
+// same four packed (for oneDNN; in deterministic mode det::pack's layout); an empty tensor for an
+// absent bias, a layer without its transposed copy, or a weight not packed; lm_head_t and
+// lm_head_packed likewise.
 // k_cache, v_cache: (layers, pages, page_size, Hkv, D).
 template <typename T>
 Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
@@ -1026,7 +925,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   auto mm = [&](const Tensor& in, int64_t w, int64_t b, int64_t wt, int64_t packed, const Tensor* L,
                 Tensor& buf) -> Tensor {
     const Tensor none;
-    return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], &buf)
+    return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], L[packed], &buf)
                : linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], L[packed], buf, onednn);
   };
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
@@ -1052,7 +951,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   Tensor last = h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
   rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps, det);
-  if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_t, &buf_logits).to(at::kFloat);
+  if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, &buf_logits).to(at::kFloat);
   return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits, onednn).to(at::kFloat);
 }
 
@@ -1092,12 +991,14 @@ auto by_dtype(const Tensor& t, const char* what, F&& f) {
   return f(at::BFloat16{});
 }
 
-Tensor det_linear_op(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b) {
+Tensor det_linear_op(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
+                     const std::optional<Tensor>& packed) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() &&
                   (w.scalar_type() == at::kByte || w.scalar_type() == x.scalar_type()),
               "pagedecode._cpu.det_linear: x (T, K), w (N, K) contiguous, one dtype");
   const Tensor bias = b.has_value() ? b->contiguous() : Tensor();
-  return by_dtype(x, "det_linear", [&](auto tag) { return det_linear<decltype(tag)>(x, w, bias, Tensor()); });
+  const Tensor pk = packed.has_value() ? *packed : Tensor();
+  return by_dtype(x, "det_linear", [&](auto tag) { return det_linear<decltype(tag)>(x, w, bias, Tensor(), pk); });
 }
 
 Tensor det_rms_norm_op(const Tensor& x, const Tensor& w, double eps) {
@@ -1172,7 +1073,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "arguments: oneDNN's linear for the larger matmuls (else at::mm), deterministic mode");
   m.attr("takes_matmul_choice") = true;   // forward's last argument (older builds read an environment variable)
   m.def("det_linear", &det_linear_op, "x @ w^T (+ b), each output in one fixed order whatever the rows (deterministic mode)",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none());
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none(),
+        pybind11::arg("packed") = pybind11::none());
+  m.def("det_pack", &det_pack_op, "w (N, K) in det_linear's packed layout (csrc/det_matmul.h), made once at load");
   m.def("det_rms_norm", &det_rms_norm_op, "RMSNorm over the last dim, each row's sum in one fixed order");
   m.def("silu_mul", &silu_mul_op, "silu(gate) * up of (T, 2 I) gate_up rows");
   m.def("det_attention", &det_attention_op, "causal attention over the paged cache, one order per query position");

@@ -124,7 +124,7 @@ class LlamaModel:
         self.quantization = quantization
         # batch-invariant kernels (EngineConfig.deterministic sets it): every reduction in one order
         # whatever the batch, chunking or thread count
-        self.deterministic = False
+        self._deterministic = False
         c = config
 
         def take(name: str, required: bool = True) -> Any:
@@ -188,7 +188,8 @@ class LlamaModel:
                            and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel
                            and (not self.quantized or hasattr(_cpu_ext, "quant_embedding_rows")))
         self._onednn = True
-        self._is_packed = False
+        self._pack_weights = False
+        self._packed_kind: str | None = None        # what the packed slots hold: "onednn", "det" or nothing
         if self._fused_cpu:
             none = torch.empty(0, dtype=dtype)
 
@@ -207,7 +208,7 @@ class LlamaModel:
                 L.ln1, plain(L.qkv_w), none if L.qkv_b is None else L.qkv_b, plain(L.o_w),
                 none if L.o_b is None else L.o_b, L.ln2, plain(L.gate_up_w), plain(L.down_w),
                 small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w),
-                none, none, none, none)]         # the packed copies: configure_cpu
+                none, none, none, none)]         # the packed copies: _pack
             self._embed_plain = plain(self.embed)
             self._lm_head_plain = plain(self.lm_head)
             self._lm_head_t = small_t(self.lm_head)
@@ -222,8 +223,9 @@ class LlamaModel:
         """How the compiled CPU forward multiplies (EngineConfig.cpu_matmul / cpu_pack_weights;
         an engine calls this with its config): "onednn" takes oneDNN's linear for matmuls of more
         than a few rows, "aten" at::mm; pack_weights keeps each float weight also in oneDNN's
-        blocked layout (given a plain weight, oneDNN re-blocks it on every call): a second copy
-        of the weights, made or dropped here. No effect off the compiled forward."""
+        blocked layout (given a plain weight, oneDNN re-blocks it on every call), or in
+        deterministic mode in det_linear's (csrc/det_matmul.h; unpacked, each call packs): a
+        second copy of the weights, made or dropped here. No effect off the compiled forward."""
         if matmul not in ("onednn", "aten"):
             raise ValueError(f"matmul must be 'onednn' or 'aten', got {matmul!r}")
         if not self._fused_cpu:
@@ -232,14 +234,36 @@ class LlamaModel:
             raise RuntimeError("this build of pagedecode._cpu predates the matmul choice: rebuild it "
                                "(make install) to use cpu_matmul='aten'")
         self._onednn = matmul == "onednn"
-        pack = self._onednn and pack_weights and torch.backends.mkldnn.is_available()
-        if pack == self._is_packed:
+        self._pack_weights = pack_weights
+        self._pack()
+
+    @property
+    def deterministic(self) -> bool:
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, on: bool) -> None:
+        self._deterministic = bool(on)
+        if self._fused_cpu:
+            self._pack()            # the packed copies the mode's matmul reads
+
+    def _pack(self) -> None:
+        """The compiled forward's packed weight copies for the mode that runs: det_pack's layout in
+        deterministic mode, oneDNN's otherwise (one copy at a time, swapped when the mode changes)."""
+        if self._deterministic:
+            kind = "det" if self._pack_weights and hasattr(_cpu_ext, "det_pack") else None
+        else:
+            kind = "onednn" if self._onednn and self._pack_weights and torch.backends.mkldnn.is_available() else None
+        if kind == self._packed_kind:
             return
         none = torch.empty(0, dtype=self.dtype)
 
         def packed(w: Weight) -> torch.Tensor:
-            if not pack or not isinstance(w, torch.Tensor):
+            if kind is None or not isinstance(w, torch.Tensor):
                 return none
+            if kind == "det":
+                assert _cpu_ext is not None
+                return _cpu_ext.det_pack(w)
             try:
                 return torch.ops.mkldnn._reorder_linear_weight(w, 64)
             except (RuntimeError, AttributeError):      # a torch without the op: plain weights
@@ -249,7 +273,7 @@ class LlamaModel:
             self._flat_layers[16 * i + 12:16 * i + 16] = [packed(L.qkv_w), packed(L.o_w), packed(L.gate_up_w),
                                                           packed(L.down_w)]
         self._lm_head_packed = packed(self.lm_head)
-        self._is_packed = pack
+        self._packed_kind = kind
 
     def __del__(self) -> None:
         # the compiled quantized matmuls' workers may still be finishing a row of a chunk the
@@ -362,9 +386,10 @@ class LlamaModel:
         T, H, Hkv, D = batch.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         h = self._embed(batch.input_ids)
+        packed = self._det_packed
         for i, L in enumerate(self.layers):
             x = ext.det_rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = ext.det_linear(x, _plain(L.qkv_w), L.qkv_b)
+            qkv = ext.det_linear(x, _plain(L.qkv_w), L.qkv_b, packed(L.qkv_w))
             v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, D)
             if L.q_norm is None:
                 qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, D), cos, sin)
@@ -377,12 +402,23 @@ class LlamaModel:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend="torch")
             attn = ext.det_attention(q, kv.k[i], kv.v[i], batch.page_table, batch.seq_lens, batch.cu_q, self.scale)
-            h = h + self._reduce(ext.det_linear(attn.reshape(T, self._q_size), _plain(L.o_w), L.o_b))
+            h = h + self._reduce(ext.det_linear(attn.reshape(T, self._q_size), _plain(L.o_w), L.o_b, packed(L.o_w)))
             x = ext.det_rms_norm(h, L.ln2, c.rms_norm_eps)
-            act = ext.silu_mul(ext.det_linear(x, _plain(L.gate_up_w)))
-            h = h + self._reduce(ext.det_linear(act, _plain(L.down_w)))
+            act = ext.silu_mul(ext.det_linear(x, _plain(L.gate_up_w), None, packed(L.gate_up_w)))
+            h = h + self._reduce(ext.det_linear(act, _plain(L.down_w), None, packed(L.down_w)))
         h = ext.det_rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return self._logits(h)
+
+    def _det_packed(self, w: Weight) -> torch.Tensor | None:
+        """w in det_linear's packed layout (csrc/det_matmul.h), made on first use and kept (a second
+        copy of the float weights, as the compiled forward keeps in deterministic mode; without it
+        every call packs); None for quantized blocks."""
+        if not isinstance(w, torch.Tensor):
+            return None
+        cache: dict[int, torch.Tensor] = self.__dict__.setdefault("_det_packs", {})
+        if id(w) not in cache:
+            cache[id(w)] = _deterministic_ext(self.device).det_pack(w)
+        return cache[id(w)]
 
     # -- the three places tensor parallelism changes (model/parallel.py); identity at N = 1 --------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -393,7 +429,8 @@ class LlamaModel:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.deterministic and not use_triton(h, self.attention_backend):
-            return _deterministic_ext(self.device).det_linear(h, _plain(self.lm_head)).float()
+            return _deterministic_ext(self.device).det_linear(h, _plain(self.lm_head), None,
+                                                              self._det_packed(self.lm_head)).float()
         return self._linear(h, self.lm_head, None).float()
 
     def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
