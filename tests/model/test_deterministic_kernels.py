@@ -45,6 +45,62 @@ def test_one_and_two_threads_give_the_same_bits(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_out,k", [(75, 576), (150, 101), (171, 33), (40, 1536)])
+def test_packed_matmul_same_bits_for_rows_threads_and_packing(dtype, n_out, k):
+    """csrc/det_matmul.h: M = 1, 3, 17, 64 rows (from the first row and from the last), 1 and 2
+    threads, the weight packed once (det_pack, as a model keeps it) or for the call: every output the
+    same bits. 150 / 171 outputs: tiles of 2 and 3 panels of 16 beside whole ones of 4; an odd k: the
+    bf16 pair kernel's last half pair."""
+    g = torch.Generator().manual_seed(n_out)
+    x = torch.randn(64, k, generator=g).to(dtype)
+    w = torch.randn(n_out, k, generator=g).to(dtype)
+    b = torch.randn(n_out, generator=g).to(dtype)
+    packed = ext().det_pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        full = ext().det_linear(x, w, b)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 3, 17, 64):
+                for start in (0, 64 - m):
+                    for pk in (None, packed):
+                        got = ext().det_linear(x[start:start + m], w, b, pk)
+                        assert torch.equal(got, full[start:start + m]), (threads, m, start, pk is None)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(full.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_model_keeps_the_packed_copy_of_the_mode_that_runs(dtype):
+    """Deterministic mode swaps oneDNN's packed copies for det_pack's (and back), and the compiled
+    forward reading them gives the bits it gives packing every call (pack_weights off)."""
+    from .test_cpu_extension import mixed_batch, random_model
+    from pagedecode.model.kv_cache import KVCache
+    import random
+    model = random_model(dtype, heads=4, kv_heads=2, head_dim=64)       # qkv 512 x 256: not a small layer
+    c = model.config
+    assert model._packed_kind in ("onednn", None)
+    model.deterministic = True
+    assert model._packed_kind == "det"
+    assert torch.equal(model._flat_layers[12], ext().det_pack(model.layers[0].qkv_w))
+
+    def logits():
+        kv = KVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim, dtype)
+        batch = mixed_batch(random.Random(0), 16, [[3, 1], [0, 2], [5, 4, 6]], [(7, 1), (0, 20), (10, 30)])
+        return model.forward(batch, kv)
+    kept = logits()
+    model.configure_cpu("onednn", pack_weights=False)
+    assert model._packed_kind is None and model._flat_layers[12].numel() == 0
+    assert torch.equal(logits(), kept)
+    model.configure_cpu("onednn", pack_weights=True)
+    model.deterministic = False
+    assert model._packed_kind == ("onednn" if torch.backends.mkldnn.is_available() else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_rows_alone_and_together(dtype):
     x = torch.randn(33, 100).to(dtype)
     w = torch.rand(100).to(dtype)
