@@ -56,12 +56,26 @@ class NgramProposer:
 
     def __init__(self, min_ngram: int, max_ngram: int) -> None:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._kept: weakref.WeakKeyDictionary[Request, bytearray] = weakref.WeakKeyDictionary()
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        n_tokens = len(tokens)
+        return self._search(array("q", tokens).tobytes(), k)
+
+    def propose_for(self, req: Request, k: int) -> list[int]:
+        """propose() over the request's prompt and output, its bytes kept from one step to the
+        next and extended by the tokens since (they only grow), not rebuilt each step."""
+        kept = self._kept.get(req)
+        if kept is None:
+            kept = self._kept[req] = bytearray(array("q", req.prompt_ids).tobytes())
+        have = len(kept) // _ITEM - len(req.prompt_ids)
+        if have < len(req.output_ids):
+            kept += array("q", req.output_ids[have:]).tobytes()
+        return self._search(kept, k)
+
+    def _search(self, data: bytes | bytearray, k: int) -> list[int]:
+        n_tokens = len(data) // _ITEM
         if k < 1 or n_tokens <= self.min_ngram:
             return []
-        data = array("q", tokens).tobytes()
         for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
             suffix = data[(n_tokens - n) * _ITEM:]
             end = (n_tokens - 1) * _ITEM            # a match ends before the last token
@@ -70,8 +84,8 @@ class NgramProposer:
                 if at < 0:
                     break
                 if at % _ITEM == 0:                 # aligned on a token, not inside one
-                    start = at // _ITEM + n
-                    return list(tokens[start:start + k])
+                    start = (at // _ITEM + n) * _ITEM
+                    return array("q", data[start:start + k * _ITEM]).tolist()
                 end = at + len(suffix) - 1
         return []
 
@@ -237,7 +251,7 @@ class Speculator:
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
         if self.draft is None:
-            return [self.ngram.propose(req.prompt_ids + req.output_ids, k) for req, k in wants]
+            return [self.ngram.propose_for(req, k) for req, k in wants]
         if not wants:
             return []
         try:

@@ -46,6 +46,22 @@ def test_ngram_proposer_longest_suffix_most_recent_match():
     assert NgramProposer(1, 1).propose([256, 0, 5, 9, 1], 2) == []
 
 
+def test_ngram_proposer_keeps_each_requests_bytes_as_it_grows(stories_engine_factory, grounded_prompt):
+    """propose_for (the engine's call) extends its kept bytes by the new output only, and finds
+    what propose finds over the whole history at every length."""
+    eng = stories_engine_factory()
+    rid = eng.add_request(grounded_prompt, pd.SamplingParams(max_tokens=30))
+    p, found = NgramProposer(2, 4), 0
+    while eng.has_unfinished():
+        eng.step()
+        req = eng.requests.live.get(rid)
+        if req is not None:
+            want = p.propose(req.prompt_ids + req.output_ids, 4)
+            assert p.propose_for(req, 4) == want
+            found += bool(want)
+    assert found > 0
+
+
 # -- exactness with a scripted model: every ending inside a draft run ------------------------------
 
 def normal(events):
