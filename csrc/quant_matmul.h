@@ -33,10 +33,13 @@ inline float fp16_to_float(const uint8_t* p) {
 #endif
 }
 
-// x (T, K) float -> qx (T, K) int8 and dx (T, K / 32) float
+// x (T, K) float -> qx (T, K) int8 and dx (T, K / 32) float, on the caller alone: at::parallel_for
+// (OpenMP's fork-join) waited for a descheduled OpenMP thread on a loaded machine, measured 10 ms a
+// call at 8-64 tokens (a 7 MMAC matmul: 1 GOP/s), while this takes ~1% of the matmul it feeds
 inline void quantize_rows(const float* x, int8_t* qx, float* dx, int64_t T, int64_t K) {
   const int64_t nb = K / kBlock;
-  at::parallel_for(0, T * nb, 64, [&](int64_t begin, int64_t end) {
+  {
+    const int64_t begin = 0, end = T * nb;
     for (int64_t i = begin; i < end; ++i) {
       const float* v = x + i * kBlock;
 #if defined(__AVX512F__)
@@ -56,7 +59,7 @@ inline void quantize_rows(const float* x, int8_t* qx, float* dx, int64_t T, int6
       for (int j = 0; j < kBlock; ++j) qx[i * kBlock + j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
       dx[i] = d;
     }
-  });
+  }
 }
 
 // the 32 signed weights of block `blk` (Q8_0: as stored; Q4_0: nibble - 8), scalar form
@@ -179,7 +182,8 @@ inline void row_tile_q4(const uint8_t* row, int64_t nb, const int8_t* xp, const 
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, acc[r]);
     }
   }
-  float tail[R] = {};
+  // the odd last block joins the sum in one explicit fma (GCC contracts a * b + c as it likes,
+  // differently per inlined copy: the GEMM below must be able to repeat it bit for bit)
   if (b < nb) {
     const uint8_t* blk = row + b * kBytes;
     const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
@@ -189,14 +193,15 @@ inline void row_tile_q4(const uint8_t* row, int64_t nb, const int8_t* xp, const 
       const __m256i lanes = _mm256_dpbusd_epi32(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + r * (K / 4) + b * 8)), nib,
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * K + b * kBlock)));
-      tail[r] = dw * dx[r * nb + b] * hsum(_mm256_cvtepi32_ps(lanes));
+      out[r * N] = std::fma(dw * dx[r * nb + b], hsum(_mm256_cvtepi32_ps(lanes)), _mm512_reduce_add_ps(acc[r]));
     }
+    return;
   }
-  for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+  for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(acc[r]);
 }
 #endif
 
-constexpr int kTile = 4;        // tokens per weight-block load
+constexpr int kTile = 4;        // tokens per weight-block load (rows_gemm's tails: 1 to 3)
 
 // One row of W against every token: out[t * ld] for t < T.
 inline void one_row(const uint8_t* row, int64_t nb, int64_t block_bytes, bool q4, const int8_t* qx, const int8_t* xp,
@@ -235,11 +240,173 @@ inline void one_row(const uint8_t* row, int64_t nb, int64_t block_bytes, bool q4
 #endif
 }
 
+#if defined(QUANT_Q4_PAIRS)
+// The GEMM of several tokens (T >= 2): a tile of up to kTileRows weight rows x kTile tokens, each
+// (row, token) with its own accumulators, the weight blocks of the tile's rows decoded once per
+// token block (kTokenBlock tokens, whose activations stay in L2) and reused by every token of it.
+// Every (row, token) output goes through exactly the float operations of the gemv above (the same
+// lanes, the same fma order, the same final sums), so the GEMM equals the gemv bit for bit, whatever
+// the tile a token falls in: only how each block's exact int32 dot is formed differs. The gemv
+// forms it with llama.cpp's sign trick (|w| times x carrying w's sign: two vpsignb per (row,
+// token) and block); here the activations go to vpdpbusd's unsigned operand as x + 128 and the
+// accumulator starts from -128 times the sum of the weights each lane multiplies (made once per row
+// and block with the decode), so a (row, token) block costs vpdpbusd, a conversion, the scale
+// product and an fma. Q4_0 keeps row_tile_q4's form (nibbles unsigned, -8 folded into the
+// activations' correction), with the nibbles of a pair of blocks unpacked once per tile row.
+constexpr int kTileRows = 4;
+constexpr int64_t kTokenBlock = 128;
+
+// The decoded rows of a tile: Q8_0: per block the correction (8 int32) and the scale; Q4_0: per
+// pair of blocks the nibbles (64 bytes) and the 16 lane scales, and the odd last block's.
+struct Panel {
+  std::vector<int32_t> corr;      // Q8_0 (rows, nb, 8)
+  std::vector<float> dw;          // Q8_0 (rows, nb); Q4_0 (rows, pairs, 16)
+  std::vector<uint8_t> nib;       // Q4_0 (rows, nb, 32): pairs of blocks, then the odd last block
+  std::vector<float> dw_tail;     // Q4_0 (rows)
+};
+
+inline __m512i pair_pick() { return _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0); }
+
+inline void decode_q8(const uint8_t* const* rows, int rm, int64_t nb, Panel& p) {
+  p.corr.resize(rm * nb * 8);
+  p.dw.resize(rm * nb);
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int r = 0; r < rm; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = rows[r] + b * 34;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      const __m256i sum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, w);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.corr.data() + (r * nb + b) * 8),
+                          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7)));
+      p.dw[r * nb + b] = fp16_to_float(blk);
+    }
+}
+
+// RM rows x RN tokens of Q8_0: xu the activations + 128 (token t at xu + t * K), dx their scales
+template <int RM, int RN>
+inline void tile_q8(const uint8_t* const* rows, const Panel& p, int64_t nb, const uint8_t* xu, const float* dx,
+                    int64_t K, float* out, int64_t ld) {
+  __m256 acc[RM][RN];
+  for (int r = 0; r < RM; ++r)
+    for (int t = 0; t < RN; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w[RM];
+    for (int r = 0; r < RM; ++r) w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + b * 34 + 2));
+    __m256i x[RN];
+    for (int t = 0; t < RN; ++t) x[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xu + t * K + b * kBlock));
+    for (int r = 0; r < RM; ++r) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.corr.data() + (r * nb + b) * 8));
+      const float dw = p.dw[r * nb + b];
+      for (int t = 0; t < RN; ++t) {
+        const __m256i lanes = _mm256_dpbusd_epi32(c, x[t], w[r]);
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * dx[t * nb + b]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int t = 0; t < RN; ++t) out[t * ld + r] = hsum(acc[r][t]);
+}
+
+inline void decode_q4(const uint8_t* const* rows, int rm, int64_t nb, Panel& p) {
+  constexpr int64_t kBytes = 2 + kBlock / 2;
+  const int64_t pairs = nb / 2;
+  p.nib.resize(rm * nb * 32);
+  p.dw.resize(rm * pairs * 16);
+  p.dw_tail.resize(rm);
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int r = 0; r < rm; ++r) {
+    uint8_t* nib = p.nib.data() + r * nb * 32;
+    for (int64_t q = 0; q < pairs; ++q) {
+      const uint8_t* blk = rows[r] + 2 * q * kBytes;
+      const __m256i v = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + 2)), 1);
+      _mm512_storeu_si512(nib + q * 64,
+                          _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low));
+      uint16_t h0, h1;
+      std::memcpy(&h0, blk, 2);
+      std::memcpy(&h1, blk + kBytes, 2);
+      const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(h0 | uint32_t(h1) << 16)));
+      _mm512_storeu_ps(p.dw.data() + (r * pairs + q) * 16, _mm512_permutexvar_ps(pair_pick(), _mm512_castps128_ps512(dw)));
+    }
+    if (nb % 2 != 0) {
+      const uint8_t* blk = rows[r] + (nb - 1) * kBytes;
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(nib + pairs * 64),
+                          _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15)));
+      p.dw_tail[r] = fp16_to_float(blk);
+    }
+  }
+}
+
+// RM rows x RN tokens of Q4_0, activations as pair_layout leaves them (xp, corr) and dx
+template <int RM, int RN>
+inline void tile_q4(const Panel& p, int64_t nb, const int8_t* xp, const int32_t* corr, const float* dx, int64_t K,
+                    float* out, int64_t ld) {
+  const int64_t pairs = nb / 2;
+  __m512 acc[RM][RN];
+  for (int r = 0; r < RM; ++r)
+    for (int t = 0; t < RN; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < pairs; ++q) {
+    __m512 sx[RN];
+    for (int t = 0; t < RN; ++t)
+      sx[t] = _mm512_permutexvar_ps(pair_pick(), _mm512_castps128_ps512(_mm_castpd_ps(
+                                                      _mm_load_sd(reinterpret_cast<const double*>(dx + t * nb + 2 * q)))));
+    for (int r = 0; r < RM; ++r) {
+      const __m512i nib = _mm512_loadu_si512(p.nib.data() + r * nb * 32 + q * 64);
+      const __m512 sw = _mm512_loadu_ps(p.dw.data() + (r * pairs + q) * 16);
+      for (int t = 0; t < RN; ++t) {
+        const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(corr + t * (K / 4) + q * 16), nib,
+                                                  _mm512_loadu_si512(xp + t * K + q * 64));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(sw, sx[t]), acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int t = 0; t < RN; ++t) {
+      const float sum = _mm512_reduce_add_ps(acc[r][t]);
+      if (nb % 2 == 0) {
+        out[t * ld + r] = sum;
+      } else {
+        const int64_t b = nb - 1;
+        const __m256i lanes = _mm256_dpbusd_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + t * (K / 4) + b * 8)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.nib.data() + r * nb * 32 + pairs * 64)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock)));
+        out[t * ld + r] = std::fma(p.dw_tail[r] * dx[t * nb + b], hsum(_mm256_cvtepi32_ps(lanes)), sum);
+      }
+    }
+}
+
+// RM rows (rows[]) against tokens [t0, t1), kTile at a time, the last few one tile of fewer
+template <int RM>
+inline void rows_gemm(const uint8_t* const* rows, const Panel& p, bool q4, int64_t nb, const uint8_t* xu,
+                      const int8_t* xp, const int32_t* corr, const float* dx, int64_t t0, int64_t t1, int64_t K,
+                      float* out, int64_t ld) {
+  auto run = [&](auto rn, int64_t t) {
+    constexpr int RN = decltype(rn)::value;
+    if (q4)
+      tile_q4<RM, RN>(p, nb, xp + t * K, corr + t * (K / 4), dx + t * nb, K, out + t * ld, ld);
+    else
+      tile_q8<RM, RN>(rows, p, nb, xu + t * K, dx + t * nb, K, out + t * ld, ld);
+  };
+  int64_t t = t0;
+  for (; t + kTile <= t1; t += kTile) run(std::integral_constant<int, kTile>{}, t);
+  switch (t1 - t) {
+    case 3: run(std::integral_constant<int, 3>{}, t); break;
+    case 2: run(std::integral_constant<int, 2>{}, t); break;
+    case 1: run(std::integral_constant<int, 1>{}, t); break;
+    default: break;
+  }
+}
+#endif
+
 // A chunk of rows of one call, as work::Pool runs it: in place on the caller, or into a worker's
 // scratch (T, rows) and then copied out.
 struct MatmulJob {
   const uint8_t* w;
   const int8_t* qx;
+  const uint8_t* xu;     // qx + 128 (Q8_0, T >= 2: the GEMM's unsigned operand)
   const int8_t* xp;
   const int32_t* corr;
   const float* dx;
@@ -256,12 +423,44 @@ struct MatmulJob {
       o = scratch->data();
       ld = rows;
     }
+#if defined(QUANT_Q4_PAIRS)
+    if (T >= 2) return gemm(begin, end, o, ld, live);
+#endif
     for (int64_t n = begin; n < end; ++n) {
       if (!live()) return false;
       one_row(w + n * nb * block_bytes, nb, block_bytes, q4, qx, xp, corr, dx, T, K, o + (n - begin), ld);
     }
     return true;
   }
+
+#if defined(QUANT_Q4_PAIRS)
+  // rows [begin, end) against every token: per block of kTokenBlock tokens, each tile of rows
+  // decoded once, then its tokens kTile at a time
+  bool gemm(int64_t begin, int64_t end, float* o, int64_t ld, work::Live live) const {
+    thread_local Panel panel;
+    for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
+      const int64_t t1 = std::min(T, t0 + kTokenBlock);
+      for (int64_t n = begin; n < end; n += kTileRows) {
+        if (!live()) return false;
+        const int rm = static_cast<int>(std::min<int64_t>(kTileRows, end - n));
+        const uint8_t* rows[kTileRows];
+        for (int r = 0; r < rm; ++r) rows[r] = w + (n + r) * nb * block_bytes;
+        if (q4)
+          decode_q4(rows, rm, nb, panel);
+        else
+          decode_q8(rows, rm, nb, panel);
+        float* on = o + (n - begin);
+        switch (rm) {
+          case 4: rows_gemm<4>(rows, panel, q4, nb, xu, xp, corr, dx, t0, t1, K, on, ld); break;
+          case 3: rows_gemm<3>(rows, panel, q4, nb, xu, xp, corr, dx, t0, t1, K, on, ld); break;
+          case 2: rows_gemm<2>(rows, panel, q4, nb, xu, xp, corr, dx, t0, t1, K, on, ld); break;
+          default: rows_gemm<1>(rows, panel, q4, nb, xu, xp, corr, dx, t0, t1, K, on, ld); break;
+        }
+      }
+    }
+    return true;
+  }
+#endif
 
   void commit(int64_t c, std::vector<float>* scratch) const {
     const int64_t begin = c * per_chunk, rows = std::min(N, begin + per_chunk) - begin;
@@ -285,16 +484,27 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   // the activations, per thread, kept across calls: a worker left behind by an earlier call may
   // still read them, so they are only reallocated (grown) once no worker is inside a chunk
   thread_local std::vector<int8_t> qx_buf, xp_buf;
+  thread_local std::vector<uint8_t> xu_buf;
   thread_local std::vector<float> dx_buf;
   thread_local std::vector<int32_t> corr_buf;
   if (static_cast<size_t>(T * K) > qx_buf.capacity() || static_cast<size_t>(T * nb) > dx_buf.capacity() ||
-      (q4 && (static_cast<size_t>(T * K) > xp_buf.capacity() || static_cast<size_t>(T * K / 4) > corr_buf.capacity())))
+      (q4 && (static_cast<size_t>(T * K) > xp_buf.capacity() || static_cast<size_t>(T * K / 4) > corr_buf.capacity())) ||
+      (!q4 && T >= 2 && static_cast<size_t>(T * K) > xu_buf.capacity()))
     pool.quiesce();
   qx_buf.resize(T * K);
   dx_buf.resize(T * nb);
   quantize_rows(x, qx_buf.data(), dx_buf.data(), T, K);
-  MatmulJob job{w, qx_buf.data(), nullptr, nullptr, dx_buf.data(), out, T, K, N, nb, block_bytes, N, q4};
+  MatmulJob job{w, qx_buf.data(), nullptr, nullptr, nullptr, dx_buf.data(), out, T, K, N, nb, block_bytes, N, q4};
 #if defined(QUANT_Q4_PAIRS)
+  if (!q4 && T >= 2) {
+    xu_buf.resize(T * K);
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    int64_t i = 0;
+    for (; i + 64 <= T * K; i += 64)
+      _mm512_storeu_si512(xu_buf.data() + i, _mm512_xor_si512(_mm512_loadu_si512(qx_buf.data() + i), bias));
+    for (; i < T * K; ++i) xu_buf[i] = static_cast<uint8_t>(qx_buf[i]) ^ 0x80;
+    job.xu = xu_buf.data();
+  }
   if (q4) {
     xp_buf.resize(T * K);
     corr_buf.resize(T * K / 4);

@@ -61,6 +61,30 @@ def test_kernel_against_dequantized_reference(kind, T, K, N):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_gemm_equals_the_gemv_row_by_row(kind):
+    """Several tokens go through the blocked GEMM (tiles of weight rows x tokens, the blocks decoded
+    once per tile), one token through the gemv: the same int8 activations, the same exact int32 block
+    dots and the same float operations per output, so each row of the GEMM is the gemv's bit for bit
+    (what keeps a request's tokens independent of its batch), at 1 and 2 threads. Odd shapes: T not
+    a multiple of the 4-token tile, N not of the 4-row tile, K a multiple of 32 but not of 64 / 256
+    (Q4_0's odd last block), tokens past one 128-token block."""
+    g = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for T, K, N in [(2, 96, 7), (3, 800, 33), (17, 608, 65), (64, 576, 9), (131, 160, 5)]:
+                q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
+                x = torch.randn(T, K, generator=g) * torch.rand(T, 1, generator=g) * 4
+                y = _cpu.quant_linear(x, q.blocks, N)
+                rows = torch.cat([_cpu.quant_linear(x[t:t + 1], q.blocks, N) for t in range(T)])
+                assert torch.equal(y, rows), (n, T, K, N, (y - rows).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 def test_kernel_is_the_same_bit_for_bit_at_any_thread_count(kind):
     """The matmul's chunks (csrc/work_pool.h) go to whichever thread claims them first, and a
     worker's chunk may be taken back and recomputed by the caller: the rows of each chunk are fixed
