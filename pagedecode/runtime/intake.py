@@ -1,6 +1,7 @@
 """Turning what a user sent into a Request, or an InvalidRequestError that says what is wrong.
-Nothing here touches the engine's state: a rejected request leaves no trace. `Intake` holds
-what the checks need (tokenizer, vocabulary, context, the grammar side, the seed generator)."""
+Nothing here changes the engine's state (admission.py queues what is made): a rejected request
+leaves no trace. `Intake` holds what the checks need (tokenizer, vocabulary, context, the grammar
+side, the seed generator)."""
 from __future__ import annotations
 
 import numbers
@@ -14,6 +15,7 @@ from ..params import SamplingParams, unicode_error
 from .grammar import CompileJob, Constraints
 from .output import OutputPipeline
 from .prefix_cache import namespace
+from .registry import RequestRegistry
 from .request import Request
 from .trace import Trace
 
@@ -123,3 +125,18 @@ class Intake:
         return make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                             max_context=self.max_context, rng=self.rng, trace_level=self.trace_level,
                             cache_identity=self.cache_identity, constraints=self.constraints, job=job)
+
+    def make_all(self, prompts: list[Any], plist: list[SamplingParams | None], jobs: list[CompileJob | None],
+                 registry: RequestRegistry) -> list[Request]:
+        """Every request checked before any is queued (a bad one raises: none is made). Each id is
+        drawn from the registry and held there until all are made, so no two are the same; the
+        registry is left as it was (the caller adds them)."""
+        reqs: list[Request] = []
+        try:
+            for prompt, params, job in zip(prompts, plist, jobs):
+                reqs.append(self.make(prompt, params, registry.new_id(), job))
+                registry.live[reqs[-1].request_id] = reqs[-1]   # reserve its id meanwhile
+        finally:
+            for req in reqs:
+                del registry.live[req.request_id]
+        return reqs

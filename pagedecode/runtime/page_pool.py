@@ -13,14 +13,14 @@ never hand one prompt another prompt's K/V, not even a page holding the same tok
 different prefix. A page that loses its hash takes its descendants' hashes with it (their
 parent is gone), so a parent is always a live hashed page.
 
-With `record_events` on, the pool keeps a log of its cache's changes for the KV-event publisher
-(pagedecode/kv_events.py): ("stored", page, key, parent key or None, tokens) when a page is
-hashed, ("removed", key) when a hash is dropped. The engine takes it after each step.
+With a sink to publish to (`publish`), the pool keeps a log of its cache's changes for the KV-event
+publisher (pagedecode/kv_events.py): ("stored", page, key, parent key or None, tokens) when a page
+is hashed, ("removed", key) when a hash is dropped; the engine flushes it to the sink after each step.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import DoubleReleaseError
 
@@ -42,6 +42,7 @@ class PagePool:
         self._children: dict[int, set[int]] = {}
         self.record_events = False
         self.events: list[CacheEvent] = []
+        self._sink: Callable[[list[CacheEvent]], None] | None = None
 
     @property
     def free_pages(self) -> int:
@@ -145,10 +146,17 @@ class PagePool:
                 del self._evictable[p]
                 self._free.append(p)
 
-    def take_events(self) -> list[CacheEvent]:
-        """The cache changes logged since the last call (record_events), oldest first."""
-        events, self.events = self.events, []
-        return events
+    def publish(self, sink: Callable[[list[CacheEvent]], None] | None) -> None:
+        """Log the cache's changes from now on for sink (None: stop logging)."""
+        self.record_events = sink is not None
+        self.events.clear()
+        self._sink = sink
+
+    def flush_events(self) -> None:
+        """Hand the changes logged since the last flush to the sink, oldest first (none: no call)."""
+        if self._sink is not None and self.events:
+            events, self.events = self.events, []
+            self._sink(events)
 
     def clear_cache(self) -> None:
         """Forget every cached page nobody uses (they become free)."""

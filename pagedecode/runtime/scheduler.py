@@ -52,6 +52,12 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.seqs)
 
+    def begin(self, now: float) -> None:
+        """The step is about to compute its seqs: each request's queue time ends, if this is its first."""
+        for decode, seqs in ((True, self.decode + self.verify), (False, self.prefill)):
+            for s in seqs:
+                s.request.scheduled(now, decode)
+
 
 class Scheduler:
     def __init__(self, pool: PagePool, slots: SlotTable, page_size: int, max_tokens_per_step: int,

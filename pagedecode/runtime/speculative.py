@@ -8,7 +8,7 @@ A verify step for a request with m prompt tokens and t selected (DESIGN.md, the 
     computed:                   yt  d1  d2 .. dk          positions m+t-1 .. m+t-1+k
     rows:                       r0  r1  r2 .. rk          r_j chooses y_{t+1+j}
 
-Row r0 is chosen like any decode row (in Engine._run). Then, one depth at a time, for every
+Row r0 is chosen like any decode row (in StepRunner.run). Then, one depth at a time, for every
 request whose token at depth j - 1 equalled d_j and that did not end on it: d_j is accepted
 (num_computed + 1), and row r_j chooses the next token through the engine's own selection and
 commit path (penalties, bias, min_tokens, grammar mask, temperature, filters, the Philox stream
@@ -153,15 +153,15 @@ class CostGate:
 
 
 class Host(Protocol):
-    """What the verification loop needs from the engine: its own selection and commit."""
+    """What the verification loop needs from the engine: its own selection and commit (commit.py)."""
 
     selector: TokenSelector
 
-    def _select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection: ...
+    def select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection: ...
 
-    def _take(self, req: Request, sel: Selection, i: int, events: list[Event]) -> None: ...
+    def take(self, req: Request, sel: Selection, i: int, events: list[Event]) -> None: ...
 
-    def _fail(self, req: Request, exc: BaseException, events: list[Event]) -> None: ...
+    def fail(self, req: Request, exc: BaseException, events: list[Event]) -> None: ...
 
 
 @dataclass
@@ -301,7 +301,7 @@ class Speculator:
             except Exception as exc:                   # as a failed step would: these requests fail
                 failed = {id(s) for s in at_once}
                 for s in at_once:
-                    host._fail(s.request, exc, events)
+                    host.fail(s.request, exc, events)
                 runs = [(s, row) for s, row in runs if id(s) not in failed]
         for s, _ in runs:
             s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
@@ -324,9 +324,9 @@ class Speculator:
                 elif rec is not None and row not in sel.bad and row not in sel.empty:
                     rec["bonus"] = sel.tokens[row]      # the token after the accepted drafts
                 try:
-                    host._take(req, sel, row, events)
+                    host.take(req, sel, row, events)
                 except Exception as exc:
-                    host._fail(req, exc, events)
+                    host.fail(req, exc, events)
                 if hit and req.state == RequestState.DECODING:
                     went_on.append(s)
             depth += 1
@@ -342,10 +342,10 @@ class Speculator:
             if later:
                 rows = torch.tensor([offset[id(s)] + depth - 1 for s in later], device=logits.device)
                 try:
-                    sel = host._select(logits.index_select(0, rows), [s.request for s in later])
+                    sel = host.select(logits.index_select(0, rows), [s.request for s in later])
                 except Exception as exc:            # as a failed step would: these requests fail
                     for s in later:
-                        host._fail(s.request, exc, events)
+                        host.fail(s.request, exc, events)
                 else:
                     pending += [(s, sel, row) for row, s in enumerate(later)]
         for s, _ in runs:
