@@ -26,12 +26,12 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
     prompt_rows: list[int] = []                       # rows whose logits score prompt tokens
     prompt_spans: list[tuple[int, int, int]] = []
     draft_rows: list[int] = []                        # after every other row: see ForwardBatch
-    max_pages = max(len(s.request.pages) for s in seqs)
+    max_pages = max(len(s.request.seq.pages) for s in seqs)
     table: list[int] = []
     rows = 0
     for i, s in enumerate(seqs):
-        req, start, n = s.request, s.request.num_computed, s.num_new
-        pages = req.pages
+        req, start, n = s.request, s.request.seq.num_computed, s.num_new
+        pages = req.seq.pages
         if n == 1:                                    # a decode step (or a one-token chunk)
             ids.append(req.token_at(start))
             slots.append(pages[start // page_size] * page_size + start % page_size)
@@ -54,11 +54,11 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
         if len(pages) < max_pages:
             table.extend([-1] * (max_pages - len(pages)))
         if s.samples:                                 # the row after the last known token
-            if req.slot is None:
+            if req.seq.slot is None:
                 raise RuntimeError(f"request {req.request_id} selects a token without a batch slot")
             logits_rows.append(rows - 1 - len(s.drafts))
             logits_seqs.append(i)
-            sample_slots.append(req.slot)
+            sample_slots.append(req.seq.slot)
             sample_index.append(len(req.output_ids))
         if s.drafts:                                  # rows after each draft: they verify it
             draft_rows.extend(range(rows - len(s.drafts), rows))

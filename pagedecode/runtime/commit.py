@@ -77,6 +77,9 @@ class Commit:
     def fail(self, req: Request, exc: BaseException, events: list[Event]) -> None:
         self.endings.fail(req, exc, events)
 
+    def accept_draft(self, req: Request) -> None:
+        self.scheduler.accept_draft(req)        # its draft was selected: that K/V is valid
+
     def after_verify(self, req: Request) -> None:
         """A verify run is taken: the pages its accepted tokens filled are keyed, the rest trimmed."""
         if not (req.state.terminal or req.state == RequestState.CANCEL_REQUESTED):   # ended: gave back everything
@@ -92,7 +95,7 @@ class Commit:
             req.transition(RequestState.DECODING)
         if req.trace.tokens:
             p = req.params
-            req.trace.token("token.selected", t=t, token=token, logprob=logprob, cache_len=req.num_computed,
+            req.trace.token("token.selected", t=t, token=token, logprob=logprob, cache_len=req.seq.num_computed,
                             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=req.seed)
         grammar_done = req.grammar is not None and self.constraints.take(req, token)   # before its text is sent
         stop = None

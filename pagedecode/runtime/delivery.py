@@ -73,7 +73,7 @@ def usage(req: Request) -> Usage:
         return replace(h.terminal.usage)
     deltas = req.delivery.deltas()
     return Usage(prompt_tokens=len(req.prompt_ids), selected_tokens=len(req.output_ids),
-                 processed_tokens=req.processed_tokens, cached_tokens=req.cached_tokens,
+                 processed_tokens=req.seq.processed_tokens, cached_tokens=req.seq.cached_tokens,
                  draft_tokens=req.draft_tokens, accepted_draft_tokens=req.accepted_draft_tokens,
                  returned_tokens=sum(len(d.token_ids) for d in deltas),
                  returned_bytes=sum(len(d.text.encode()) for d in deltas))

@@ -36,7 +36,7 @@ def check_ending(req: Request, token: int, stop: str | tuple[int, ...] | None, e
         return FinishReason.STOP_SEQUENCE
     if len(req.output_ids) >= req.params.max_tokens:
         return FinishReason.MAX_OUTPUT_TOKENS
-    if req.num_computed + 1 >= max_context:
+    if req.seq.num_computed + 1 >= max_context:
         return FinishReason.CONTEXT_LIMIT
     return None
 

@@ -381,8 +381,8 @@ class Constraints:
         """The grammar allows nothing but stop tokens after `token`: complete without another forward."""
         if req.grammar is None or is_eos(req, token, eos_ids):
             return False
-        assert req.slot is not None
-        if self.must_end(req.grammar, req.slot, len(req.output_ids)):
+        assert req.seq.slot is not None
+        if self.must_end(req.grammar, req.seq.slot, len(req.output_ids)):
             req.trace.add("grammar.terminated", must_end=True)
             return True
         return False

@@ -41,7 +41,7 @@ def _page_tokens(req: Request, i: int, page_size: int) -> list[int]:
 def keys_for(req: Request, n_pages: int, page_size: int) -> list[bytes]:
     """The request's page keys up to n_pages full pages (computed once, kept on the request:
     they depend on its tokens only, so they survive preemption)."""
-    keys = req.page_keys
+    keys = req.seq.page_keys
     while len(keys) < n_pages:
         prev = keys[-1] if keys else b""
         keys.append(page_key(prev, _page_tokens(req, len(keys), page_size), req.cache_namespace))
@@ -65,10 +65,10 @@ def match(pool: PagePool, req: Request, page_size: int) -> list[int]:
 def register(pool: PagePool, req: Request, page_size: int) -> None:
     """After a commit: key every page of req that is now full and not yet keyed. A page whose
     parent is not cached (its key named another page) is not: its chain cannot be confirmed."""
-    full = min(req.num_computed // page_size, len(req.pages))
-    if full <= req.pages_registered:
+    full = min(req.seq.num_computed // page_size, len(req.seq.pages))
+    if full <= req.seq.pages_registered:
         return
-    for i, key in enumerate(keys_for(req, full, page_size)[req.pages_registered:], start=req.pages_registered):
-        parent = req.pages[i - 1] if i else None
-        pool.register(req.pages[i], key, _page_tokens(req, i, page_size), parent)
-    req.pages_registered = full
+    for i, key in enumerate(keys_for(req, full, page_size)[req.seq.pages_registered:], start=req.seq.pages_registered):
+        parent = req.seq.pages[i - 1] if i else None
+        pool.register(req.seq.pages[i], key, _page_tokens(req, i, page_size), parent)
+    req.seq.pages_registered = full

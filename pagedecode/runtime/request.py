@@ -8,8 +8,10 @@ but not yet cached. A step computes known[num_computed : num_computed + n]; when
 the end of the known tokens, its last logits choose token t + 1. Preemption sets num_computed
 to 0 (pages gone) and nothing else: the output, seed and decoder state are untouched.
 
-What the client got is not kept twice: text, returned ids and logprobs are read off the delta
-events in its delivery record's history (delivery.py), and usage counts are lengths.
+Each field has one writer: the sequence state (`seq`: num_computed, pages, slot, page keys, what
+the prefix cache served) is the scheduler's; the delivery record (`delivery`: history, cursors)
+is Delivery's. What the client got is not kept twice: text, returned ids and logprobs are read
+off the delta events in its delivery record's history (delivery.py), and usage counts are lengths.
 """
 from __future__ import annotations
 
@@ -30,6 +32,20 @@ if TYPE_CHECKING:
 RESOURCES = ("pages", "slot", "rng", "stream", "trace", "grammar")
 
 
+@dataclass(eq=False, slots=True)
+class SeqState:
+    """A request's sequence as the scheduler keeps it: its K/V's pages and slot. Written only by
+    the scheduler (scheduler.py, and prefix_cache.py's match / register that it calls); the
+    others read it."""
+    num_computed: int = 0                 # tokens whose K/V are in its pages (see the top of the file)
+    processed_tokens: int = 0             # K/V written for it, recompute included
+    pages: list[int] = field(default_factory=list)
+    page_keys: list[bytes] = field(default_factory=list)   # chained keys of its full pages so far
+    pages_registered: int = 0             # leading pages of `pages` that are in the prefix cache
+    cached_tokens: int = 0                # prompt tokens served from the prefix cache
+    slot: int | None = None               # its batch slot while it runs
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -43,17 +59,11 @@ class Request:
     first_token_deadline: float | None = None
     state: RequestState = RequestState.CREATED
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    processed_tokens: int = 0             # K/V written for it, recompute included
-    pages: list[int] = field(default_factory=list)
+    seq: SeqState = field(default_factory=SeqState)   # where its K/V is: the scheduler writes it
     cache_namespace: bytes = b""          # prefix cache: model identity + cache_salt
-    page_keys: list[bytes] = field(default_factory=list)   # chained keys of its full pages so far
-    pages_registered: int = 0             # leading pages of `pages` that are in the prefix cache
-    cached_tokens: int = 0                # prompt tokens served from the prefix cache
     draft_tokens: int = 0                 # speculation: drafts proposed and verified ...
     accepted_draft_tokens: int = 0        # ... and of them, selected
     grammar: GrammarState | None = None   # its matcher's state when the request is constrained
-    slot: int | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | tuple[int, ...] | None = None
     error: str | None = None
@@ -84,18 +94,18 @@ class Request:
             self.first_scheduled = now
             self.timings.queue_s = now - self.arrival
         if self.trace.tokens and decode:
-            self.trace.token("decode.started", t=len(self.output_ids), cache_len=self.num_computed)
+            self.trace.token("decode.started", t=len(self.output_ids), cache_len=self.seq.num_computed)
 
     def computed(self, num_new: int, dt: float) -> None:
         """A step of dt seconds computed num_new of its tokens (the scheduler advanced it)."""
         if self.state == RequestState.DECODING:
             self.timings.decode_s += dt
             if self.trace.tokens:
-                self.trace.token("decode.completed", t=len(self.output_ids), cache_len=self.num_computed)
+                self.trace.token("decode.completed", t=len(self.output_ids), cache_len=self.seq.num_computed)
         else:
             self.timings.prefill_s += dt
             if self.trace.tokens:
-                self.trace.token("prefill.chunk", tokens=num_new, cache_len=self.num_computed)
+                self.trace.token("prefill.chunk", tokens=num_new, cache_len=self.seq.num_computed)
 
     def add_prompt_logprobs(self, first: int, lps: list[float], tops: list[TopLogprobs] | None) -> None:
         """A prefill chunk's prompt logprobs, from prompt token `first` on (they come in order)."""
@@ -124,7 +134,6 @@ class Request:
         constraint (a JSON schema can be megabytes) and the logit bias (up to a vocabulary of
         entries): nothing reads them once it ended."""
         self.pipeline = None
-        self.page_keys = []
         if self.params.structured_output is not None or self.params.logit_bias is not None:
             self.params = replace(self.params, structured_output=None, logit_bias=None)
 

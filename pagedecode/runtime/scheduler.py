@@ -84,9 +84,13 @@ class Scheduler:
         """A step computed num_new more of the request's tokens: their K/V are in its pages (a
         page that filled joins the prefix cache). Of them, `drafts` are speculative proposals:
         they count as computed once accepted (runtime/speculative.py)."""
-        req.num_computed += num_new - drafts
-        req.processed_tokens += num_new
+        req.seq.num_computed += num_new - drafts
+        req.seq.processed_tokens += num_new
         self._register_full_pages(req)
+
+    def accept_draft(self, req: Request) -> None:
+        """A verified draft token was selected: its K/V, written by the step, counts as computed."""
+        req.seq.num_computed += 1
 
     def settle(self, req: Request) -> None:
         """After a verify: key the pages its accepted tokens filled, give back the ones only
@@ -95,21 +99,23 @@ class Scheduler:
         self.trim(req)
 
     def _register_full_pages(self, req: Request) -> None:
-        if self.prefix_caching and req.num_computed // self.page_size > req.pages_registered:
+        if self.prefix_caching and req.seq.num_computed // self.page_size > req.seq.pages_registered:
             register(self.pool, req, self.page_size)
 
     def release(self, req: Request) -> None:
-        """A request ended: forget it and give back its pages and slot (none, when it holds none)."""
+        """A request ended: forget it and give back its pages and slot (none, when it holds none);
+        its page keys go too (only a live request needs them)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        req.seq.page_keys = []
         self._give_back(req)
 
     def _give_back(self, req: Request) -> None:
-        pages, req.pages = req.pages, []
-        slot, req.slot = req.slot, None
-        req.pages_registered = 0
+        pages, req.seq.pages = req.seq.pages, []
+        slot, req.seq.slot = req.seq.slot, None
+        req.seq.pages_registered = 0
         try:
             if pages:
                 self.pool.release(reversed(pages))      # tail first: chain tails are evicted before heads
@@ -125,7 +131,7 @@ class Scheduler:
         chunking: list[tuple[Request, int]] = []
         for r in self.running:
             if runnable(r):
-                left = len(r.prompt_ids) + len(r.output_ids) - r.num_computed
+                left = len(r.prompt_ids) + len(r.output_ids) - r.seq.num_computed
                 if left == 1:
                     decoding.append((r, left))
                 elif left > 1:
@@ -133,7 +139,7 @@ class Scheduler:
         for (req, left), queue in [(d, out.decode) for d in decoding] + [(c, out.prefill) for c in chunking]:
             if budget == 0:
                 break
-            if req.slot is None:                 # preempted earlier in this loop (running holds a slot)
+            if req.seq.slot is None:                 # preempted earlier in this loop (running holds a slot)
                 continue
             n = min(left, budget)
             if not self._grow(req, n, scheduled, out, runnable):
@@ -148,21 +154,21 @@ class Scheduler:
     def try_extend(self, req: Request, tokens: int) -> bool:
         """Pages for `tokens` positions from num_computed on, from free pages only (a speculative
         extension never preempts anyone); False, taking nothing, when there are too few."""
-        need = self.pages_for(req.num_computed + tokens) - len(req.pages)
+        need = self.pages_for(req.seq.num_computed + tokens) - len(req.seq.pages)
         if need <= 0:
             return True
         pages = self.pool.allocate(need)
         if pages is None:
             return False
-        req.pages.extend(pages)
+        req.seq.pages.extend(pages)
         return True
 
     def trim(self, req: Request) -> None:
         """Give back the pages past the ones the next step writes into (held for drafts that were
         rejected: their K/V lies beyond the logical length and is never read)."""
-        keep = max(self.pages_for(req.num_tokens), req.pages_registered)
-        if len(req.pages) > keep:
-            extra, req.pages = req.pages[keep:], req.pages[:keep]
+        keep = max(self.pages_for(req.num_tokens), req.seq.pages_registered)
+        if len(req.seq.pages) > keep:
+            extra, req.seq.pages = req.seq.pages[keep:], req.seq.pages[:keep]
             self.pool.release(reversed(extra))
 
     def _check_writes(self, out: SchedulerOutput) -> None:
@@ -171,8 +177,8 @@ class Scheduler:
         ps = self.page_size
         for s in out.seqs:
             req = s.request
-            for i in range(req.num_computed // ps, (req.num_computed + s.num_new - 1) // ps + 1):
-                page = req.pages[i]
+            for i in range(req.seq.num_computed // ps, (req.seq.num_computed + s.num_new - 1) // ps + 1):
+                page = req.seq.pages[i]
                 if self.pool.ref_counts[page] != 1 or page in self.pool.page_hash:
                     self._bad_writes.append(f"{req.request_id} writes page {page} (refs "
                                             f"{self.pool.ref_counts[page]}, cached {page in self.pool.page_hash})")
@@ -191,28 +197,28 @@ class Scheduler:
                 skipped.append(req)               # a paused consumer holds back only itself
                 continue
             hit = self._match(req)
-            n = min(req.num_tokens - req.num_computed, budget)
-            need = self.pages_for(req.num_computed + n) - len(req.pages)
+            n = min(req.num_tokens - req.seq.num_computed, budget)
+            need = self.pages_for(req.seq.num_computed + n) - len(req.seq.pages)
             pages = self._allocate(need, runnable, scheduled, out, allow_active=False)
             if pages is None:
                 self._unmatch(req, hit)
                 self.waiting.appendleft(req)      # head of line waits for pages
                 break
             self._count_hit(req, hit)
-            req.pages.extend(pages)
-            req.slot = self.slots.acquire()
+            req.seq.pages.extend(pages)
+            req.seq.slot = self.slots.acquire()
             self.running.append(req)
             if req.state == RequestState.QUEUED:
                 req.transition(RequestState.PREFILLING)
             out.admitted.append(req)
             scheduled.add(id(req))
             budget -= n
-            out.prefill.append(ScheduledSeq(req, n, req.num_computed + n == req.num_tokens))
+            out.prefill.append(ScheduledSeq(req, n, req.seq.num_computed + n == req.num_tokens))
         self.waiting.extendleft(reversed(skipped))
 
     def _match(self, req: Request) -> int:
         """Take the longest cached prefix of a request that holds no pages; tokens matched."""
-        if not self.prefix_caching or req.pages:
+        if not self.prefix_caching or req.seq.pages:
             return 0
         if req.needs_prompt_logprobs:          # cached K/V would skip the logits it asks for
             req.trace.add("prefix_cache.bypassed", reason="prompt_logprobs")
@@ -220,18 +226,18 @@ class Scheduler:
         pages = match(self.pool, req, self.page_size)
         for p in pages:
             self.pool.retain(p)
-        req.pages = pages
-        req.pages_registered = len(pages)
-        req.num_computed = len(pages) * self.page_size
-        return req.num_computed
+        req.seq.pages = pages
+        req.seq.pages_registered = len(pages)
+        req.seq.num_computed = len(pages) * self.page_size
+        return req.seq.num_computed
 
     def _unmatch(self, req: Request, hit: int) -> None:
         """Admission failed after a match: give the pages back, as if never matched."""
         if hit:
-            pages, req.pages = req.pages, []
+            pages, req.seq.pages = req.seq.pages, []
             self.pool.release(reversed(pages))
-            req.pages_registered = 0
-            req.num_computed = 0
+            req.seq.pages_registered = 0
+            req.seq.num_computed = 0
 
     def _count_hit(self, req: Request, hit: int) -> None:
         if not self.prefix_caching:
@@ -240,20 +246,20 @@ class Scheduler:
         if first:                              # prompt tokens, counted at the first admission
             self.cache_queries += len(req.prompt_ids)
             self.cache_hits += min(hit, len(req.prompt_ids))
-            req.cached_tokens = min(hit, len(req.prompt_ids))
+            req.seq.cached_tokens = min(hit, len(req.prompt_ids))
         req.trace.add("prefix_cache", hit_tokens=hit, readmission=not first)
 
     def _grow(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput,
               runnable: Callable[[Request], bool]) -> bool:
         """Give req the pages for n more tokens, preempting others if needed. False when req
         itself had to be preempted (it was the newest candidate)."""
-        need = self.pages_for(req.num_computed + n) - len(req.pages)
+        need = self.pages_for(req.seq.num_computed + n) - len(req.seq.pages)
         if need <= 0:
             return True
         pages = self._allocate(need, runnable, scheduled, out, allow_active=True, owner=req)
         if pages is None:
             return False
-        req.pages.extend(pages)
+        req.seq.pages.extend(pages)
         return True
 
     def _allocate(self, need: int, runnable: Callable[[Request], bool], protected: set[int],
@@ -277,7 +283,7 @@ class Scheduler:
 
     def _victim(self, runnable: Callable[[Request], bool], protected: set[int], allow_active: bool
                 ) -> Request | None:
-        candidates = [r for r in self.running if id(r) not in protected and r.pages]
+        candidates = [r for r in self.running if id(r) not in protected and r.seq.pages]
         paused = [r for r in candidates if not runnable(r)]
         if paused:
             return paused[-1]
@@ -287,6 +293,6 @@ class Scheduler:
         self.preemptions += 1
         self.running.remove(req)
         self._give_back(req)
-        req.num_computed = 0
+        req.seq.num_computed = 0
         req.trace.add("preempted", output_tokens=len(req.output_ids))
         self.waiting.appendleft(req)

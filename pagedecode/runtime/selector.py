@@ -190,9 +190,9 @@ class TokenSelector:
 
     @staticmethod
     def _slot(req: Request) -> int:
-        if req.slot is None:
+        if req.seq.slot is None:
             raise RuntimeError(f"request {req.request_id} selects a token without a batch slot")
-        return req.slot
+        return req.seq.slot
 
     @staticmethod
     def _bad_rows(row_max: torch.Tensor) -> frozenset[int]:

@@ -163,6 +163,8 @@ class Host(Protocol):
 
     def fail(self, req: Request, exc: BaseException, events: list[Event]) -> None: ...
 
+    def accept_draft(self, req: Request) -> None: ...
+
 
 @dataclass
 class SpecCounters:
@@ -290,7 +292,7 @@ class Speculator:
                 req, k = s.request, len(s.drafts)
                 base[id(s)] = len(picks)
                 picks.extend(range(offset[id(s)], offset[id(s)] + k))
-                slots.extend([req.slot] * k)
+                slots.extend([req.seq.slot] * k)
                 t = len(req.output_ids) + 1            # y_{t+1} is row r0's
                 index.extend(range(t, t + k))
                 reqs.extend([req] * k)
@@ -331,7 +333,7 @@ class Speculator:
                     went_on.append(s)
             depth += 1
             for s in went_on:                        # its draft was selected: that K/V is valid
-                s.request.num_computed += 1
+                host.accept_draft(s.request)
             pending = []
             later = []
             for s in went_on:
@@ -364,7 +366,7 @@ class Speculator:
         written before any of them, so it is there even when one of them ends the request."""
         req = s.request
         req.trace.token("spec.verify", proposed=len(s.drafts), drafts=s.drafts, accepted=0, bonus=None,
-                        cache_len=req.num_computed)
+                        cache_len=req.seq.num_computed)
         return req.trace.records[-1] if req.trace.tokens and req.trace.records else None
 
     def _record(self, s: ScheduledSeq, accepted: int) -> None:

@@ -70,7 +70,7 @@ def scheduler(pages=11, page=4, slots=3, budget=7):
 def commit(plan):
     """What the engine does after the step: advance, and choose a token for sampling seqs."""
     for s in plan.seqs:
-        s.request.num_computed += s.num_new
+        s.request.seq.num_computed += s.num_new
         if s.samples:
             s.request.output_ids.append(101)
             if s.request.state == RequestState.PREFILLING:

@@ -50,7 +50,7 @@ def make_req(max_tokens=4, ignore_eos=False, out=(), computed=0):
     rid = eng.add_request([A], pd.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
     req = eng.requests.get(rid)
     req.output_ids.extend(out)
-    req.num_computed = computed
+    req.seq.num_computed = computed
     return req
 
 
@@ -99,7 +99,7 @@ def test_forward_failure_advances_nothing():
     run(eng)
     out = eng.result(rid)
     assert out.state == S.FAILED and out.finish_reason == R.MODEL_ERROR
-    assert out.usage.processed_tokens == 0 and eng.requests.get(rid).num_computed == 0
+    assert out.usage.processed_tokens == 0 and eng.requests.get(rid).seq.num_computed == 0
 
 
 def test_detokenizer_exception_fails_only_its_request():

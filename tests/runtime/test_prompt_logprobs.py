@@ -72,7 +72,7 @@ def test_prompt_logprobs_equal_transformers_under_chunking_and_preemption(which,
     rid = chunked.add_request(PROMPT, params)
     chunked.step(), chunked.step()                     # 16 of 45 prompt tokens computed
     req = chunked.requests.live[rid]
-    assert 0 < req.num_computed < len(PROMPT)
+    assert 0 < req.seq.num_computed < len(PROMPT)
     chunked.scheduler.preempt(req)                      # forced: its pages go, it recomputes
     while not req.state.terminal:
         chunked.step()

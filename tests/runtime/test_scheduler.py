@@ -22,7 +22,7 @@ def test_chunked_prefill_under_the_budget_and_decode_first():
     p2 = sch.schedule(lambda r: True)
     assert [(s.request.request_id, s.num_new) for s in p2.decode] == [("a", 1)]
     assert [(s.request.request_id, s.num_new) for s in p2.prefill] == [("b", 6)]     # 7 - 1 decode
-    assert len(b.pages) == sch.pages_for(10) and len(a.pages) == 1
+    assert len(b.seq.pages) == sch.pages_for(10) and len(a.seq.pages) == 1
 
 
 def test_admission_skips_a_paused_request_and_keeps_order():
@@ -44,8 +44,8 @@ def test_preemption_takes_the_newest_and_paused_first():
     assert sch.pool.free_pages == 0
     plan = sch.schedule(lambda r: True)                    # everyone needs a second page
     assert [r.request_id for r in plan.preempted] == ["new", "mid"]
-    assert [s.request.request_id for s in plan.decode] == ["old"] and mid.num_computed == 0
-    assert list(sch.waiting) == [mid, new] and mid.slot is None and not mid.pages
+    assert [s.request.request_id for s in plan.decode] == ["old"] and mid.seq.num_computed == 0
+    assert list(sch.waiting) == [mid, new] and mid.seq.slot is None and not mid.seq.pages
     sch2 = scheduler(pages=3, page=4, slots=3, budget=64)
     a, b, c = req("a", 4), req("b", 4), req("c", 4)
     for r in (a, b, c):
@@ -60,9 +60,9 @@ def test_release_gives_back_pages_and_slot_once():
     r = req("r", 9)
     sch.add(r)
     sch.schedule(lambda q: True)
-    assert r.pages and r.slot is not None
+    assert r.seq.pages and r.seq.slot is not None
     sch.release(r)
-    assert not r.pages and r.slot is None and r not in sch.running
+    assert not r.seq.pages and r.seq.slot is None and r not in sch.running
     assert sch.pool.free_pages == 11 and sch.slots.free_slots == 3
     sch.release(r)                                         # nothing left to give back: no double release
     assert sch.pool.free_pages == 11 and sch.slots.free_slots == 3
@@ -75,7 +75,7 @@ def test_a_write_into_a_shared_or_cached_page_is_caught():
     sch.add(r)
     commit(sch.schedule(lambda q: True))
     sch.check_integrity()
-    sch.pool.register(r.pages[1], b"key", [5, 5, 5, 5], None)    # its page being written is now "cached"
+    sch.pool.register(r.seq.pages[1], b"key", [5, 5, 5, 5], None)    # its page being written is now "cached"
     sch.schedule(lambda q: True)
     with pytest.raises(AssertionError, match="writes page"):
         sch.check_integrity()
@@ -88,7 +88,7 @@ def test_admission_is_first_come_and_the_head_waits_for_pages():
     sch.add(small)
     plan = sch.schedule(lambda r: True)
     assert plan.empty and not plan.preempted                 # small does not overtake the head
-    assert list(sch.waiting) == [big, small] and sch.pool.free_pages == 2 and big.slot is None
+    assert list(sch.waiting) == [big, small] and sch.pool.free_pages == 2 and big.seq.slot is None
 
 
 def test_admission_stops_at_the_free_slots_and_the_budget():
@@ -126,7 +126,7 @@ def test_a_paused_running_request_is_not_scheduled_and_keeps_its_pages():
     commit(sch.schedule(lambda r: True))
     plan = sch.schedule(lambda r: r is not a)
     assert [s.request.request_id for s in plan.decode] == ["b"] and not plan.preempted
-    assert a.pages and a.slot is not None and a in sch.running           # paused, not preempted
+    assert a.seq.pages and a.seq.slot is not None and a in sch.running           # paused, not preempted
 
 
 def test_a_preempted_request_is_readmitted_first_and_recomputes():
@@ -151,7 +151,7 @@ def test_a_request_that_outgrows_the_pool_preempts_itself():
     sch.add(b)
     commit(sch.schedule(lambda r: True))                     # one page each, the pool empty
     plan = sch.schedule(lambda r: r is not b)                # b paused: the paused one goes first
-    assert plan.preempted == [b] and [s.request for s in plan.decode] == [a] and len(a.pages) == 2
+    assert plan.preempted == [b] and [s.request for s in plan.decode] == [a] and len(a.seq.pages) == 2
     commit(plan)
     sch.release(b)
     solo = scheduler(pages=1, page=4, slots=1, budget=64)
@@ -159,7 +159,7 @@ def test_a_request_that_outgrows_the_pool_preempts_itself():
     solo.add(c)
     commit(solo.schedule(lambda r: True))
     plan = solo.schedule(lambda r: True)                     # c needs a second page: only its own
-    assert plan.preempted == [c] and plan.empty and list(solo.waiting) == [c] and not c.pages
+    assert plan.preempted == [c] and plan.empty and list(solo.waiting) == [c] and not c.seq.pages
     solo.check_integrity()
 
 

@@ -171,9 +171,9 @@ def test_rejected_kv_is_never_read_nan_poison(stories_engine_factory, grounded_p
             eng.step()
             held = set()
             for req in eng.scheduler.running:
-                held.update(req.pages)
-                for pos in range(req.num_computed, len(req.pages) * ps):
-                    slot = req.pages[pos // ps] * ps + pos % ps
+                held.update(req.seq.pages)
+                for pos in range(req.seq.num_computed, len(req.seq.pages) * ps):
+                    slot = req.seq.pages[pos // ps] * ps + pos % ps
                     eng.kv.k[:, slot // ps, slot % ps] = float("nan")
                     eng.kv.v[:, slot // ps, slot % ps] = float("nan")
                     poisoned += 1

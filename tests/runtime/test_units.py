@@ -62,10 +62,10 @@ def test_build_batch_layout_with_odd_sizes():
     assert b.positions.tolist() == [5] + list(range(7))
     assert b.cu_q.tolist() == [0, 1, 8] and b.seq_lens.tolist() == [6, 7]
     assert b.input_ids.tolist() == [101] + [5] * 7
-    want = [dec.pages[5 // 4] * 4 + 5 % 4] + [pre.pages[p // 4] * 4 + p % 4 for p in range(7)]
+    want = [dec.seq.pages[5 // 4] * 4 + 5 % 4] + [pre.seq.pages[p // 4] * 4 + p % 4 for p in range(7)]
     assert b.slot_mapping.tolist() == want
     assert b.logits_indices.tolist() == [0, 7] and b.logits_seqs == [0, 1]
-    assert b.page_table.tolist() == [dec.pages, pre.pages]
+    assert b.page_table.tolist() == [dec.seq.pages, pre.seq.pages]
 
 
 def test_freeze_heap_takes_what_lives_now_out_of_the_collector():
