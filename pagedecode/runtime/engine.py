@@ -49,7 +49,6 @@ from .speculative import Speculator
 from .trace import now_us
 
 
-
 class Engine:
     def __init__(self, model: Model, tokenizer: TokenizerLike | Any, config: EngineConfig | None = None) -> None:
         if not isinstance(model, Model):
