@@ -386,10 +386,9 @@ class LlamaModel:
         T, H, Hkv, D = batch.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         h = self._embed(batch.input_ids)
-        packed = self._det_packed
         for i, L in enumerate(self.layers):
             x = ext.det_rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = ext.det_linear(x, _plain(L.qkv_w), L.qkv_b, packed(L.qkv_w))
+            qkv = self._det_linear(x, L.qkv_w, L.qkv_b)
             v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, D)
             if L.q_norm is None:
                 qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, D), cos, sin)
@@ -402,23 +401,25 @@ class LlamaModel:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend="torch")
             attn = ext.det_attention(q, kv.k[i], kv.v[i], batch.page_table, batch.seq_lens, batch.cu_q, self.scale)
-            h = h + self._reduce(ext.det_linear(attn.reshape(T, self._q_size), _plain(L.o_w), L.o_b, packed(L.o_w)))
+            h = h + self._reduce(self._det_linear(attn.reshape(T, self._q_size), L.o_w, L.o_b))
             x = ext.det_rms_norm(h, L.ln2, c.rms_norm_eps)
-            act = ext.silu_mul(ext.det_linear(x, _plain(L.gate_up_w), None, packed(L.gate_up_w)))
-            h = h + self._reduce(ext.det_linear(act, _plain(L.down_w), None, packed(L.down_w)))
+            act = ext.silu_mul(self._det_linear(x, L.gate_up_w))
+            h = h + self._reduce(self._det_linear(act, L.down_w))
         h = ext.det_rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return self._logits(h)
 
-    def _det_packed(self, w: Weight) -> torch.Tensor | None:
-        """w in det_linear's packed layout (csrc/det_matmul.h), made on first use and kept (a second
-        copy of the float weights, as the compiled forward keeps in deterministic mode; without it
-        every call packs); None for quantized blocks."""
-        if not isinstance(w, torch.Tensor):
-            return None
+    def _det_linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w^T (+ b) through the compiled det_linear, on w's det_pack copy (csrc/det_matmul.h),
+        made on first use and kept: a second copy of the float weights, as the compiled forward
+        keeps in deterministic mode (without it every call packs; quantized blocks need none, and
+        an older build has no det_pack)."""
+        ext = _deterministic_ext(self.device)
+        if not isinstance(w, torch.Tensor) or not hasattr(ext, "det_pack"):
+            return ext.det_linear(x, _plain(w), b)
         cache: dict[int, torch.Tensor] = self.__dict__.setdefault("_det_packs", {})
         if id(w) not in cache:
-            cache[id(w)] = _deterministic_ext(self.device).det_pack(w)
-        return cache[id(w)]
+            cache[id(w)] = ext.det_pack(w)
+        return ext.det_linear(x, w, b, cache[id(w)])
 
     # -- the three places tensor parallelism changes (model/parallel.py); identity at N = 1 --------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -429,8 +430,7 @@ class LlamaModel:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.deterministic and not use_triton(h, self.attention_backend):
-            return _deterministic_ext(self.device).det_linear(h, _plain(self.lm_head), None,
-                                                              self._det_packed(self.lm_head)).float()
+            return self._det_linear(h, self.lm_head).float()
         return self._linear(h, self.lm_head, None).float()
 
     def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
