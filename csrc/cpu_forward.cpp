@@ -853,14 +853,14 @@ Tensor det_pack_op(const Tensor& w) {
   return w.scalar_type() == at::kFloat ? shaped(float{}) : shaped(at::BFloat16{});
 }
 
-// linear() in deterministic mode: a small layer's transposed weight through gemv_transposed (each
-// output summed over k in order, whatever the rows), the rest through det::matmul (on `packed`, or
-// w packed for the call); quantized blocks through quant_matmul.h, whose per-token accumulators are
-// already the same for any number of rows. buf: as linear()'s, the output reused by every layer of
-// one forward (allocated on first use).
+// linear() in deterministic mode: every float layer, small ones too, through det::matmul (on
+// `packed`, or w packed for the call; a small layer's gemv_transposed, its 1-64-row kernel in the
+// default path, took 1.3x the default's time on a 256-row bf16 prefill of stories260k where
+// det::matmul takes 0.9x); quantized blocks through quant_matmul.h, whose per-token accumulators
+// are already the same for any number of rows. buf: as linear()'s, the output reused by every
+// layer of one forward (allocated on first use).
 template <typename T>
-Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& wt, const Tensor& packed,
-                  Tensor* buf = nullptr) {
+Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& packed, Tensor* buf = nullptr) {
   const bool bias = b.defined() && b.numel() > 0;
   if (w.scalar_type() == at::kByte) {
     Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);
@@ -875,15 +875,8 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
   const T* bp = bias ? b.data_ptr<T>() : nullptr;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  if (wt.defined() && wt.numel() > 0) {
-    const T* wtp = wt.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(in * n_out, 1 << 16), [&](int64_t begin, int64_t end) {
-      gemv_transposed(xp + begin * in, wtp, bp, op + begin * n_out, end - begin, in, n_out);
-    });
-  } else {
-    Tensor scratch;
-    det::matmul(xp, det_packed<T>(w, packed, scratch), bp, op, rows, in, n_out);
-  }
+  Tensor scratch;
+  det::matmul(xp, det_packed<T>(w, packed, scratch), bp, op, rows, in, n_out);
   return out;
 }
 
@@ -925,7 +918,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   auto mm = [&](const Tensor& in, int64_t w, int64_t b, int64_t wt, int64_t packed, const Tensor* L,
                 Tensor& buf) -> Tensor {
     const Tensor none;
-    return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], L[packed], &buf)
+    return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[packed], &buf)
                : linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], L[packed], buf, onednn);
   };
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
@@ -951,7 +944,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   Tensor last = h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
   rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps, det);
-  if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, &buf_logits).to(at::kFloat);
+  if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_packed, &buf_logits).to(at::kFloat);
   return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits, onednn).to(at::kFloat);
 }
 
@@ -998,7 +991,7 @@ Tensor det_linear_op(const Tensor& x, const Tensor& w, const std::optional<Tenso
               "pagedecode._cpu.det_linear: x (T, K), w (N, K) contiguous, one dtype");
   const Tensor bias = b.has_value() ? b->contiguous() : Tensor();
   const Tensor pk = packed.has_value() ? *packed : Tensor();
-  return by_dtype(x, "det_linear", [&](auto tag) { return det_linear<decltype(tag)>(x, w, bias, Tensor(), pk); });
+  return by_dtype(x, "det_linear", [&](auto tag) { return det_linear<decltype(tag)>(x, w, bias, pk); });
 }
 
 Tensor det_rms_norm_op(const Tensor& x, const Tensor& w, double eps) {
