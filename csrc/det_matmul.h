@@ -206,7 +206,13 @@ void matmul(const T* x, const T* packed, const T* b, T* out, int64_t rows, int64
   const int64_t P = panels(n_out);
   const int64_t item_panels = rows <= kRowGroup ? kPanelGroup : 2 * kPanelGroup;
   const int64_t row_items = (rows + kItemRows - 1) / kItemRows, panel_items = (P + item_panels - 1) / item_panels;
-  at::parallel_for(0, row_items * panel_items, 1, [&](int64_t begin, int64_t end) {
+  // items a thread takes at least: ~64K multiply-adds, as the default gemv's chunks. A small layer's
+  // decode row then runs on the calling thread: handing a few microseconds of work to a second
+  // thread made a stories260k decode step ~100x slower on the loaded VM (the fork waits for a
+  // descheduled thread), where the default's gemv_transposed stays inline.
+  const int64_t item_work = std::min(rows, kItemRows) * item_panels * kLanes * in;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(item_work, 1));
+  at::parallel_for(0, row_items * panel_items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p0 = (t / row_items) * item_panels, p1 = std::min(P, p0 + item_panels);
       const int64_t r0 = (t % row_items) * kItemRows, r1 = std::min(rows, r0 + kItemRows);
