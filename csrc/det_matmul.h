@@ -210,9 +210,15 @@ void matmul(const T* x, const T* packed, const T* b, T* out, int64_t rows, int64
   // decode row then runs on the calling thread: handing a few microseconds of work to a second
   // thread made a stories260k decode step ~100x slower on the loaded VM (the fork waits for a
   // descheduled thread), where the default's gemv_transposed stays inline.
+  // A small layer (64K weights at most) up to 64 rows runs on the calling thread altogether, as the
+  // default path's gemv_transposed does: with a second thread a stories260k prefill step of 64 rows
+  // took 5x the default's CPU time at 2 threads.
   const int64_t item_work = std::min(rows, kItemRows) * item_panels * kLanes * in;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(item_work, 1));
-  at::parallel_for(0, row_items * panel_items, grain, [&](int64_t begin, int64_t end) {
+  const int64_t items = row_items * panel_items;
+  const int64_t grain = n_out * in <= (int64_t{1} << 16) && rows <= 64
+                            ? items
+                            : std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(item_work, 1));
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p0 = (t / row_items) * item_panels, p1 = std::min(P, p0 + item_panels);
       const int64_t r0 = (t % row_items) * kItemRows, r1 = std::min(rows, r0 + kItemRows);
