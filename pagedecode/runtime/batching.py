@@ -43,7 +43,7 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
             for pos in range(start, start + n):
                 slots.append(pages[pos // page_size] * page_size + pos % page_size)
             positions.extend(range(start, start + n))
-        scored = req.prompt_logprob_positions(start, n)
+        scored = req.prompt_logprob_positions(start, n) if req.params.prompt_logprobs is not None else None
         if scored:
             prompt_rows.extend(rows + p - start for p in scored)
             prompt_spans.append((i, scored.start + 1, len(scored)))

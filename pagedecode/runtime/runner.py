@@ -51,6 +51,7 @@ class StepRunner:
     def select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection:
         """One row of logits per request -> its token, with its grammar's mask for this position
         (each row's slot and output position: the staged ones, else read off the requests)."""
-        bitmask = self.constraints.rows([r.grammar for r in choosers], [r.seq.slot for r in choosers],
-                                        [len(r.output_ids) for r in choosers])
+        grammars = [r.grammar for r in choosers]
+        bitmask = None if all(g is None for g in grammars) else self.constraints.rows(
+            grammars, [r.seq.slot for r in choosers], [len(r.output_ids) for r in choosers])
         return self.selector.select(logits, choosers, bitmask)

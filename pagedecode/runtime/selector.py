@@ -207,7 +207,7 @@ class TokenSelector:
         rows, ids = [], []
         for row, req in enumerate(reqs):
             p = req.params
-            if len(req.output_ids) < p.min_tokens:
+            if p.min_tokens and len(req.output_ids) < p.min_tokens:
                 banned = ([] if p.ignore_eos else list(self.eos_ids)) + [q[0] for q in p.stop_id_seqs if len(q) == 1]
                 rows += [row] * len(banned)
                 ids += banned
