@@ -1,9 +1,11 @@
 """Counter-based random numbers (Philox4x32-10), in torch, matching the Triton port bit for bit.
 
 The noise for one token decision is keyed by (request seed, output index, token id): the key
-is the 64-bit seed, the counter is (token id, output index, DOMAIN, 0). Nothing depends on the
-batch position or the step number, so a seeded request draws the same numbers alone, in any
-batch, and after preemption.
+is the 64-bit seed, the counter is (token id, output index, DOMAIN, stream). Nothing depends on
+the batch position or the step number, so a seeded request draws the same numbers alone, in any
+batch, and after preemption. Stream 0 is the target's sampler (and the Triton port); another
+stream gives numbers independent of it at the same (seed, index, token): the draft model's
+samples under speculation use DRAFT_STREAM (torch only).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ MASK32 = 0xFFFFFFFF
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57     # Philox multipliers
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85         # Weyl key increments
 DOMAIN = 0x53414D50                          # "SAMP": keeps sampling noise apart from other uses
+DRAFT_STREAM = 1                             # the draft model's samples (runtime/spec_rejection.py)
 ROUNDS = 10
 GUMBEL_MAX = 16.635532333438686    # -log(-log(1 - 2**-24)): the largest noise value we can draw
 GUMBEL_MIN = -2.8115659163349556   # -log(-log(2**-24)): the smallest
@@ -55,23 +58,23 @@ def philox4x32(counter, key, rounds: int = ROUNDS):
     return c0, c1, c2, c3
 
 
-def philox_c0(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """First output word of Philox4x32-10 for key=seed, counter=(token, index, DOMAIN, 0).
+def philox_c0(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """First output word of Philox4x32-10 for key=seed, counter=(token, index, DOMAIN, stream).
     All inputs int64 and broadcastable; returns int64 in [0, 2**32)."""
     c0, c1 = torch.broadcast_tensors(token & MASK32, index & MASK32)
     key = (seed & MASK32, (seed >> 32) & MASK32)
-    return philox4x32((c0, c1, torch.full_like(c0, DOMAIN), torch.zeros_like(c0)), key)[0]
+    return philox4x32((c0, c1, torch.full_like(c0, DOMAIN), torch.full_like(c0, stream & MASK32)), key)[0]
 
 
-def uniform(seed, index, token) -> torch.Tensor:
+def uniform(seed, index, token, stream: int = 0) -> torch.Tensor:
     """Uniform floats (2m + 1) / 2**24, m < 2**23: exactly representable, never 0 or 1."""
-    m = philox_c0(seed, index, token) >> 9
+    m = philox_c0(seed, index, token, stream) >> 9
     return m.to(torch.float32) * (2.0 ** -23) + (2.0 ** -24)
 
 
-def gumbel(seed, index, token) -> torch.Tensor:
+def gumbel(seed, index, token, stream: int = 0) -> torch.Tensor:
     """Gumbel(0, 1) noise in float32: -log(-log(u))."""
-    return -torch.log(-torch.log(uniform(seed, index, token)))
+    return -torch.log(-torch.log(uniform(seed, index, token, stream)))
 
 
 if HAS_TRITON:

@@ -144,6 +144,25 @@ def thresholds_ref(z: torch.Tensor, top_k, top_p, log_min_p) -> torch.Tensor:
     return torch.where(top_p < 1.0, torch.maximum(thr, tau_p), thr)
 
 
+def sampling_probs(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    """logits (B, V) -> (B, V) float32: the distribution `sample` draws each row's token from
+    (without penalties or a mask): at temperature > 0, softmax(logits / temperature) over the
+    tokens top-k, min-p and top-p keep (thresholds_ref: the kernel's kept set), 0 elsewhere; a
+    greedy row (temperature 0) is one-hot at its first maximum. Speculation's rejection rule
+    compares the target's and the draft's (runtime/spec_rejection.py)."""
+    inp = inp.per_row()
+    x = logits.float()
+    greedy = inp.temperature <= 0                                    # (B,)
+    temperature = torch.where(greedy, torch.ones_like(inp.temperature), inp.temperature)
+    z = x / temperature[:, None] + 0.0                               # (B, V)
+    thr = thresholds_ref(z, inp.top_k, inp.top_p, inp.log_min_p)     # (B,)
+    probs = torch.softmax(z.masked_fill(z < thr[:, None], float("-inf")), dim=-1)
+    if bool(greedy.any()):
+        first_max = x[greedy].argmax(dim=-1)
+        probs[greedy] = torch.nn.functional.one_hot(first_max, x.shape[-1]).float()
+    return probs
+
+
 def unpack_bitmask(bitmask: torch.Tensor, V: int) -> torch.Tensor:
     """(B, ceil(V / 32)) int32 -> (B, V) bool: bit t % 32 of word t // 32 allows token t."""
     bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagedecode.kernels.penalties import PenaltyState, apply_penalties_ref, make_penalty_inputs
-from pagedecode.kernels.philox import gumbel, philox4x32, seed_to_int64, uniform
-from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref
+from pagedecode.kernels.philox import DRAFT_STREAM, gumbel, philox4x32, seed_to_int64, uniform
+from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref, sampling_probs
 
 from .conftest import DEVICE, needs_triton
 
@@ -160,6 +160,32 @@ def test_top_k_top_p_min_p_statistics():
     kept = p >= 0.2 * p.max()
     expected = torch.where(kept, p, 0.0)
     assert _chi2_ok(_frequencies(logits, n, min_p=0.2), expected / expected.sum(), n)
+
+
+def test_sampling_probs_is_the_distribution_sample_draws_from():
+    """sampling_probs (speculation's p and q) equals the filtered softmax the statistics above
+    check the draws against, and the draws' frequencies; a greedy row is one-hot."""
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -0.5, -2.0])
+    p = torch.softmax(logits.double(), -1)
+    p5 = p[:5] / p[:5].sum()
+    keep = int((p5.cumsum(0) < 0.8).sum()) + 1
+    top = torch.zeros(8, dtype=torch.float64)
+    top[:keep] = p[:keep] / p[:keep].sum()
+    min_p = torch.where(p >= 0.2 * p.max(), p, 0.0)
+    hot = torch.softmax(logits.double() / 0.5, -1)
+    rows = [dict(top_k=5, top_p=0.8), dict(min_p=0.2), dict(temperature=0.5), dict(temperature=0.0)]
+    got = sampling_probs(logits.repeat(4, 1), inputs(rows))
+    want = torch.stack([top, min_p / min_p.sum(), hot, torch.eye(8, dtype=torch.float64)[0]]).float()
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(got == 0, want == 0)               # exactly the tokens sample can draw
+    n = 100_000
+    assert _chi2_ok(_frequencies(logits, n, top_k=5, top_p=0.8), got[0].double(), n)
+
+
+def test_the_draft_stream_is_another_stream():
+    seed, index, token = torch.tensor(12345), torch.arange(64), torch.tensor(7)
+    assert torch.equal(uniform(seed, index, token, 0), uniform(seed, index, token))
+    assert not torch.equal(uniform(seed, index, token, DRAFT_STREAM), uniform(seed, index, token))
 
 
 def test_ties_at_the_threshold_are_kept():
