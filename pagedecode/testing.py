@@ -31,9 +31,10 @@ class ScriptedConfig:
 
 class ScriptedModel:
     """script: list of ids emitted in order by every request (the last repeats once the script
-    runs out), or callable(prompt_ids, output_ids) -> id."""
+    runs out), or callable(prompt_ids, output_ids) -> id, or -> a (vocab_size,) tensor: the
+    logits themselves (a known next-token distribution, for sampling tests)."""
 
-    def __init__(self, script: Sequence[int] | Callable[[list[int], list[int]], int], vocab_size: int,
+    def __init__(self, script: Sequence[int] | Callable[[list[int], list[int]], int | torch.Tensor], vocab_size: int,
                  on_forward: Callable[[dict], None] | None = None, max_context: int = 4096,
                  eos_token_ids: Sequence[int] = ()) -> None:
         self.script = script
@@ -44,10 +45,20 @@ class ScriptedModel:
         self.forward_calls = 0
 
     def next_token(self, prompt_ids: list[int], output_ids: list[int]) -> int:
+        return int(self.next_logits(prompt_ids, output_ids).argmax())
+
+    def next_logits(self, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+        """(vocab_size,): the script's logits, or 20 at its token and -20 elsewhere."""
         if callable(self.script):
-            return int(self.script(prompt_ids, output_ids))
-        i = min(len(output_ids), len(self.script) - 1)
-        return int(self.script[i])
+            out = self.script(prompt_ids, output_ids)
+            if isinstance(out, torch.Tensor):
+                return out.float()
+            token = int(out)
+        else:
+            token = int(self.script[min(len(output_ids), len(self.script) - 1)])
+        row = torch.full((self.config.vocab_size,), -20.0)
+        row[token] = 20.0
+        return row
 
     def forward(self, batch: ForwardBatch, kv) -> torch.Tensor:
         self.forward_calls += 1
@@ -60,10 +71,9 @@ class ScriptedModel:
         wants = [(batch.token_ids[s], batch.output_ids[s]) for s in batch.logits_seqs]
         for s, drafts in enumerate(batch.drafts):
             wants += [(batch.token_ids[s], batch.output_ids[s] + list(drafts[:j])) for j in range(1, len(drafts) + 1)]
-        logits = torch.full((len(wants), self.config.vocab_size), -20.0)
-        for row, (prompt, output) in enumerate(wants):
-            logits[row, self.next_token(prompt, output)] = 20.0
-        return logits
+        if not wants:
+            return torch.empty(0, self.config.vocab_size)
+        return torch.stack([self.next_logits(prompt, output) for prompt, output in wants])
 
     @staticmethod
     def _check_cache(batch: ForwardBatch, kv) -> None:
