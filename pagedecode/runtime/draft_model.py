@@ -1,5 +1,7 @@
-"""The draft-model proposer: a smaller pd.Model with the same tokenizer proposes k tokens by
-greedy decoding on its own paged KV cache.
+"""The draft-model proposer: a smaller pd.Model with the same tokenizer proposes k tokens on its
+own paged KV cache: by greedy decoding, or, for a request under the rejection rule
+(spec_rejection.py `takes_rejection`), by sampling each from a distribution q it returns with
+the drafts (the target's processing of the draft's logits, on its own Philox stream).
 
 Its pages come from its own pool (a PagePool and KVCache of the draft's shape, with as many
 tokens of capacity as the target's cache), not from the engine's: the target's page accounting,
@@ -20,7 +22,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +31,13 @@ from ..model.kv_cache import KVCache
 from ..protocols import Model
 from .page_pool import PagePool
 from .request import Request
+from .spec_rejection import sample_drafts, takes_rejection
+
+
+class Proposal(NamedTuple):
+    tokens: list[int]                  # the drafts, in order
+    probs: torch.Tensor | None         # (len(tokens), V): the q each was sampled from; None: greedy /
+                                       # n-gram drafts, verified by exact match
 
 
 @dataclass
@@ -84,10 +93,14 @@ class DraftModelProposer:
             seq.pages.extend(pages)
         return seq
 
-    def propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
-        """wants: (request, k) pairs; returns each request's greedy draft of up to k tokens
-        (empty when its draft pages or the draft's context do not allow one)."""
+    def propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
+        """wants: (request, k) pairs; returns each request's draft of up to k tokens, greedy or
+        sampled (module docstring); empty when its draft pages or the draft's context do not
+        allow one."""
         out: list[list[int]] = [[] for _ in wants]
+        probs: list[list[torch.Tensor]] = [[] for _ in wants]
+        sampled = [takes_rejection(req) for req, _ in wants]
+        cut: dict[int, int] = {}                 # request -> drafts usable (a non-finite q cuts there)
         rows: list[tuple[int, Request, _DraftSeq, int]] = []
         for i, (req, k) in enumerate(wants):
             n = req.num_tokens
@@ -97,33 +110,53 @@ class DraftModelProposer:
                 seq.num_computed = min(seq.num_computed, n - 1)
                 rows.append((i, req, seq, k))
         if not rows:
-            return out
+            return [Proposal([], None) for _ in wants]
         # step 0: the known tokens the draft has not seen, up to the last one -> d1
         chunks = [[r.token_at(p) for p in range(s.num_computed, r.num_tokens)] for _, r, s, _ in rows]
         starts = [s.num_computed for _, _, s, _ in rows]
-        tokens = self._forward(chunks, starts, [s for _, _, s, _ in rows], [(r, []) for _, r, _, _ in rows])
-        for (i, req, seq, k), t in zip(rows, tokens):
-            out[i].append(t)
+        logits = self._forward(chunks, starts, [s for _, _, s, _ in rows], [(r, []) for _, r, _, _ in rows])
+        self._choose(logits, [(i, req) for i, req, _, _ in rows], 0, sampled, out, probs, cut)
+        for i, req, seq, k in rows:
             seq.num_computed = req.num_tokens
         # steps 1 .. k - 1: decode the previous draft -> the next
         for step in range(1, max(k for *_, k in rows)):
             going = [(i, req, seq) for i, req, seq, k in rows if step < k]
-            tokens = self._forward([[out[i][-1]] for i, _, _ in going],
+            logits = self._forward([[out[i][-1]] for i, _, _ in going],
                                    [req.num_tokens + step - 1 for _, req, _ in going], [s for _, _, s in going],
                                    [(req, out[i]) for i, req, _ in going])
-            for (i, _, _), t in zip(going, tokens):
-                out[i].append(t)
+            self._choose(logits, [(i, req) for i, req, _ in going], step, sampled, out, probs, cut)
+        proposals = []
         for i, draft in enumerate(out):
-            bad = next((j for j, t in enumerate(draft) if t >= self.vocab_size), None)
+            bad = next((j for j, t in enumerate(draft) if t >= self.vocab_size), cut.get(i))
             if bad is not None:
                 del draft[bad:]
-        return out
+            proposals.append(Proposal(draft, torch.stack(probs[i][:len(draft)]) if sampled[i] and draft else None))
+        return proposals
+
+    def _choose(self, logits: torch.Tensor, at: list[tuple[int, Request]], step: int, sampled: list[bool],
+                out: list[list[int]], probs: list[list[torch.Tensor]], cut: dict[int, int]) -> None:
+        """Each row's draft at depth `step` (its request is wants[i]): the greedy next token, or one
+        sampled from q at its output position (len(output_ids) + step), q kept in probs[i]."""
+        tokens = logits.argmax(dim=-1).tolist()
+        rows = [r for r, (i, _) in enumerate(at) if sampled[i]]
+        if rows:
+            reqs = [at[r][1] for r in rows]
+            drawn, q, usable = sample_drafts(logits[rows], reqs, [len(req.output_ids) + step for req in reqs],
+                                             self.vocab_size)
+            for n, r in enumerate(rows):
+                i = at[r][0]
+                tokens[r] = drawn[n]
+                probs[i].append(q[n])
+                if not usable[n]:
+                    cut.setdefault(i, step)
+        for (i, _), t in zip(at, tokens):
+            out[i].append(t)
 
     def _forward(self, chunks: list[list[int]], starts: list[int], seqs: list[_DraftSeq],
-                 known: list[tuple[Request, list[int]]]) -> list[int]:
-        """One varlen forward of the draft: chunk i at positions starts[i]..; the greedy next
-        token after each chunk. known: each chunk's request and the drafts before the chunk's
-        end (host facts for test doubles, as in build_batch)."""
+                 known: list[tuple[Request, list[int]]]) -> torch.Tensor:
+        """One varlen forward of the draft: chunk i at positions starts[i]..; the logits after
+        each chunk (one row per chunk). known: each chunk's request and the drafts before the
+        chunk's end (host facts for test doubles, as in build_batch)."""
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -152,5 +185,4 @@ class DraftModelProposer:
             max_new=max(len(c) for c in chunks), request_ids=[r.request_id for r, _ in known],
             token_ids=[r.prompt_ids for r, _ in known], output_ids=[r.output_ids + d for r, d in known],
             logits_seqs=list(range(len(seqs))))
-        logits = self.model.forward(batch, self.kv)
-        return logits.argmax(dim=-1).tolist()
+        return self.model.forward(batch, self.kv)

@@ -46,6 +46,7 @@ class StepRunner:
                                                [s.request for s in plan.seqs])
         if drafts:
             selection.drafts = logits[n + scored:]
+            selection.chooser_logits = logits[:n]
         return selection
 
     def select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection:

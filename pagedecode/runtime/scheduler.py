@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .lifecycle import RequestState
 from .page_pool import PagePool
 from .prefix_cache import match, register
 from .request import Request
 from .slots import SlotTable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -30,6 +33,8 @@ class ScheduledSeq:
     num_new: int          # tokens computed this step: known[num_computed : num_computed + num_new]
     samples: bool         # the chunk reaches the last known token: its logits choose the next one
     drafts: tuple[int, ...] = ()   # speculation: proposed tokens computed after the last known one
+    draft_probs: "torch.Tensor | None" = None   # (len(drafts), V): the distribution each draft was
+                                   # sampled from (rejection rule, spec_rejection.py); None: exact match
 
 
 @dataclass

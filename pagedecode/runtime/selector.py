@@ -33,6 +33,8 @@ class Selection:
     # prompt_logprobs: seq index -> (first prompt token scored, its logprobs, their top N or None)
     prompt: dict[int, tuple[int, list[float], list[TopLogprobs] | None]] | None = None
     drafts: torch.Tensor | None = None   # speculation: the logits after each draft token, verified at commit
+    chooser_logits: torch.Tensor | None = None   # ... and the rows selected from (the rejection rule
+                                         # reads a verify seq's first row there: spec_rejection.py)
 
 
 def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[int, int, int]], reqs: Sequence[Request]
@@ -84,14 +86,35 @@ class SlotSettings:
         self.log_min_p = torch.full((num_slots,), float("-inf"), dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
 
+    @staticmethod
+    def values(p: SamplingParams, seed: int, vocab_size: int) -> tuple[float, int, float, float, int]:
+        """(temperature, top_k, top_p, log_min_p, seed) as the sampler reads them. A temperature
+        under MIN_TEMPERATURE selects greedily; top_k >= vocab filters nothing."""
+        return (p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0, p.top_k if p.top_k < vocab_size else 0,
+                p.top_p, math.log(p.min_p) if p.min_p > 0 else float("-inf"), seed_to_int64(seed))
+
     def write(self, slot: int, p: SamplingParams, seed: int) -> None:
-        """Fills on the device (the values travel as kernel arguments, not as a copy). A
-        temperature under MIN_TEMPERATURE selects greedily; top_k >= vocab filters nothing."""
-        self.temperature[slot].fill_(p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0)
-        self.top_k[slot].fill_(p.top_k if p.top_k < self.vocab_size else 0)
-        self.top_p[slot].fill_(p.top_p)
-        self.log_min_p[slot].fill_(math.log(p.min_p) if p.min_p > 0 else float("-inf"))
-        self.seed[slot].fill_(seed_to_int64(seed))
+        """Fills on the device (the values travel as kernel arguments, not as a copy)."""
+        temperature, top_k, top_p, log_min_p, seed64 = self.values(p, seed, self.vocab_size)
+        self.temperature[slot].fill_(temperature)
+        self.top_k[slot].fill_(top_k)
+        self.top_p[slot].fill_(top_p)
+        self.log_min_p[slot].fill_(log_min_p)
+        self.seed[slot].fill_(seed64)
+
+    @classmethod
+    def of_requests(cls, reqs: Sequence[Request], index: Sequence[int], vocab_size: int,
+                    device: torch.device) -> SamplingInputs:
+        """SamplingInputs with one entry per row, read off the requests (rows outside the slot
+        table: the draft model's, and speculation's rejection rule); index: each row's output
+        position."""
+        cols = list(zip(*[cls.values(r.params, r.seed, vocab_size) for r in reqs])) or [()] * 5
+        return SamplingInputs(torch.tensor(cols[0], dtype=torch.float32, device=device),
+                              torch.tensor(cols[1], dtype=torch.int32, device=device),
+                              torch.tensor(cols[2], dtype=torch.float32, device=device),
+                              torch.tensor(cols[3], dtype=torch.float32, device=device),
+                              torch.tensor(cols[4], dtype=torch.int64, device=device),
+                              torch.tensor(list(index), dtype=torch.int64, device=device))
 
     def inputs(self, rows: SampleRows) -> SamplingInputs:
         return SamplingInputs(self.temperature, self.top_k, self.top_p, self.log_min_p, self.seed,

@@ -38,12 +38,13 @@ import torch
 
 from ..protocols import Model
 from .config import SpeculativeConfig
-from .draft_model import DraftModelProposer, load_draft
+from .draft_model import DraftModelProposer, Proposal, load_draft
 from .events import Event
 from .lifecycle import RequestState
 from .request import Request
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .selector import SampleRows, Selection, TokenSelector, uses_penalties
+from .spec_rejection import verify_sampled
 
 _ITEM = array("q").itemsize
 log = logging.getLogger("pagedecode")
@@ -211,13 +212,13 @@ class Speculator:
                 wants.append((s, k))
                 budget -= k
         drafted = self._propose([(s.request, k) for s, k in wants])
-        for (s, _), drafts in zip(wants, drafted):
+        for (s, _), (drafts, probs) in zip(wants, drafted):
             req = s.request
-            if req.grammar is not None:
+            if req.grammar is not None:          # never sampled drafts (spec_rejection.takes_rejection)
                 drafts = self._grammar_allows(req, drafts)
             if drafts and scheduler.try_extend(req, 1 + len(drafts)):
                 plan.decode.remove(s)
-                plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts)))
+                plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts), probs))
         self.cost.start(time.perf_counter(), self._step, batch, bool(plan.verify), batch, timed)
 
     @staticmethod
@@ -251,24 +252,48 @@ class Speculator:
         gate = self._gates.get(req)
         return req.state == RequestState.DECODING and (gate is None or gate.off_until <= self._step)
 
-    def _propose(self, wants: list[tuple[Request, int]]) -> list[list[int]]:
+    def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
         if self.draft is None:
-            return [self.ngram.propose_for(req, k) for req, k in wants]
+            return [Proposal(self.ngram.propose_for(req, k), None) for req, k in wants]
         if not wants:
             return []
         try:
             return self.draft.propose(wants)
         except Exception:                            # a draft fault costs speculation, never a request
             log.exception("the draft model failed: this step runs without drafts")
-            return [[] for _ in wants]
+            return [Proposal([], None) for _ in wants]
 
     # -- at the commit ------------------------------------------------------------------------------
     def verify(self, planned: list[ScheduledSeq], runs: list[tuple[ScheduledSeq, int]], first: Selection,
                logits: torch.Tensor, host: Host, events: list[Event], after: Callable[[Request], None]) -> None:
         """planned: the step's verify seqs, in row order; logits (sum of their k, V): the rows
         after each draft. runs: those still to commit (not cancelled while the step ran), each
-        with its row in `first`, the selection of row r0. Takes each run's tokens one depth at a
-        time, as plain decoding would, until a token differs from its draft or ends the request.
+        with its row in `first`, the selection of row r0. Runs whose drafts were sampled
+        (draft_probs) take the rejection rule (spec_rejection.py, which reads row r0 from
+        first.chooser_logits); the others exact match (_match)."""
+        offset, n, record = {}, 0, {}
+        for s in planned:
+            offset[id(s)] = n
+            n += len(s.drafts)
+        for s, _ in runs:
+            s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
+            record[id(s)] = self._trace(s)
+        sampled = [(s, row) for s, row in runs if s.draft_probs is not None]
+        accepted: dict[int, int] = {}
+        if sampled:
+            assert first.chooser_logits is not None
+            accepted.update(verify_sampled(sampled, first.chooser_logits, logits, offset, record, host, events))
+        self._match([(s, row) for s, row in runs if s.draft_probs is None], first, logits, offset,
+                    record, accepted, host, events)
+        for s, _ in runs:
+            self._record(s, accepted.get(id(s), 0))
+            after(s.request)
+
+    def _match(self, runs: list[tuple[ScheduledSeq, int]], first: Selection,
+               logits: torch.Tensor, offset: dict[int, int], record: dict[int, dict | None],
+               accepted: dict[int, int], host: Host, events: list[Event]) -> None:
+        """Takes each run's tokens one depth at a time, as plain decoding would, until a token
+        differs from its draft or ends the request; counts the kept drafts in `accepted`.
 
         Row r_j of a run chooses y_{t+1+j} from the history prompt + y1..yt + d1..dj, which is
         the request's history exactly when d1..dj are accepted, the only case it is read. So
@@ -276,10 +301,6 @@ class Speculator:
         the tokens taken so far, no grammar, whose matcher does, min_tokens already met) every
         row is chosen up front in one selector call, each at its own output index (its Philox
         position); the others choose one depth at a time after the tokens before are taken."""
-        offset, n, record = {}, 0, {}
-        for s in planned:
-            offset[id(s)] = n
-            n += len(s.drafts)
         at_once = [s for s, _ in runs if self._at_once(s.request)]
         upfront: Selection | None = None
         base: dict[int, int] = {}
@@ -305,10 +326,7 @@ class Speculator:
                 for s in at_once:
                     host.fail(s.request, exc, events)
                 runs = [(s, row) for s, row in runs if id(s) not in failed]
-        for s, _ in runs:
-            s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
-            record[id(s)] = self._trace(s)
-        accepted = {id(s): 0 for s, _ in runs}
+        accepted.update({id(s): 0 for s, _ in runs})
         pending = [(s, first, row) for s, row in runs]
         depth = 0
         while pending:
@@ -350,9 +368,6 @@ class Speculator:
                         host.fail(s.request, exc, events)
                 else:
                     pending += [(s, sel, row) for row, s in enumerate(later)]
-        for s, _ in runs:
-            self._record(s, accepted[id(s)])
-            after(s.request)
 
     @staticmethod
     def _at_once(req: Request) -> bool:
@@ -366,7 +381,7 @@ class Speculator:
         written before any of them, so it is there even when one of them ends the request."""
         req = s.request
         req.trace.token("spec.verify", proposed=len(s.drafts), drafts=s.drafts, accepted=0, bonus=None,
-                        cache_len=req.seq.num_computed)
+                        cache_len=req.seq.num_computed, rule="match" if s.draft_probs is None else "rejection")
         return req.trace.records[-1] if req.trace.tokens and req.trace.records else None
 
     def _record(self, s: ScheduledSeq, accepted: int) -> None:

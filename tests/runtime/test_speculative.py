@@ -410,7 +410,9 @@ def test_cost_gate_stops_proposals_where_verify_steps_cost_more_than_they_give(s
 def test_draft_model_scripted_outputs_equal_and_its_cache_rolls_back():
     """The target follows CYCLE; the draft agrees except at every 5th output position. The
     scripted draft checks on every forward that its pages hold each earlier token at its
-    position (so its catch-up after accepted and rejected drafts is right)."""
+    position (so its catch-up after accepted and rejected drafts is right). The seeded request
+    asks for logprobs, which keeps it on the exact-match path (sampling requests without them
+    take the rejection rule: test_spec_rejection.py)."""
     from pagedecode.testing import ScriptedModel
 
     def wrong_at_fifths(prompt, output):
@@ -419,7 +421,7 @@ def test_draft_model_scripted_outputs_equal_and_its_cache_rolls_back():
     draft = ScriptedModel(wrong_at_fifths, vocab_size=200, eos_token_ids=[EOS])
     config = pd.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=3, min_acceptance=0.0, min_gain=0.0)
     params = [pd.SamplingParams(max_tokens=37), pd.SamplingParams(max_tokens=23, stop=["yCDE"]),
-              pd.SamplingParams(max_tokens=30, temperature=6.0, seed=4)]
+              pd.SamplingParams(max_tokens=30, temperature=6.0, seed=4, logprobs=0)]
     got, want = [], []
     for spec, out in ((None, want), (config, got)):
         eng = engine(cyclic, speculative=spec)
@@ -438,13 +440,20 @@ def test_draft_model_scripted_outputs_equal_and_its_cache_rolls_back():
 
 
 def test_draft_model_stories_as_its_own_draft(stories_engine_factory, stories_path):
+    """Greedy: the plain engine's tokens. Sampling (the rejection rule): the draft's q is the
+    target's p up to rounding, so nearly every draft is kept, and the text is the model's."""
     params = [pd.SamplingParams(max_tokens=24), pd.SamplingParams(max_tokens=24, temperature=0.8, seed=3)]
     prompts = ["Once upon a time", "Lily and Tom"]
     want = outputs(stories_engine_factory(), prompts, params)
-    spec = stories_engine_factory(speculative=pd.SpeculativeConfig(method="draft", draft_model=str(stories_path)))
-    assert outputs(spec, prompts, params) == want
-    snap = spec.snapshot()
-    assert snap.spec_decode_num_accepted_tokens > 0.5 * snap.spec_decode_num_draft_tokens
+    spec = stories_engine_factory(speculative=pd.SpeculativeConfig(method="draft", draft_model=str(stories_path),
+                                                                   min_gain=0.0))
+    outs = spec.generate(prompts, params)
+    got = [(o.token_ids, o.text, o.logprobs, o.top_logprobs, o.finish_reason, o.selected_token_ids) for o in outs]
+    assert got[0] == want[0]
+    assert len(got[1][0]) == 24 and got[1][4] == R.MAX_OUTPUT_TOKENS
+    usage = [o.usage for o in outs]
+    assert all(u.draft_tokens > 0 for u in usage)
+    assert usage[1].accepted_draft_tokens > 0.9 * usage[1].draft_tokens
 
 
 def test_deterministic_mode_logprobs_bitwise_equal(stories_engine_factory, grounded_prompt):
