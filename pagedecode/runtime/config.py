@@ -111,7 +111,10 @@ class EngineConfig:
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: propose up to `num_tokens` tokens per request and step, verify them
-    in one forward pass, keep exactly the ones the engine would have chosen anyway."""
+    in one forward pass, keep exactly the ones the engine would have chosen anyway; with
+    method="draft", a sampling request without penalties, bias, grammar, pending min_tokens or
+    logprobs takes the rejection rule instead (its tokens follow the target's distribution
+    exactly, not token for token: runtime/spec_rejection.py)."""
     method: str = "ngram"                    # "ngram": prompt lookup in the request's own tokens;
                                              # "draft": a smaller model with the same tokenizer
     num_tokens: int = 4                      # k: draft tokens proposed per request and step

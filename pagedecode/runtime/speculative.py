@@ -1,6 +1,7 @@
 """Speculative decoding: propose a few tokens per decoding request, verify them in the same
 forward pass as everything else, and keep exactly the tokens the engine would have chosen
-without speculation.
+without speculation (exact matching, below), or, for a draft model's sampled drafts, tokens
+with exactly the target's distribution (the rejection rule: spec_rejection.py).
 
 A verify step for a request with m prompt tokens and t selected (DESIGN.md, the off-by-one):
 
@@ -19,8 +20,11 @@ seq_lens, which the next step sets from num_computed), the next step overwrites 
 holding only such K/V go back to the pool (Scheduler.trim).
 
 Proposals come from the request's own prompt and output only (NgramProposer; nothing is
-shared between requests), or from a draft model's greedy decoding on its own paged KV
-(draft_model.py); either way the verification above keeps them exact. Two gates keep speculation where it pays: no proposals while more than
+shared between requests), or from a draft model on its own paged KV (draft_model.py): by its
+greedy decoding, verified as above, or, for a sampling request that needs nothing per position
+beyond temperature / top-k / top-p / min-p (spec_rejection.takes_rejection), sampled from a
+distribution q it records and verified by the rejection rule (spec_rejection.py; those runs
+carry draft_probs). Gates keep speculation where it pays: no proposals while more than
 `max_batch` requests decode, and a request whose rolling acceptance falls below `min_acceptance`
 proposes nothing for `backoff_steps` steps (doubling on each new miss, reset by a fully
 accepted run).
