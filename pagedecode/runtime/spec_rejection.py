@@ -80,15 +80,15 @@ def verify_sampled(runs: list[tuple[ScheduledSeq, int]], first_logits: torch.Ten
     device, V = draft_logits.device, draft_logits.shape[-1]
     try:
         # every run's rows r0..rk, one after another, as rows of `flat`
-        n_first = first_logits.shape[0]
-        picks: list[int] = []
+        parts: list[torch.Tensor] = []
         reqs: list[Request] = []
         starts: list[int] = []
         for s, row in runs:
-            starts.append(len(picks))
-            picks += [row] + [n_first + offset[id(s)] + j for j in range(len(s.drafts))]
-            reqs += [s.request] * (1 + len(s.drafts))
-        flat = torch.cat([first_logits, draft_logits]).index_select(0, torch.tensor(picks, device=device))
+            k = len(s.drafts)
+            starts.append(len(reqs))
+            parts += [first_logits[row:row + 1], draft_logits[offset[id(s)]:offset[id(s)] + k]]
+            reqs += [s.request] * (1 + k)
+        flat = torch.cat(parts)                                                      # (rows, V)
         p = sampling_probs(flat, SlotSettings.of_requests(reqs, [0] * len(reqs), V, device))   # (rows, V)
         finite = torch.isfinite(flat.float().amax(dim=-1)).tolist()
     except Exception as exc:                     # as a failed step would: these requests fail

@@ -236,3 +236,24 @@ def test_a_draft_with_a_smaller_vocabulary_samples_within_it():
     verifies = [r for rid in rids for r in eng.trace(rid) if r["kind"] == "spec.verify"]
     assert verifies and all(r["rule"] == "rejection" and max(r["drafts"]) < 120 for r in verifies)
     assert sum(eng.result(r).usage.accepted_draft_tokens for r in rids) > 0
+
+
+def test_non_finite_target_logits_fail_that_request_only():
+    """The target returns NaN for one request from its 6th output token on: that request fails
+    (model_error, no token from a NaN row), the other in the batch finishes, pages all return."""
+    healthy = chain(TARGET)
+
+    def broken(prompt, output):
+        if prompt[1] == 6 and len(output) >= 5:
+            return torch.full((V,), float("nan"))
+        return healthy(prompt, output)
+
+    eng = engine(broken, speculative=draft_config(chain(DRAFT)))
+    bad = eng.add_request([1, 6], pd.SamplingParams(max_tokens=30, temperature=1.0, seed=1))
+    good = eng.add_request([1, 5], pd.SamplingParams(max_tokens=30, temperature=1.0, seed=2))
+    run(eng)
+    out = eng.result(bad)
+    assert out.state == pd.RequestState.FAILED and out.finish_reason == R.MODEL_ERROR
+    assert "non-finite" in out.error and len(out.token_ids) <= 5
+    assert eng.result(good).finish_reason == R.MAX_OUTPUT_TOKENS and len(eng.result(good).token_ids) == 30
+    assert eng.pool.free_pages == eng.pool.num_pages
