@@ -59,9 +59,11 @@ def load_draft(draft: Any, device: torch.device, dtype: torch.dtype) -> Model:
 
 
 class DraftModelProposer:
-    def __init__(self, model: Model, capacity_tokens: int, page_size: int, vocab_size: int) -> None:
+    def __init__(self, model: Model, capacity_tokens: int, page_size: int, vocab_size: int,
+                 rejection: bool = True) -> None:
         mc = model.config
         self.model = model
+        self.rejection = rejection               # False: every draft greedy, verified by exact matching
         self.vocab_size = vocab_size             # draft ids past the target's vocabulary cut the draft
         self.page_size = page_size
         self.device = torch.device(getattr(model, "device", "cpu"))
@@ -99,7 +101,7 @@ class DraftModelProposer:
         allow one."""
         out: list[list[int]] = [[] for _ in wants]
         probs: list[list[torch.Tensor]] = [[] for _ in wants]
-        sampled = [takes_rejection(req) for req, _ in wants]
+        sampled = [self.rejection and takes_rejection(req) for req, _ in wants]
         cut: dict[int, int] = {}                 # request -> drafts usable (a non-finite q cuts there)
         rows: list[tuple[int, Request, _DraftSeq, int]] = []
         for i, (req, k) in enumerate(wants):

@@ -6,7 +6,8 @@ Which requests (`takes_rejection`): under method="draft", a request that samples
 >= MIN_TEMPERATURE) and whose selection needs nothing per position beyond temperature, top-k,
 top-p and min-p: no penalties or logit_bias, no grammar, min_tokens already met, no logprobs.
 Every other request keeps the exact-match verification (speculative.py), whose tokens are the
-plain engine's, token for token; so do greedy requests.
+plain engine's, token for token; so do greedy requests, and every request of a deterministic
+engine (its seeded tokens must not depend on the verify schedule, which other requests shape).
 
 The draft samples d_j from q_j: the target sampler's own processing (the request's temperature,
 top-k, top-p and min-p; kernels/sampling.py `sampling_probs`) of the draft's logits over the

@@ -183,7 +183,7 @@ class Speculator:
     first tokens are committed, verifies the drafts one depth at a time."""
 
     def __init__(self, config: SpeculativeConfig, max_context: int, page_size: int, target: Model,
-                 capacity_tokens: int) -> None:
+                 capacity_tokens: int, deterministic: bool = False) -> None:
         self.config = config
         self.max_context = max_context
         self.page_size = page_size
@@ -191,7 +191,10 @@ class Speculator:
         self.draft: DraftModelProposer | None = None
         if config.method == "draft":
             model = load_draft(config.draft_model, torch.device(getattr(target, "device", "cpu")), target.dtype)
-            self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size)
+            # deterministic mode keeps exact matching for every request: a seeded request's tokens
+            # must not depend on the verify schedule, which other requests shape
+            self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size,
+                                            rejection=not deterministic)
         self.counters = SpecCounters()
         self.cost = CostGate(config.min_gain, config.backoff_steps)
         self._gates: weakref.WeakKeyDictionary[Request, _Gate] = weakref.WeakKeyDictionary()

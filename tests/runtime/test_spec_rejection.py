@@ -114,6 +114,26 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch():
     assert eng.generate([[1, 5]], dataclasses.replace(mine, seed=78))[0].token_ids != got[0]
 
 
+def test_a_deterministic_engine_keeps_exact_matching_for_sampled_requests():
+    """Deterministic mode promises a seeded request the same tokens whatever else runs; the rule's
+    tokens depend on the verify schedule, so there every request is verified by exact matching:
+    the plain deterministic engine's tokens, token for token, alone or in a batch."""
+    def make(**config):
+        model = ScriptedModel(chain(TARGET), vocab_size=V, eos_token_ids=[EOS])
+        model.deterministic = False                 # a script is batch-invariant as it is
+        return pd.Engine(model, tokenizer(), pd.EngineConfig(max_cache_tokens=4096, trace="tokens",
+                                                             deterministic=True, **config))
+    params = seeded(8, max_tokens=30, temperature=1.0)
+    want = [o.token_ids for o in make().generate([[1, 5]] * len(params), params)]
+    eng = make(speculative=draft_config(chain(DRAFT)))
+    rids = [eng.add_request([1, 5], p) for p in params]
+    run(eng)
+    assert [eng.result(r).token_ids for r in rids] == want
+    verifies = [t for r in rids for t in eng.trace(r) if t["kind"] == "spec.verify"]
+    assert verifies and all(t["rule"] == "match" for t in verifies)
+    assert sum(eng.result(r).usage.accepted_draft_tokens for r in rids) > 0
+
+
 # a target that mostly follows a cycle (EOS possible), and a flatter draft, often wrong
 CYCLE = [5, 6, 101, 5, 6, 102, 103, 104]
 SUPPORT = [5, 6, 101, 102, 103, 104, EOS]
