@@ -19,7 +19,7 @@ written for rejected drafts lies past num_computed: it is never read (attention 
 seq_lens, which the next step sets from num_computed), the next step overwrites it, and pages
 holding only such K/V go back to the pool (Scheduler.trim).
 
-Proposals come from the request's own prompt and output only (NgramProposer; nothing is
+Proposals come from the request's own prompt and output only (ngram.py; nothing is
 shared between requests), or from a draft model on its own paged KV (draft_model.py): by its
 greedy decoding, verified as above, or, for a sampling request that needs nothing per position
 beyond temperature / top-k / top-p / min-p (spec_rejection.takes_rejection), sampled from a
@@ -27,16 +27,16 @@ distribution q it records and verified by the rejection rule (spec_rejection.py;
 carry draft_probs). Gates keep speculation where it pays: no proposals while more than
 `max_batch` requests decode, and a request whose rolling acceptance falls below `min_acceptance`
 proposes nothing for `backoff_steps` steps (doubling on each new miss, reset by a fully
-accepted run).
+accepted run); a measured step-cost gate stops them at a batch size where they do not pay
+(spec_gates.py).
 """
 from __future__ import annotations
 
 import logging
 import time
 import weakref
-from array import array
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 import torch
 
@@ -48,113 +48,11 @@ from .lifecycle import RequestState
 from .request import Request
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .selector import SampleRows, Selection, TokenSelector, uses_penalties
+from .ngram import NgramProposer
+from .spec_gates import CostGate, Gate
 from .spec_rejection import verify_sampled
 
-_ITEM = array("q").itemsize
 log = logging.getLogger("pagedecode")
-
-
-class NgramProposer:
-    """Prompt lookup: the longest suffix of the request's tokens (max_ngram down to min_ngram)
-    that occurred earlier in them; the tokens that followed its most recent earlier occurrence
-    are the draft."""
-
-    def __init__(self, min_ngram: int, max_ngram: int) -> None:
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self._kept: weakref.WeakKeyDictionary[Request, bytearray] = weakref.WeakKeyDictionary()
-
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        return self._search(array("q", tokens).tobytes(), k)
-
-    def propose_for(self, req: Request, k: int) -> list[int]:
-        """propose() over the request's prompt and output, its bytes kept from one step to the
-        next and extended by the tokens since (they only grow), not rebuilt each step."""
-        kept = self._kept.get(req)
-        if kept is None:
-            kept = self._kept[req] = bytearray(array("q", req.prompt_ids).tobytes())
-        have = len(kept) // _ITEM - len(req.prompt_ids)
-        if have < len(req.output_ids):
-            kept += array("q", req.output_ids[have:]).tobytes()
-        return self._search(kept, k)
-
-    def _search(self, data: bytes | bytearray, k: int) -> list[int]:
-        n_tokens = len(data) // _ITEM
-        if k < 1 or n_tokens <= self.min_ngram:
-            return []
-        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            suffix = data[(n_tokens - n) * _ITEM:]
-            end = (n_tokens - 1) * _ITEM            # a match ends before the last token
-            while True:
-                at = data.rfind(suffix, 0, end)
-                if at < 0:
-                    break
-                if at % _ITEM == 0:                 # aligned on a token, not inside one
-                    start = (at // _ITEM + n) * _ITEM
-                    return array("q", data[start:start + k * _ITEM]).tolist()
-                end = at + len(suffix) - 1
-        return []
-
-
-@dataclass
-class _Gate:
-    """One request's acceptance gate."""
-    rate: float = 1.0            # rolling acceptance (accepted / proposed, exponentially weighted)
-    off_until: int = 0           # no proposals before this step
-    backoff: int = 0             # steps off after the next miss
-
-
-class CostGate:
-    """The step-cost gate: output tokens per second of steps that verify drafts against steps
-    that do not, measured per batch size (decoding requests) over the engine's own steps. Where
-    verifying steps run below `min_gain` times the plain ones, proposals stop at that batch size
-    for a back-off (doubling while it stays so, reset when verifying pays), then are tried again.
-    A step is timed from one extend() to the next; steps with prompt chunks are not counted."""
-
-    WARMUP = 8                   # samples of each kind before it decides
-    ALPHA = 0.2                  # EWMA weight of a new sample
-
-    def __init__(self, min_gain: float, backoff: int) -> None:
-        self.min_gain, self.first_backoff = min_gain, backoff
-        self.rate: dict[tuple[int, bool], tuple[float, int]] = {}    # (batch, verified) -> (tokens/s, samples)
-        self.off_until: dict[int, int] = {}
-        self.backoff: dict[int, int] = {}
-        self._open: tuple[float, int, bool, int] | None = None          # (start, batch, verified, tokens)
-
-    def start(self, now: float, step: int, batch: int, verified: bool, tokens: int, timed: bool) -> None:
-        """A step begins (its plan known): the one before it ends now."""
-        if self._open is not None:
-            t0, b, v, n = self._open
-            self._sample(b, v, n / max(now - t0, 1e-9), step)
-        self._open = (now, batch, verified, tokens) if timed else None
-
-    def add_tokens(self, n: int) -> None:
-        if self._open is not None:
-            t0, b, v, tokens = self._open
-            self._open = (t0, b, v, tokens + n)
-
-    def allows(self, batch: int, step: int) -> bool:
-        """Proposals at this batch size now: not backed off, and the plain rate measured (a few
-        plain steps are taken to measure it where every step found drafts)."""
-        on, off = self.rate.get((batch, True)), self.rate.get((batch, False))
-        if on is not None and on[1] >= self.WARMUP and (off is None or off[1] < self.WARMUP):
-            return False
-        return self.off_until.get(batch, 0) <= step
-
-    def _sample(self, batch: int, verified: bool, rate: float, step: int) -> None:
-        old, n = self.rate.get((batch, verified), (rate, 0))
-        if n >= self.WARMUP and rate < old / 5:          # an idle gap, not a step: left out
-            return
-        self.rate[(batch, verified)] = (old + self.ALPHA * (rate - old) if n else rate, n + 1)
-        on, off = self.rate.get((batch, True)), self.rate.get((batch, False))
-        if not verified or on is None or off is None or min(on[1], off[1]) < self.WARMUP:
-            return
-        if on[0] < self.min_gain * off[0]:
-            backoff = self.backoff.get(batch, self.first_backoff)
-            self.off_until[batch] = step + backoff
-            self.backoff[batch] = min(2 * backoff, 4096)
-            self.rate[(batch, True)] = (on[0], self.WARMUP // 2)    # a fresh look when it tries again
-        else:
-            self.backoff[batch] = self.first_backoff
 
 
 class Host(Protocol):
@@ -197,7 +95,7 @@ class Speculator:
                                             rejection=not deterministic)
         self.counters = SpecCounters()
         self.cost = CostGate(config.min_gain, config.backoff_steps)
-        self._gates: weakref.WeakKeyDictionary[Request, _Gate] = weakref.WeakKeyDictionary()
+        self._gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
         self._step = 0
 
     # -- before the forward ---------------------------------------------------------------------
@@ -400,7 +298,7 @@ class Speculator:
         self.cost.add_tokens(accepted)
         gate = self._gates.get(req)
         if gate is None:
-            gate = self._gates[req] = _Gate(backoff=self.config.backoff_steps)
+            gate = self._gates[req] = Gate(backoff=self.config.backoff_steps)
         gate.rate = 0.5 * gate.rate + 0.5 * accepted / k
         if accepted == k:
             gate.backoff = self.config.backoff_steps

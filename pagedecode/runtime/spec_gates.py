@@ -1,0 +1,67 @@
+"""The gates that keep speculative decoding where it pays (speculative.py): each request's
+acceptance gate and the engine's step-cost gate."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Gate:
+    """One request's acceptance gate."""
+    rate: float = 1.0            # rolling acceptance (accepted / proposed, exponentially weighted)
+    off_until: int = 0           # no proposals before this step
+    backoff: int = 0             # steps off after the next miss
+
+
+class CostGate:
+    """The step-cost gate: output tokens per second of steps that verify drafts against steps
+    that do not, measured per batch size (decoding requests) over the engine's own steps. Where
+    verifying steps run below `min_gain` times the plain ones, proposals stop at that batch size
+    for a back-off (doubling while it stays so, reset when verifying pays), then are tried again.
+    A step is timed from one extend() to the next; steps with prompt chunks are not counted."""
+
+    WARMUP = 8                   # samples of each kind before it decides
+    ALPHA = 0.2                  # EWMA weight of a new sample
+
+    def __init__(self, min_gain: float, backoff: int) -> None:
+        self.min_gain, self.first_backoff = min_gain, backoff
+        self.rate: dict[tuple[int, bool], tuple[float, int]] = {}    # (batch, verified) -> (tokens/s, samples)
+        self.off_until: dict[int, int] = {}
+        self.backoff: dict[int, int] = {}
+        self._open: tuple[float, int, bool, int] | None = None          # (start, batch, verified, tokens)
+
+    def start(self, now: float, step: int, batch: int, verified: bool, tokens: int, timed: bool) -> None:
+        """A step begins (its plan known): the one before it ends now."""
+        if self._open is not None:
+            t0, b, v, n = self._open
+            self._sample(b, v, n / max(now - t0, 1e-9), step)
+        self._open = (now, batch, verified, tokens) if timed else None
+
+    def add_tokens(self, n: int) -> None:
+        if self._open is not None:
+            t0, b, v, tokens = self._open
+            self._open = (t0, b, v, tokens + n)
+
+    def allows(self, batch: int, step: int) -> bool:
+        """Proposals at this batch size now: not backed off, and the plain rate measured (a few
+        plain steps are taken to measure it where every step found drafts)."""
+        on, off = self.rate.get((batch, True)), self.rate.get((batch, False))
+        if on is not None and on[1] >= self.WARMUP and (off is None or off[1] < self.WARMUP):
+            return False
+        return self.off_until.get(batch, 0) <= step
+
+    def _sample(self, batch: int, verified: bool, rate: float, step: int) -> None:
+        old, n = self.rate.get((batch, verified), (rate, 0))
+        if n >= self.WARMUP and rate < old / 5:          # an idle gap, not a step: left out
+            return
+        self.rate[(batch, verified)] = (old + self.ALPHA * (rate - old) if n else rate, n + 1)
+        on, off = self.rate.get((batch, True)), self.rate.get((batch, False))
+        if not verified or on is None or off is None or min(on[1], off[1]) < self.WARMUP:
+            return
+        if on[0] < self.min_gain * off[0]:
+            backoff = self.backoff.get(batch, self.first_backoff)
+            self.off_until[batch] = step + backoff
+            self.backoff[batch] = min(2 * backoff, 4096)
+            self.rate[(batch, True)] = (on[0], self.WARMUP // 2)    # a fresh look when it tries again
+        else:
+            self.backoff[batch] = self.first_backoff
