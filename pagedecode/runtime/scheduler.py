@@ -91,11 +91,9 @@ class Scheduler:
         """A step computed num_new more of the request's tokens: their K/V are in its pages (a
         page that filled joins the prefix cache). Of them, `drafts` are speculative proposals:
         they count as computed once accepted (runtime/speculative.py)."""
-        seq = req.seq
-        seq.num_computed += num_new - drafts
-        seq.processed_tokens += num_new
-        if self.prefix_caching and seq.num_computed // self.page_size > seq.pages_registered:
-            register(self.pool, req, self.page_size)
+        req.seq.num_computed += num_new - drafts
+        req.seq.processed_tokens += num_new
+        self._register_full_pages(req)
 
     def accept_draft(self, req: Request) -> None:
         """A verified draft token was selected: its K/V, written by the step, counts as computed."""

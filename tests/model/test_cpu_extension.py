@@ -266,14 +266,14 @@ for _ in range(10):                   # a "step": three 24 MB activations, writt
     step = [torch.ones(6 << 20) for _ in range(3)]
     del step
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(_cpu.keep_freed_memory(), sum(f >= 100 for f in faults[3:]), *faults)
+print(_cpu.keep_freed_memory(), sum(faults[1:]), *faults)
 """.format(tests=str(Path(__file__).resolve().parents[1]))
     env = {k: v for k, v in os.environ.items() if k != "PAGEDECODE_MALLOC"}
     out = subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, capture_output=True,
                          text=True).stdout.split()
     assert out[0] == "True", out                   # glibc took both settings
-    # after the first steps, none faulted in again (the first step faults all three in; with an
-    # engine built, the heap settles one step later). One later step of seven may: CI once saw a
-    # single step fault exactly one tensor (6,144 pages) in again under load, which glibc as it is
-    # does on every step
-    assert int(out[1]) <= 1, out
+    # after the first step (which faults all three 24 MB tensors in), at most two tensors' pages
+    # (6,144 each) fault in again over the next nine steps: here one did, at step 2 (the heap
+    # settles with an engine built), and CI once saw one later. glibc as it is faulted ~36,800
+    # pages over those steps on this machine (18,381 + 12,256 + 6,144), every run.
+    assert int(out[1]) <= 2 * 6144 + 100, out
