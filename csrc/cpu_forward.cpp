@@ -37,11 +37,15 @@
 #include <limits>
 #include <vector>
 
-#include "quant_matmul.h"
+#include "quant_lanes.h"
 
 namespace {
 
+
 using at::Tensor;
+
+// Q8_0 / Q4_0 blocks: uint8 in GGUF's layout, int8 packed (csrc/quant_lanes.h)
+inline bool quant_blocks(const Tensor& w) { return w.scalar_type() == at::kByte || w.scalar_type() == at::kChar; }
 
 template <typename T> inline float f32(T x) { return static_cast<float>(x); }
 
@@ -800,7 +804,7 @@ template <typename T>
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& wt, const Tensor& packed,
               Tensor& buf, bool onednn) {
   const bool bias = b.defined() && b.numel() > 0;
-  if (w.scalar_type() == at::kByte) {        // Q8_0 / Q4_0 blocks: quant_matmul.h, in float
+  if (quant_blocks(w)) {        // Q8_0 / Q4_0 blocks: quant_lanes.h / quant_matmul.h, in float
     Tensor y = quant_linear(x.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);   // LlamaModel quiesces before freeing w
     if (bias) y.add_(b.to(at::kFloat));
     return std::is_same_v<T, float> ? y : y.to(x.scalar_type());
@@ -862,7 +866,7 @@ Tensor det_pack_op(const Tensor& w) {
 template <typename T>
 Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& packed, Tensor* buf = nullptr) {
   const bool bias = b.defined() && b.numel() > 0;
-  if (w.scalar_type() == at::kByte) {
+  if (quant_blocks(w)) {
     Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);
     if (bias) y.add_(b.to(at::kFloat));
     return std::is_same_v<T, float> ? y : y.to(x_in.scalar_type());
@@ -899,7 +903,7 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   const int64_t T_ = ids.size(0), hidden = final_norm.size(0), S = seq_lens.size(0);
   const int64_t page_size = k_cache.size(2), per_layer = k_cache[0].numel();
   const auto opts = final_norm.options();
-  Tensor h = embed.scalar_type() == at::kByte                              // (T, hidden)
+  Tensor h = quant_blocks(embed)                             // (T, hidden)
                  ? quant_embedding_rows(embed, ids, hidden).to(final_norm.scalar_type())
                  : embed.index_select(0, ids);
   Tensor x = at::empty({T_, hidden}, opts);
@@ -987,7 +991,7 @@ auto by_dtype(const Tensor& t, const char* what, F&& f) {
 Tensor det_linear_op(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
                      const std::optional<Tensor>& packed) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() &&
-                  (w.scalar_type() == at::kByte || w.scalar_type() == x.scalar_type()),
+                  (quant_blocks(w) || w.scalar_type() == x.scalar_type()),
               "pagedecode._cpu.det_linear: x (T, K), w (N, K) contiguous, one dtype");
   const Tensor bias = b.has_value() ? b->contiguous() : Tensor();
   const Tensor pk = packed.has_value() ? *packed : Tensor();
@@ -1081,5 +1085,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_embedding_rows", &quant_embedding_rows,
         "rows of an embedding table in Q8_0 / Q4_0 blocks, dequantized to float32 (csrc/quant_matmul.h)");
   m.def("quant_linear", [](const Tensor& x, const Tensor& blocks, int64_t n) { return quant_linear(x, blocks, n); },
-        "x (T, K) float32 @ W^T, W (N, K) in GGUF Q8_0 / Q4_0 blocks, activations int8 per block (csrc/quant_matmul.h)");
+        "x (T, K) float32 @ W^T, W (N, K) in Q8_0 / Q4_0 blocks (uint8: GGUF's layout, csrc/quant_matmul.h; int8: "
+        "packed, csrc/quant_lanes.h), activations int8 per block");
+  m.def("quant_pack", [](const Tensor& blocks, int64_t k) { return quant_repack(blocks, k, true); },
+        "GGUF Q8_0 / Q4_0 blocks (N, K / 32 * block bytes) uint8 -> the same weight in csrc/quant_lanes.h's layout (int8)");
+  m.def("quant_unpack", [](const Tensor& blocks, int64_t k) { return quant_repack(blocks, k, false); },
+        "quant_pack's inverse: packed (int8) -> GGUF's blocks (uint8), bit for bit");
+#if defined(QUANT_LANES)
+  m.attr("quant_packed_is_fast") = true;    // the packed layout's AVX-512 VNNI kernel (else a scalar loop)
+#else
+  m.attr("quant_packed_is_fast") = false;
+#endif
 }

@@ -191,6 +191,8 @@ class LlamaModel:
         self._pack_weights = False
         self._packed_kind: str | None = None        # what the packed slots hold: "onednn", "det" or nothing
         if self._fused_cpu:
+            if self.quantized and self._quant_kernel is not None and getattr(_cpu_ext, "quant_packed_is_fast", False):
+                self._pack_quantized()          # the compiled kernels multiply them (not "torch"'s reference)
             none = torch.empty(0, dtype=dtype)
 
             def plain(w: Weight) -> torch.Tensor:
@@ -218,6 +220,17 @@ class LlamaModel:
             self._quiesce = getattr(_cpu_ext, "quiesce", None) if self.quantized else None
             self.configure_cpu(default_cpu_matmul() if cpu_matmul is None else cpu_matmul,
                                default_cpu_pack_weights() if cpu_pack_weights is None else cpu_pack_weights)
+
+    def _pack_quantized(self) -> None:
+        """Every quantized weight in the compiled kernel's packed layout (csrc/quant_lanes.h: the
+        same bytes rearranged, the GGUF-layout blocks dropped; the tied head stays the embedding)."""
+        def packed(w: Any) -> Any:
+            return w.pack() if isinstance(w, QuantizedWeight) else w
+        tied = self.lm_head is self.embed
+        self.embed = packed(self.embed)
+        self.lm_head = self.embed if tied else packed(self.lm_head)
+        for L in self.layers:
+            L.qkv_w, L.o_w, L.gate_up_w, L.down_w = (packed(w) for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w))
 
     def configure_cpu(self, matmul: str = "onednn", pack_weights: bool = True) -> None:
         """How the compiled CPU forward multiplies (EngineConfig.cpu_matmul / cpu_pack_weights;
@@ -372,7 +385,7 @@ class LlamaModel:
         if self._triton_deterministic(x):
             if isinstance(w, torch.Tensor):
                 return deterministic_linear(x, w, b, self.attention_backend)
-            y = quant_matmul_deterministic(x, w.blocks, w.kind, self.attention_backend)
+            y = quant_matmul_deterministic(x, w.gguf_blocks(), w.kind, self.attention_backend)
             return y if b is None else y + b
         return linear(x, w, b, self._quant_kernel, self.attention_backend)
 

@@ -16,10 +16,15 @@ products (AVX-512 VNNI); on CUDA, kernels/quant_matmul.py's Triton GEMV / GEMM d
 blocks in registers (float activations); otherwise (attention_backend="torch", no extension) the
 weight is dequantized for the call (the reference), so the only error is the weights'. The
 embedding's rows are dequantized where they are looked up (`embedding_rows`).
+
+For the compiled CPU forward the blocks are repacked at load (`QuantizedWeight.packed`, by
+pagedecode._cpu.quant_pack): 16 rows to a 512-bit register, so that csrc/quant_lanes.h's kernel
+forms the 16 rows' block dots at once (3-4x the GGUF-layout kernel's multiply-adds a second). Same
+size, same blocks, int8 instead of uint8; `gguf_blocks()` gives GGUF's layout back, bit for bit.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +35,12 @@ from ..kernels.quant_matmul import BLOCK, BLOCK_BYTES, dequantize_blocks, quant_
 QUANTIZATIONS = tuple(BLOCK_BYTES)
 
 
+def _cpu_ext() -> Any:
+    """pagedecode._cpu, which made any packed weight (so it is there when one exists)."""
+    from .. import _cpu
+    return _cpu
+
+
 class QuantizedWeight:
     """A (out_features, in_features) weight in Q8_0 or Q4_0 blocks (see the module docstring)."""
 
@@ -37,12 +48,28 @@ class QuantizedWeight:
         if kind not in BLOCK_BYTES:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
         out_features, in_features = shape
-        if in_features % BLOCK or blocks.dtype != torch.uint8 or \
+        if in_features % BLOCK or blocks.dtype not in (torch.uint8, torch.int8) or \
                 tuple(blocks.shape) != (out_features, in_features // BLOCK * BLOCK_BYTES[kind]):
             raise ValueError(f"{kind} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a {shape} weight")
         self.kind = kind
-        self.blocks = blocks.contiguous()
+        self.blocks = blocks.contiguous()       # uint8: GGUF's layout; int8: packed (csrc/quant_lanes.h)
         self.shape = (int(out_features), int(in_features))
+
+    @property
+    def packed(self) -> bool:
+        return self.blocks.dtype == torch.int8
+
+    def pack(self) -> "QuantizedWeight":
+        """The same weight in the compiled CPU kernel's packed layout (needs pagedecode._cpu)."""
+        if self.packed:
+            return self
+        return QuantizedWeight(self.kind, _cpu_ext().quant_pack(self.blocks, self.shape[1]), self.shape)
+
+    def gguf_blocks(self) -> torch.Tensor:
+        """The blocks in GGUF's layout (unpacked for the call when packed)."""
+        if not self.packed:
+            return self.blocks
+        return _cpu_ext().quant_unpack(self.blocks, self.shape[1])
 
     @classmethod
     def quantize(cls, w: torch.Tensor, kind: str) -> "QuantizedWeight":
@@ -58,7 +85,7 @@ class QuantizedWeight:
         """Stack weights of one kind along the output rows (q, k, v -> qkv)."""
         kind, in_features = parts[0].kind, parts[0].shape[1]
         assert all(p.kind == kind and p.shape[1] == in_features for p in parts)
-        return cls(kind, torch.cat([p.blocks for p in parts]), (sum(p.shape[0] for p in parts), in_features))
+        return cls(kind, torch.cat([p.gguf_blocks() for p in parts]), (sum(p.shape[0] for p in parts), in_features))
 
     @property
     def device(self) -> torch.device:
@@ -69,14 +96,18 @@ class QuantizedWeight:
         return self.blocks.numel()
 
     def to(self, device: torch.device | str) -> "QuantizedWeight":
-        return QuantizedWeight(self.kind, self.blocks.to(device), self.shape)
+        return QuantizedWeight(self.kind, self.gguf_blocks().to(device), self.shape)
 
     def select_rows(self, index: torch.Tensor) -> "QuantizedWeight":
-        return QuantizedWeight(self.kind, self.blocks[index], (int(index.numel()), self.shape[1]))
+        return QuantizedWeight(self.kind, self.gguf_blocks()[index], (int(index.numel()), self.shape[1]))
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight (out, in) in `dtype`, or only `rows` of it (len(rows), in)."""
-        return dequantize_blocks(self.blocks if rows is None else self.blocks[rows], self.kind, dtype)
+        if self.packed and rows is not None:            # the rows alone, not the whole table unpacked
+            flat = _cpu_ext().quant_embedding_rows(self.blocks, rows.reshape(-1).long(), self.shape[1])
+            return flat.view(*rows.shape, self.shape[1]).to(dtype)
+        blocks = self.gguf_blocks()
+        return dequantize_blocks(blocks if rows is None else blocks[rows], self.kind, dtype)
 
 
 Weight = torch.Tensor | QuantizedWeight
@@ -94,7 +125,7 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: Qu
     if not isinstance(w, QuantizedWeight):
         return F.linear(x, w, b)
     if kernel is None:
-        y = quant_matmul(x, w.blocks, w.kind, backend)
+        y = quant_matmul(x, w.gguf_blocks(), w.kind, backend)
         return y if b is None else y + b
     y = kernel(x.reshape(-1, w.shape[1]).float().contiguous(), w.blocks, w.shape[0])    # (T, out) float32
     y = y.view(*x.shape[:-1], w.shape[0]).to(x.dtype)

@@ -35,13 +35,21 @@ def test_blocks_dequantize_as_gguf_does(kind):
     assert ((q.dequantize() - w).abs().reshape(7, 3, 32) <= step * (0.6 if kind == "q8_0" else 1.1)).all()
 
 
-needs_kernel = pytest.mark.skipif(not hasattr(_cpu, "quant_linear"), reason="pagedecode._cpu not built")
+needs_kernel = pytest.mark.skipif(not hasattr(_cpu, "quant_pack"), reason="pagedecode._cpu not built")
+LAYOUTS = ["gguf", "packed"]
+
+
+def blocks_in(q, layout):
+    """The weight's blocks as the kernel takes them: GGUF's layout (uint8), or packed (int8:
+    csrc/quant_lanes.h, 16 rows to a register)."""
+    return q.blocks if layout == "gguf" else _cpu.quant_pack(q.blocks, q.shape[1])
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("T, K, N", [(1, 64, 96), (3, 96, 7), (17, 576, 100), (2, 1536, 33)])
-def test_kernel_against_dequantized_reference(kind, T, K, N):
+@pytest.mark.parametrize("T, K, N", [(1, 64, 96), (3, 96, 7), (17, 576, 100), (2, 1536, 33), (11, 160, 37)])
+def test_kernel_against_dequantized_reference(kind, T, K, N, layout):
     """csrc/quant_matmul.h quantizes activations per block to int8: its error against float
     activations is that rounding (half a step of each block's largest |x| / 127), ~0.7% here."""
     g = torch.Generator().manual_seed(T * K + N)
@@ -49,43 +57,48 @@ def test_kernel_against_dequantized_reference(kind, T, K, N):
     x = torch.randn(T, K, generator=g)
     x[0, :32] = 0.0                                                   # an all-zero activation block
     ref = x @ q.dequantize().t()
-    y = _cpu.quant_linear(x, q.blocks, N)
+    blocks = blocks_in(q, layout)
+    y = _cpu.quant_linear(x, blocks, N)
     assert y.shape == (T, N) and y.dtype == torch.float32
     w = q.dequantize().abs().reshape(N, K // 32, 32).sum(-1)          # (N, blocks): sum |w| per block
     step = x.abs().reshape(T, K // 32, 32).amax(-1) / 127             # (T, blocks)
     bound = 0.5 * step @ w.t() + 1e-4 * ref.abs().max()
     assert ((y - ref).abs() <= bound).all()
     assert (y - ref).abs().max() < 0.02 * ref.abs().max()
-    assert _cpu.quant_linear(x[:0], q.blocks, N).shape == (0, N)
+    assert _cpu.quant_linear(x[:0], blocks, N).shape == (0, N)
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
-def test_gemm_equals_the_gemv_row_by_row(kind):
+def test_gemm_equals_the_gemv_row_by_row(kind, layout):
     """Several tokens go through the blocked GEMM (tiles of weight rows x tokens, the blocks decoded
     once per tile), one token through the gemv: the same int8 activations, the same exact int32 block
     dots and the same float operations per output, so each row of the GEMM is the gemv's bit for bit
     (what keeps a request's tokens independent of its batch), at 1 and 2 threads. Odd shapes: T not
     a multiple of the 4-token tile, N not of the 4-row tile, K a multiple of 32 but not of 64 / 256
-    (Q4_0's odd last block), tokens past one 128-token block."""
+    (Q4_0's odd last block), tokens past one 128-token block. Packed: N past and not a multiple of
+    the 16-row group (the rest of the rows in GGUF's layout), T past the 8-token tile."""
     g = torch.Generator().manual_seed(11)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            for T, K, N in [(2, 96, 7), (3, 800, 33), (17, 608, 65), (64, 576, 9), (131, 160, 5)]:
+            for T, K, N in [(2, 96, 7), (3, 800, 33), (17, 608, 65), (64, 576, 9), (131, 160, 5), (15, 64, 48)]:
                 q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
                 x = torch.randn(T, K, generator=g) * torch.rand(T, 1, generator=g) * 4
-                y = _cpu.quant_linear(x, q.blocks, N)
-                rows = torch.cat([_cpu.quant_linear(x[t:t + 1], q.blocks, N) for t in range(T)])
+                blocks = blocks_in(q, layout)
+                y = _cpu.quant_linear(x, blocks, N)
+                rows = torch.cat([_cpu.quant_linear(x[t:t + 1], blocks, N) for t in range(T)])
                 assert torch.equal(y, rows), (n, T, K, N, (y - rows).abs().max())
     finally:
         torch.set_num_threads(threads)
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
-def test_kernel_is_the_same_bit_for_bit_at_any_thread_count(kind):
+def test_kernel_is_the_same_bit_for_bit_at_any_thread_count(kind, layout):
     """The matmul's chunks (csrc/work_pool.h) go to whichever thread claims them first, and a
     worker's chunk may be taken back and recomputed by the caller: the rows of each chunk are fixed
     by the call alone, so the result may not depend on any of it, even with more threads than cores
@@ -94,15 +107,16 @@ def test_kernel_is_the_same_bit_for_bit_at_any_thread_count(kind):
     shapes = [(1, 96, 4001), (3, 96, 2000), (5, 576, 700)]
     cases = [(QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind), torch.randn(T, K, generator=g), N)
              for T, K, N in shapes]
+    cases = [(blocks_in(q, layout), x, N) for q, x, N in cases]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        want = [_cpu.quant_linear(x, q.blocks, N) for q, x, N in cases]
+        want = [_cpu.quant_linear(x, b, N) for b, x, N in cases]
         for n in (2, 4):
             torch.set_num_threads(n)
             for _ in range(30):
-                for (q, x, N), w in zip(cases, want):
-                    assert torch.equal(_cpu.quant_linear(x, q.blocks, N), w)
+                for (b, x, N), w in zip(cases, want):
+                    assert torch.equal(_cpu.quant_linear(x, b, N), w)
     finally:
         torch.set_num_threads(threads)
 
@@ -114,6 +128,67 @@ def test_kernel_refuses_what_is_not_blocks():
         _cpu.quant_linear(torch.randn(1, 64, dtype=torch.float64), q.blocks, 4)
     with pytest.raises(RuntimeError, match="neither Q8_0"):
         _cpu.quant_linear(torch.randn(1, 64), q.blocks[:, :60].contiguous(), 4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_packed_layout_is_the_same_weight(kind):
+    """quant_pack rearranges the blocks (16 rows to a register, the rest of the rows as they were)
+    and quant_unpack puts them back bit for bit; every view of a packed QuantizedWeight (dequantized,
+    rows of it, rows selected, stacked, its size) is the GGUF-layout weight's."""
+    g = torch.Generator().manual_seed(3)
+    for N, K in [(7, 64), (16, 96), (37, 160), (48, 32)]:
+        q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
+        p = q.pack()
+        assert p.packed and not q.packed and p.blocks.dtype == torch.int8 and p.blocks.shape == q.blocks.shape
+        assert p.pack() is p and p.nbytes == q.nbytes
+        assert N < 16 or not torch.equal(p.blocks.view(torch.uint8), q.blocks)     # rearranged
+        assert torch.equal(_cpu.quant_unpack(p.blocks, K), q.blocks) and torch.equal(p.gguf_blocks(), q.blocks)
+        assert torch.equal(p.dequantize(), q.dequantize())
+        rows = torch.tensor([N - 1, 0, N // 2, N - 1])
+        assert torch.equal(p.dequantize(rows=rows), q.dequantize(rows=rows))
+        assert torch.equal(p.dequantize(torch.bfloat16, rows=rows), q.dequantize(torch.bfloat16, rows=rows))
+        assert torch.equal(p.select_rows(rows).blocks, q.select_rows(rows).blocks)
+        assert torch.equal(QuantizedWeight.cat([p, q]).blocks, torch.cat([q.blocks, q.blocks]))
+        assert torch.equal(_cpu.quant_embedding_rows(p.blocks, rows, K), _cpu.quant_embedding_rows(q.blocks, rows, K))
+    with pytest.raises(RuntimeError, match="must be uint8"):
+        _cpu.quant_pack(p.blocks, K)
+    with pytest.raises(RuntimeError, match="must be int8"):
+        _cpu.quant_unpack(q.blocks, K)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _cpu.quant_embedding_rows(p.blocks, torch.tensor([N]), K)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_packed_kernel_forms_the_gguf_kernels_integer_dots(kind):
+    """Both kernels quantize the activations alike and form the same exact int32 block dots; only
+    how the float products are summed differs (here: in block order per output; there: in lanes,
+    then one horizontal sum), so they agree to float rounding, far inside the int8 error."""
+    g = torch.Generator().manual_seed(4)
+    for T, K, N in [(1, 576, 960), (9, 1536, 576), (40, 576, 3072)]:
+        q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
+        x = torch.randn(T, K, generator=g)
+        a, b = _cpu.quant_linear(x, q.blocks, N), _cpu.quant_linear(x, q.pack().blocks, N)
+        assert 0 < (a - b).abs().max() <= 1e-5 * a.abs().max()
+
+
+@needs_kernel
+def test_the_compiled_forward_holds_quantized_weights_packed(stories_path, monkeypatch):
+    """A model on the compiled CPU forward packs its quantized weights at load, in place of the
+    GGUF-layout blocks (the same bytes: weight_bytes does not move), the tied head staying the
+    embedding; the torch path keeps GGUF's layout."""
+    engine = pd.Engine.from_pretrained(stories_path, quantization="q8_0")
+    torch_path = pd.Engine.from_pretrained(stories_path, quantization="q8_0", attention_backend="torch")
+    layers = [w for L in engine.model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w) if isinstance(w, QuantizedWeight)]
+    assert layers and all(w.packed for w in layers) and engine.model.lm_head.packed
+    assert not any(w.packed for L in torch_path.model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w))
+    monkeypatch.setattr(_cpu, "quant_packed_is_fast", False)         # a build without the packed kernel
+    unpacked = pd.Engine.from_pretrained(stories_path, quantization="q8_0")
+    assert not unpacked.model.lm_head.packed and engine.weight_bytes == unpacked.weight_bytes
+    ids = engine.tokenizer.encode(STORY)
+    a, b = logits_of(engine.model, ids), logits_of(unpacked.model, ids)
+    assert 0 < (a - b).abs().max() <= 1e-4 * a.abs().max()           # the sums' order: float rounding
 
 
 def test_bad_blocks_and_kind_are_refused():

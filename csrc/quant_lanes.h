@@ -1,0 +1,339 @@
+// Q8_0 / Q4_0 weights repacked at load so that one 512-bit register holds 16 rows (the "lanes"
+// layout), and y = x W^T over it: the CPU forward's quantized matmul (quant_matmul.h keeps the
+// GGUF-layout kernel for blocks as a file stores them).
+//
+// quant_matmul.h forms each (row, token) block dot in its own register and pays a conversion, a
+// scale product and an fma for every 32 multiply-adds; the GEMM was compute-bound at ~8
+// multiply-adds an instruction (measured: a 32-row q8_0 decode step of the 135M model 355 ms
+// against 206 ms in float32 through oneDNN). Here lane r of a register is weight row r of a group
+// of 16: a block's 32 weights of the 16 rows are 8 registers (Q4_0: 4, two nibbles a byte), each
+// multiplied by one broadcast group of 4 activation bytes with vpdpbusd. A (token, block) of a
+// group costs 8 vpdpbusd, then one conversion and one fma for all 16 rows: 512 multiply-adds in
+// ~11 instructions, and the weights, loaded once, serve every token of a tile.
+//
+// vpdpbusd multiplies unsigned by signed bytes: the weights are the unsigned operand (Q8_0 stored
+// as q + 128; Q4_0's nibbles as they are, q + 8), and each (token, block) accumulator starts from
+// minus 128 (or 8) times the sum of that block's int8 activations, so the int32 each lane ends
+// with is the exact signed dot product. Every output is then
+//
+//     y[t, n] = fma(float(dot_b), dw[n, b] * dx[t, b], ...)   over blocks b in order, from 0
+//
+// whatever the tile, the thread or the instruction set (the scalar form below is the same
+// operations), so the rows of a GEMM are the gemv's bit for bit and the result is batch-invariant.
+//
+// Layout: rows in groups of 16 (the last N % 16 rows stay in GGUF's row layout, after the groups);
+// a group is nb tiles, one per block, each 16 * block_bytes bytes (the size GGUF gives the same
+// blocks, so a packed weight is exactly as large):
+//
+//     [0, 32)            the 16 rows' fp16 scales, row r at 2 r
+//     Q8_0 [32, 544)     8 chunks of 64 bytes; chunk j holds q[r, 4j .. 4j + 4) + 128 at 4 r
+//     Q4_0 [32, 288)     4 chunks of 64 bytes; chunk j holds GGUF's bytes 4j .. 4j + 4 of row r
+//                        at 4 r: low nibbles q[4j ..], high nibbles q[16 + 4j ..]
+//
+// A packed weight is an int8 tensor (GGUF's blocks are uint8): the dtype says the layout.
+#pragma once
+
+#include "quant_matmul.h"
+
+namespace quant::lanes {
+
+constexpr int64_t kRows = 16;
+constexpr int kTokens = 8;     // tokens per tile: 8 register accumulators, the group's weights loaded once
+
+inline bool is_q4(int64_t block_bytes) { return block_bytes == 2 + kBlock / 2; }
+
+// row r of a group's block tile `tile`: its signed weights and its scale
+inline float tile_row(const uint8_t* tile, bool q4, int r, int8_t* q) {
+  const uint8_t* body = tile + 2 * kRows;
+  for (int j = 0; j < (q4 ? 4 : 8); ++j)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t v = body[64 * j + 4 * r + i];
+      if (q4) {
+        q[4 * j + i] = static_cast<int8_t>((v & 15) - 8);
+        q[16 + 4 * j + i] = static_cast<int8_t>((v >> 4) - 8);
+      } else {
+        q[4 * j + i] = static_cast<int8_t>(v ^ 0x80);
+      }
+    }
+  return fp16_to_float(tile + 2 * r);
+}
+
+// row n's block b (a tail row: GGUF's layout) as signed weights; returns its scale
+inline float block_at(const uint8_t* w, int64_t N, int64_t nb, int64_t block_bytes, int64_t n, int64_t b, int8_t* q) {
+  const bool q4 = is_q4(block_bytes);
+  if (n >= N / kRows * kRows) {
+    const uint8_t* blk = w + (n * nb + b) * block_bytes;
+    unpack_scalar(blk, q4, q);
+    return fp16_to_float(blk);
+  }
+  return tile_row(w + ((n / kRows) * nb + b) * kRows * block_bytes, q4, static_cast<int>(n % kRows), q);
+}
+
+// GGUF rows (N, nb * block_bytes) -> the lanes layout (same size); unpack is its exact inverse
+inline void pack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_t block_bytes) {
+  const bool q4 = is_q4(block_bytes);
+  const int64_t groups = N / kRows, row_bytes = nb * block_bytes;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* tile = dst + (g * nb + b) * kRows * block_bytes;
+      for (int r = 0; r < kRows; ++r) {
+        const uint8_t* blk = src + (g * kRows + r) * row_bytes + b * block_bytes;
+        std::memcpy(tile + 2 * r, blk, 2);
+        for (int j = 0; j < (q4 ? 4 : 8); ++j)
+          for (int i = 0; i < 4; ++i)
+            tile[2 * kRows + 64 * j + 4 * r + i] = q4 ? blk[2 + 4 * j + i] : blk[2 + 4 * j + i] ^ 0x80;
+      }
+    }
+  std::memcpy(dst + groups * kRows * row_bytes, src + groups * kRows * row_bytes, (N - groups * kRows) * row_bytes);
+}
+
+inline void unpack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_t block_bytes) {
+  const bool q4 = is_q4(block_bytes);
+  const int64_t groups = N / kRows, row_bytes = nb * block_bytes;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = src + (g * nb + b) * kRows * block_bytes;
+      for (int r = 0; r < kRows; ++r) {
+        uint8_t* blk = dst + (g * kRows + r) * row_bytes + b * block_bytes;
+        std::memcpy(blk, tile + 2 * r, 2);
+        for (int j = 0; j < (q4 ? 4 : 8); ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t v = tile[2 * kRows + 64 * j + 4 * r + i];
+            blk[2 + 4 * j + i] = q4 ? v : v ^ 0x80;
+          }
+      }
+    }
+  std::memcpy(dst + groups * kRows * row_bytes, src + groups * kRows * row_bytes, (N - groups * kRows) * row_bytes);
+}
+
+// One output, in the operations every path uses (see the top of the file)
+inline float scalar_output(const uint8_t* w, int64_t N, int64_t nb, int64_t block_bytes, int64_t n, const int8_t* qx,
+                           const float* dx) {
+  float acc = 0.f;
+  int8_t q[kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    const float dw = block_at(w, N, nb, block_bytes, n, b, q);
+    int32_t dot = 0;
+    for (int j = 0; j < kBlock; ++j) dot += int32_t(q[j]) * int32_t(qx[b * kBlock + j]);
+    acc = std::fma(static_cast<float>(dot), dw * dx[b], acc);
+  }
+  return acc;
+}
+
+#if defined(QUANT_Q4_PAIRS)
+#define QUANT_LANES 1
+
+// one group (its first tile at `group`) against RT tokens: out[t * ld + r] for the 16 rows r.
+// nc: per (token, block) minus 128 (Q8_0) or 8 (Q4_0) times the block's activation sum.
+template <int RT>
+inline void group_tile(const uint8_t* group, int64_t nb, bool q4, const int8_t* qx, const float* dx,
+                       const int32_t* nc, int64_t K, float* out, int64_t ld) {
+  const int64_t tile_bytes = kRows * (q4 ? 2 + kBlock / 2 : 2 + kBlock);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[RT];
+  for (int t = 0; t < RT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = group + b * tile_bytes;
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile)));
+    __m512i w[8];
+    if (q4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(tile + 2 * kRows + 64 * j);
+        w[j] = _mm512_and_si512(v, low);
+        w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(tile + 2 * kRows + 64 * j);
+    }
+    for (int t = 0; t < RT; ++t) {
+      const int8_t* x = qx + t * K + b * kBlock;
+      __m512i s = _mm512_set1_epi32(nc[t * nb + b]);
+      for (int j = 0; j < 8; ++j) {
+        int32_t four;
+        std::memcpy(&four, x + 4 * j, 4);
+        s = _mm512_dpbusd_epi32(s, w[j], _mm512_set1_epi32(four));
+      }
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(dx[t * nb + b])), acc[t]);
+    }
+  }
+  for (int t = 0; t < RT; ++t) _mm512_storeu_ps(out + t * ld, acc[t]);
+}
+
+// a group against tokens [t0, t1): kTokens at a time, the rest 4, 2, 1 at a time
+inline void group_tokens(const uint8_t* group, int64_t nb, bool q4, const int8_t* qx, const float* dx,
+                         const int32_t* nc, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
+  int64_t t = t0;
+  auto run = [&](auto rt) {
+    constexpr int RT = decltype(rt)::value;
+    group_tile<RT>(group, nb, q4, qx + t * K, dx + t * nb, nc + t * nb, K, out + t * ld, ld);
+    t += RT;
+  };
+  while (t + kTokens <= t1) run(std::integral_constant<int, kTokens>{});
+  if (t + 4 <= t1) run(std::integral_constant<int, 4>{});
+  if (t + 2 <= t1) run(std::integral_constant<int, 2>{});
+  if (t < t1) run(std::integral_constant<int, 1>{});
+}
+#endif
+
+// A chunk of row groups of one call (the last chunk also takes the tail rows), as work::Pool runs it
+struct Job {
+  const uint8_t* w;
+  const int8_t* qx;
+  const float* dx;
+  const int32_t* nc;
+  float* out;
+  int64_t T, K, N, nb, block_bytes, groups, per_chunk, chunks;
+
+  int64_t row_begin(int64_t c) const { return std::min(groups, c * per_chunk) * kRows; }
+  int64_t row_end(int64_t c) const { return c == chunks - 1 ? N : std::min(groups, (c + 1) * per_chunk) * kRows; }
+
+  bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
+    const int64_t begin = row_begin(c), end = row_end(c), rows = end - begin;
+    float* o = out + begin;
+    int64_t ld = N;
+    if (scratch != nullptr) {
+      scratch->resize(T * rows);
+      o = scratch->data();
+      ld = rows;
+    }
+    const int64_t full_end = std::min(end, groups * kRows);
+#if defined(QUANT_LANES)
+    const bool q4 = is_q4(block_bytes);
+    for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
+      const int64_t t1 = std::min(T, t0 + kTokenBlock);
+      for (int64_t n = begin; n < full_end; n += kRows) {
+        if (!live()) return false;
+        group_tokens(w + (n / kRows) * nb * kRows * block_bytes, nb, q4, qx, dx, nc, K, t0, t1, o + (n - begin), ld);
+      }
+    }
+    const int64_t scalar_from = full_end;
+#else
+    const int64_t scalar_from = begin;
+#endif
+    for (int64_t n = scalar_from; n < end; ++n) {
+      if (!live()) return false;
+      for (int64_t t = 0; t < T; ++t) o[t * ld + (n - begin)] = scalar_output(w, N, nb, block_bytes, n, qx + t * K, dx + t * nb);
+    }
+    return true;
+  }
+
+  void commit(int64_t c, std::vector<float>* scratch) const {
+    const int64_t begin = row_begin(c), rows = row_end(c) - begin;
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(out + t * N + begin, scratch->data() + t * rows, rows * sizeof(float));
+  }
+};
+
+// out (T, N) float = x (T, K) @ W^T, W (N, K) packed as above in blocks of `block_bytes`. W must
+// stay allocated until work::Pool::get().quiesce() (work_pool.h).
+inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int64_t K, int64_t N, int64_t block_bytes) {
+  const int64_t nb = K / kBlock;
+  work::Pool& pool = work::Pool::get();
+  // per thread, kept across calls: a worker left behind by an earlier call may still read them,
+  // so they are only reallocated (grown) once no worker is inside a chunk
+  thread_local std::vector<int8_t> qx_buf;
+  thread_local std::vector<float> dx_buf;
+  thread_local std::vector<int32_t> nc_buf;
+  if (static_cast<size_t>(T * K) > qx_buf.capacity() || static_cast<size_t>(T * nb) > dx_buf.capacity() ||
+      static_cast<size_t>(T * nb) > nc_buf.capacity())
+    pool.quiesce();
+  qx_buf.resize(T * K);
+  dx_buf.resize(T * nb);
+  nc_buf.resize(T * nb);
+  quantize_rows(x, qx_buf.data(), dx_buf.data(), T, K);
+  const int32_t offset = is_q4(block_bytes) ? 8 : 128;
+  for (int64_t i = 0; i < T * nb; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < kBlock; ++j) sum += qx_buf[i * kBlock + j];
+    nc_buf[i] = -offset * sum;
+  }
+  const int64_t groups = N / kRows;
+  const int64_t reads = nb * block_bytes * N * ((T + kTokens - 1) / kTokens);
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread, std::max<int64_t>(groups, 1)}));
+  const int64_t per_chunk = (std::max<int64_t>(groups, 1) + chunks - 1) / chunks;
+  Job job{w, qx_buf.data(), dx_buf.data(), nc_buf.data(), out, T, K, N, nb, block_bytes, groups, per_chunk, 0};
+  job.chunks = (std::max<int64_t>(groups, 1) + per_chunk - 1) / per_chunk;
+  pool.run(job.chunks, job);
+}
+
+}  // namespace quant::lanes
+
+// The tensor entry points (pagedecode._cpu): blocks are uint8 in GGUF's layout or int8 packed
+// (lanes), (N, K / 32 * block bytes) either way.
+namespace quant {
+
+inline int64_t check_blocks(const at::Tensor& blocks, int64_t K, const char* what) {
+  TORCH_CHECK(blocks.dim() == 2 && (blocks.scalar_type() == at::kByte || blocks.scalar_type() == at::kChar) &&
+                  blocks.is_contiguous(), what, ": blocks must be (N, K / 32 * block bytes) uint8 (GGUF's layout) "
+                  "or int8 (packed by quant_pack)");
+  TORCH_CHECK(K > 0 && K % kBlock == 0, what, ": K must be a positive multiple of 32");
+  const int64_t block_bytes = blocks.size(1) / (K / kBlock);
+  TORCH_CHECK((block_bytes == 34 || block_bytes == 18) && block_bytes * (K / kBlock) == blocks.size(1),
+              what, ": blocks are neither Q8_0 (34 bytes) nor Q4_0 (18 bytes) for this K");
+  return block_bytes;
+}
+
+inline const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
+
+}  // namespace quant
+
+// pagedecode._cpu.quant_linear(x (T, K) float32, blocks, N) -> (T, N) float32
+// quiesce=false: the caller keeps the blocks allocated until it calls work::Pool::get().quiesce()
+inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n_out, bool quiesce = true) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x must be (T, K) float32");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == n_out, "quant_linear: blocks must have N rows");
+  const int64_t T = x.size(0), K = x.size(1);
+  const int64_t block_bytes = quant::check_blocks(blocks, K, "quant_linear");
+  at::Tensor out = at::empty({T, n_out}, x.options());
+  if (T > 0 && n_out > 0) {
+    if (blocks.scalar_type() == at::kChar)
+      quant::lanes::matmul(x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out, block_bytes);
+    else
+      quant::matmul(x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out, block_bytes);
+  }
+  if (quiesce) work::Pool::get().quiesce();     // the caller may free the blocks once this returns
+  return out;
+}
+
+// pagedecode._cpu.quant_pack(blocks uint8, K) -> the same weight packed (int8), and quant_unpack back
+inline at::Tensor quant_repack(const at::Tensor& blocks, int64_t K, bool to_lanes) {
+  const int64_t block_bytes = quant::check_blocks(blocks, K, to_lanes ? "quant_pack" : "quant_unpack");
+  TORCH_CHECK(blocks.scalar_type() == (to_lanes ? at::kByte : at::kChar),
+              to_lanes ? "quant_pack: blocks must be uint8 (GGUF's layout)" : "quant_unpack: blocks must be int8 (packed)");
+  at::Tensor out = at::empty_like(blocks, blocks.options().dtype(to_lanes ? at::kChar : at::kByte));
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  if (to_lanes)
+    quant::lanes::pack(quant::bytes(blocks), dst, blocks.size(0), K / quant::kBlock, block_bytes);
+  else
+    quant::lanes::unpack(quant::bytes(blocks), dst, blocks.size(0), K / quant::kBlock, block_bytes);
+  return out;
+}
+
+// rows `ids` of an embedding table (V, K) in Q8_0 / Q4_0 blocks (either layout), dequantized: (len(ids), K) float32
+inline at::Tensor quant_embedding_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t K) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_embedding_rows: ids must be 1-D int64");
+  const int64_t block_bytes = quant::check_blocks(blocks, K, "quant_embedding_rows");
+  const int64_t nb = K / quant::kBlock, T = ids.size(0), V = blocks.size(0);
+  const bool lanes = blocks.scalar_type() == at::kChar;
+  const at::Tensor id_c = ids.contiguous();
+  at::Tensor out = at::empty({T, K}, at::kFloat);
+  const int64_t* id = id_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < V, "quant_embedding_rows: token id out of range");
+    float* o = out.data_ptr<float>() + t * K;
+    int8_t w[quant::kBlock];
+    for (int64_t b = 0; b < nb; ++b) {
+      float d;
+      if (lanes) {
+        d = quant::lanes::block_at(quant::bytes(blocks), V, nb, block_bytes, id[t], b, w);
+      } else {
+        const uint8_t* blk = quant::bytes(blocks) + id[t] * blocks.size(1) + b * block_bytes;
+        quant::unpack_scalar(blk, block_bytes == 18, w);
+        d = quant::fp16_to_float(blk);
+      }
+      for (int j = 0; j < quant::kBlock; ++j) o[b * quant::kBlock + j] = d * static_cast<float>(w[j]);
+    }
+  }
+  return out;
+}
