@@ -254,7 +254,7 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   const int64_t per_chunk = (std::max<int64_t>(groups, 1) + chunks - 1) / chunks;
   Job job{w, qx_buf.data(), dx_buf.data(), nc_buf.data(), out, T, K, N, nb, block_bytes, groups, per_chunk, 0};
   job.chunks = (std::max<int64_t>(groups, 1) + per_chunk - 1) / per_chunk;
-  pool.run(job.chunks, job);
+  work::run(job.chunks, job, T);
 }
 
 }  // namespace quant::lanes

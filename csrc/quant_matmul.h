@@ -516,7 +516,7 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   const int64_t reads = nb * block_bytes * N * ((T + kTile - 1) / kTile);
   const int64_t chunks = std::max<int64_t>(1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread, N}));
   job.per_chunk = (N + chunks - 1) / chunks;
-  pool.run((N + job.per_chunk - 1) / job.per_chunk, job);
+  work::run((N + job.per_chunk - 1) / job.per_chunk, job, T);
 }
 
 }  // namespace quant
