@@ -102,3 +102,28 @@ def test_the_kernel_path_chooses_and_reports_what_the_reference_does(stories_eng
             assert [t for t, _ in tb] == [t for t, _ in ta]
             assert [v for _, v in tb] == pytest.approx([v for _, v in ta], abs=1e-5)
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+
+
+def test_greedy_rows_pick_what_torch_max_picks():
+    """The greedy path's argmax (numpy's on CPU float32, torch's max elsewhere): the same index and
+    value as torch.max per row, the first of tied maxima, NaN anywhere giving its position and NaN,
+    +inf its position, a row of -inf index 0 and -inf; any layout, no rows."""
+    import math
+
+    from pagedecode.runtime.selector import greedy_rows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 1000, generator=g)
+    x[1, 7] = x[1, 900] = 50.0                       # a tie: the first
+    x[2, 13] = float("nan")
+    x[3, 500] = float("inf")
+    x[4] = float("-inf")
+    x[5, 3] = float("nan")
+    x[5, 4] = float("inf")                           # NaN before +inf: the NaN
+    for logits in (x, x[:, ::2], x.t().contiguous().t(), x.to(torch.bfloat16)):
+        tokens, best = greedy_rows(logits)
+        want_best, want_idx = logits.max(dim=-1)
+        assert tokens == want_idx.tolist()
+        for got, want in zip(best, want_best.float().tolist()):
+            assert got == want or (math.isnan(got) and math.isnan(want))
+    assert greedy_rows(x)[0][1:6] == [7, 13, 500, 0, 3]
+    assert greedy_rows(x[:0]) == ([], [])
