@@ -159,54 +159,6 @@ inline void group_tile(const uint8_t* group, int64_t nb, bool q4, const int8_t* 
   for (int t = 0; t < RT; ++t) _mm512_storeu_ps(out + t * ld, acc[t]);
 }
 
-// One token (the gemv) against G consecutive groups at once: each broadcast of four activation
-// bytes serves G weight registers, and the G accumulators are independent chains (one group alone
-// is a chain of 8 dependent vpdpbusd per block). Measured in cache, 576 x 3072 q8_0: 13.6 us
-// against 16.1 us one group at a time; from memory both read a decode step's weights at ~21 GB/s
-// (2 threads; software prefetch 4 or 12 tiles ahead did not help). The same integer dots and
-// float operations as group_tile.
-template <int G>
-inline void groups_gemv(const uint8_t* first, int64_t nb, bool q4, const int8_t* qx, const float* dx,
-                        const int32_t* nc, float* out) {
-  const int64_t tile_bytes = kRows * (q4 ? 2 + kBlock / 2 : 2 + kBlock), group_bytes = nb * tile_bytes;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* x = qx + b * kBlock;
-    const uint8_t* tile = first + b * tile_bytes;
-    auto bcast = [&](int at) {
-      int32_t four;
-      std::memcpy(&four, x + at, 4);
-      return _mm512_set1_epi32(four);
-    };
-    __m512i s[G];
-    for (int g = 0; g < G; ++g) s[g] = _mm512_set1_epi32(nc[b]);
-    if (q4) {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i lo = bcast(4 * j), hi = bcast(16 + 4 * j);
-        for (int g = 0; g < G; ++g) {
-          const __m512i v = _mm512_loadu_si512(tile + g * group_bytes + 2 * kRows + 64 * j);
-          s[g] = _mm512_dpbusd_epi32(s[g], _mm512_and_si512(v, low), lo);
-          s[g] = _mm512_dpbusd_epi32(s[g], _mm512_and_si512(_mm512_srli_epi16(v, 4), low), hi);
-        }
-      }
-    } else {
-      for (int j = 0; j < 8; ++j) {
-        const __m512i xb = bcast(4 * j);
-        for (int g = 0; g < G; ++g)
-          s[g] = _mm512_dpbusd_epi32(s[g], _mm512_loadu_si512(tile + g * group_bytes + 2 * kRows + 64 * j), xb);
-      }
-    }
-    const __m512 scale = _mm512_set1_ps(dx[b]);
-    for (int g = 0; g < G; ++g) {
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + g * group_bytes)));
-      acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[g]), _mm512_mul_ps(dw, scale), acc[g]);
-    }
-  }
-  for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + g * kRows, acc[g]);
-}
-
 // a group against tokens [t0, t1): kTokens at a time, the rest 4, 2, 1 at a time
 inline void group_tokens(const uint8_t* group, int64_t nb, bool q4, const int8_t* qx, const float* dx,
                          const int32_t* nc, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
@@ -247,17 +199,7 @@ struct Job {
     const int64_t full_end = std::min(end, groups * kRows);
 #if defined(QUANT_LANES)
     const bool q4 = is_q4(block_bytes);
-    if (T == 1) {
-      constexpr int kGroups = 4;
-      int64_t n = begin;
-      const int64_t group_bytes = nb * kRows * block_bytes;
-      for (; n + kGroups * kRows <= full_end; n += kGroups * kRows) {
-        if (!live()) return false;
-        groups_gemv<kGroups>(w + (n / kRows) * group_bytes, nb, q4, qx, dx, nc, o + (n - begin));
-      }
-      for (; n < full_end; n += kRows) groups_gemv<1>(w + (n / kRows) * group_bytes, nb, q4, qx, dx, nc, o + (n - begin));
-    }
-    for (int64_t t0 = 0; t0 < T && T > 1; t0 += kTokenBlock) {
+    for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
       const int64_t t1 = std::min(T, t0 + kTokenBlock);
       for (int64_t n = begin; n < full_end; n += kRows) {
         if (!live()) return false;

@@ -48,7 +48,8 @@ def blocks_in(q, layout):
 @needs_kernel
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("T, K, N", [(1, 64, 96), (3, 96, 7), (17, 576, 100), (2, 1536, 33), (11, 160, 37)])
+@pytest.mark.parametrize("T, K, N", [(1, 64, 96), (3, 96, 7), (17, 576, 100), (2, 1536, 33), (11, 160, 37),
+                                     (1, 576, 300)])
 def test_kernel_against_dequantized_reference(kind, T, K, N, layout):
     """csrc/quant_matmul.h quantizes activations per block to int8: its error against float
     activations is that rounding (half a step of each block's largest |x| / 127), ~0.7% here."""
@@ -78,13 +79,15 @@ def test_gemm_equals_the_gemv_row_by_row(kind, layout):
     (what keeps a request's tokens independent of its batch), at 1 and 2 threads. Odd shapes: T not
     a multiple of the 4-token tile, N not of the 4-row tile, K a multiple of 32 but not of 64 / 256
     (Q4_0's odd last block), tokens past one 128-token block. Packed: N past and not a multiple of
-    the 16-row group (the rest of the rows in GGUF's layout), T past the 8-token tile."""
+    the 16-row group (the rest of the rows in GGUF's layout), T past the 8-token tile, a gemv over
+    more rows than its 8 groups at once (300: two such, two single groups, 12 rows in GGUF's)."""
     g = torch.Generator().manual_seed(11)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            for T, K, N in [(2, 96, 7), (3, 800, 33), (17, 608, 65), (64, 576, 9), (131, 160, 5), (15, 64, 48)]:
+            for T, K, N in [(2, 96, 7), (3, 800, 33), (17, 608, 65), (64, 576, 9), (131, 160, 5), (15, 64, 48),
+                            (5, 96, 300)]:
                 q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
                 x = torch.randn(T, K, generator=g) * torch.rand(T, 1, generator=g) * 4
                 blocks = blocks_in(q, layout)
