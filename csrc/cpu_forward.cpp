@@ -860,7 +860,7 @@ Tensor det_pack_op(const Tensor& w) {
 // linear() in deterministic mode: every float layer, small ones too, through det::matmul (on
 // `packed`, or w packed for the call; a small layer's gemv_transposed, its 1-64-row kernel in the
 // default path, took 1.3x the default's time on a 256-row bf16 prefill of stories260k where
-// det::matmul takes 0.9x); quantized blocks through quant_matmul.h, whose per-token accumulators
+// det::matmul takes 0.9x); quantized blocks through quant_linear (quant_lanes.h), whose per-token accumulators
 // are already the same for any number of rows. buf: as linear()'s, the output reused by every
 // layer of one forward (allocated on first use).
 template <typename T>
@@ -885,7 +885,7 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
 }
 
 // layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (each weight
-// in the model's dtype or uint8 Q8_0 / Q4_0 blocks, which linear() sends to quant_matmul.h), then the
+// in the model's dtype or Q8_0 / Q4_0 blocks, uint8 or packed int8, which linear() sends to quant_linear), then the
 // four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), then the
 // same four packed (for oneDNN; in deterministic mode det::pack's layout); an empty tensor for an
 // absent bias, a layer without its transposed copy, or a weight not packed; lm_head_t and
@@ -990,9 +990,10 @@ auto by_dtype(const Tensor& t, const char* what, F&& f) {
 
 Tensor det_linear_op(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
                      const std::optional<Tensor>& packed) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous() &&
-                  (quant_blocks(w) || w.scalar_type() == x.scalar_type()),
-              "pagedecode._cpu.det_linear: x (T, K), w (N, K) contiguous, one dtype");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() &&
+                  (quant_blocks(w) || (x.size(1) == w.size(1) && w.scalar_type() == x.scalar_type())),
+              "pagedecode._cpu.det_linear: x (T, K), w (N, K) contiguous, one dtype (or Q8_0 / Q4_0 blocks, "
+              "which quant_linear checks)");
   const Tensor bias = b.has_value() ? b->contiguous() : Tensor();
   const Tensor pk = packed.has_value() ? *packed : Tensor();
   return by_dtype(x, "det_linear", [&](auto tag) { return det_linear<decltype(tag)>(x, w, bias, pk); });
@@ -1083,7 +1084,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "wait until no worker of the quantized matmuls is inside a chunk (csrc/work_pool.h): call before "
         "freeing blocks the compiled forward has used");
   m.def("quant_embedding_rows", &quant_embedding_rows,
-        "rows of an embedding table in Q8_0 / Q4_0 blocks, dequantized to float32 (csrc/quant_matmul.h)");
+        "rows of an embedding table in Q8_0 / Q4_0 blocks (either layout), dequantized to float32 (csrc/quant_lanes.h)");
   m.def("quant_linear", [](const Tensor& x, const Tensor& blocks, int64_t n) { return quant_linear(x, blocks, n); },
         "x (T, K) float32 @ W^T, W (N, K) in Q8_0 / Q4_0 blocks (uint8: GGUF's layout, csrc/quant_matmul.h; int8: "
         "packed, csrc/quant_lanes.h), activations int8 per block");

@@ -84,7 +84,8 @@ inline void pack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_
             tile[2 * kRows + 64 * j + 4 * r + i] = q4 ? blk[2 + 4 * j + i] : blk[2 + 4 * j + i] ^ 0x80;
       }
     }
-  std::memcpy(dst + groups * kRows * row_bytes, src + groups * kRows * row_bytes, (N - groups * kRows) * row_bytes);
+  if (N > groups * kRows)
+    std::memcpy(dst + groups * kRows * row_bytes, src + groups * kRows * row_bytes, (N - groups * kRows) * row_bytes);
 }
 
 inline void unpack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_t block_bytes) {
@@ -103,7 +104,8 @@ inline void unpack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int6
           }
       }
     }
-  std::memcpy(dst + groups * kRows * row_bytes, src + groups * kRows * row_bytes, (N - groups * kRows) * row_bytes);
+  if (N > groups * kRows)
+    std::memcpy(dst + groups * kRows * row_bytes, src + groups * kRows * row_bytes, (N - groups * kRows) * row_bytes);
 }
 
 // One output, in the operations every path uses (see the top of the file)
@@ -175,7 +177,8 @@ inline void group_tokens(const uint8_t* group, int64_t nb, bool q4, const int8_t
 }
 #endif
 
-// A chunk of row groups of one call (the last chunk also takes the tail rows), as work::Pool runs it
+// A chunk of row groups of one call (the last chunk also takes the tail rows), as work::run runs it
+// (work_pool.h: on the Pool, in place or into a worker's scratch; on OpenMP's threads, in place)
 struct Job {
   const uint8_t* w;
   const int8_t* qx;
@@ -196,8 +199,8 @@ struct Job {
       o = scratch->data();
       ld = rows;
     }
-    const int64_t full_end = std::min(end, groups * kRows);
 #if defined(QUANT_LANES)
+    const int64_t full_end = std::min(end, groups * kRows);
     const bool q4 = is_q4(block_bytes);
     for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
       const int64_t t1 = std::min(T, t0 + kTokenBlock);
@@ -249,8 +252,8 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   }
   const int64_t groups = N / kRows;
   const int64_t reads = nb * block_bytes * N * ((T + kTokens - 1) / kTokens);
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread, std::max<int64_t>(groups, 1)}));
+  const int64_t chunks = std::max<int64_t>(1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread,
+                                                        std::max<int64_t>(groups, 1), work::Pool::kMaxChunks}));
   const int64_t per_chunk = (std::max<int64_t>(groups, 1) + chunks - 1) / chunks;
   Job job{w, qx_buf.data(), dx_buf.data(), nc_buf.data(), out, T, K, N, nb, block_bytes, groups, per_chunk, 0};
   job.chunks = (std::max<int64_t>(groups, 1) + per_chunk - 1) / per_chunk;
@@ -267,6 +270,7 @@ inline int64_t check_blocks(const at::Tensor& blocks, int64_t K, const char* wha
   TORCH_CHECK(blocks.dim() == 2 && (blocks.scalar_type() == at::kByte || blocks.scalar_type() == at::kChar) &&
                   blocks.is_contiguous(), what, ": blocks must be (N, K / 32 * block bytes) uint8 (GGUF's layout) "
                   "or int8 (packed by quant_pack)");
+  TORCH_CHECK(blocks.device().is_cpu(), what, ": blocks must be on the CPU");
   TORCH_CHECK(K > 0 && K % kBlock == 0, what, ": K must be a positive multiple of 32");
   const int64_t block_bytes = blocks.size(1) / (K / kBlock);
   TORCH_CHECK((block_bytes == 34 || block_bytes == 18) && block_bytes * (K / kBlock) == blocks.size(1),
@@ -281,7 +285,8 @@ inline const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint
 // pagedecode._cpu.quant_linear(x (T, K) float32, blocks, N) -> (T, N) float32
 // quiesce=false: the caller keeps the blocks allocated until it calls work::Pool::get().quiesce()
 inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n_out, bool quiesce = true) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_linear: x must be (T, K) float32");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "quant_linear: x must be (T, K) float32 on the CPU");
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == n_out, "quant_linear: blocks must have N rows");
   const int64_t T = x.size(0), K = x.size(1);
   const int64_t block_bytes = quant::check_blocks(blocks, K, "quant_linear");

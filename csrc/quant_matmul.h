@@ -470,7 +470,7 @@ struct MatmulJob {
 };
 
 // out (T, N) float = x (T, K) @ W^T, W (N, K) in blocks of `block_bytes` (34: Q8_0, 18: Q4_0).
-// Rows go out in chunks through work::Pool (work_pool.h): several per thread, so that a thread
+// Rows go out in chunks through work::run (work_pool.h: the Pool, or OpenMP from 8 rows): several per thread, so that a thread
 // the OS has descheduled costs the call nothing; a call of under kInlineBytes of weight reads runs
 // on the caller alone. W must stay allocated until work::Pool::get().quiesce() (work_pool.h).
 constexpr int64_t kInlineBytes = 32 << 10;
@@ -514,7 +514,8 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   }
 #endif
   const int64_t reads = nb * block_bytes * N * ((T + kTile - 1) / kTile);
-  const int64_t chunks = std::max<int64_t>(1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread, N}));
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread, N, work::Pool::kMaxChunks}));
   job.per_chunk = (N + chunks - 1) / chunks;
   work::run((N + job.per_chunk - 1) / job.per_chunk, job, T);
 }

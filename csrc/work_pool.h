@@ -22,6 +22,11 @@
 // Waiting there instead, at the end of every forward, put a descheduled worker's time slice back
 // into most steps on a loaded machine.
 //
+// That is for a gemv's few rows. From kOpenMPRows rows, run() below gives the chunks to OpenMP's
+// threads instead (claimed from one counter, then joined): the forward's other loops run there, and
+// two pools spinning after their work took each other's cores on a quiet machine, which cost more
+// than the join's exposure to a descheduled thread (see run()).
+//
 // The chunking (which rows each chunk holds) does not depend on who runs a chunk, so results are
 // the same bit for bit at any thread count and under any scheduling. Workers (threads - 1 of them,
 // at::get_num_threads() at the call) spin on the ticket for a while after each job (the next

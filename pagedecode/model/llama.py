@@ -176,7 +176,7 @@ class LlamaModel:
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
         self.quantized = any(isinstance(w, QuantizedWeight) for w in self._weights())
-        # quantized layers on CPU: csrc/quant_matmul.h's int8 kernel, unless "torch" asks for the
+        # quantized layers on CPU: the compiled int8 kernel (quant_linear), unless "torch" asks for the
         # dequantizing reference; on CUDA (kernel None) linear() takes kernels/quant_matmul.py's
         # Triton GEMV / GEMM
         self._quant_kernel = (getattr(_cpu_ext, "quant_linear", None)       # None: an older build

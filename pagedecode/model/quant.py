@@ -5,19 +5,21 @@ are kept as the file stores them, and `quantization="q8_0" | "q4_0"` quantizes a
 checkpoint's layer weights into the same blocks at load (with the `gguf` package's quantizer).
 
 A weight (out_features, in_features) is `blocks` (out_features, in_features / 32 * block bytes)
-uint8; each row is its in_features / 32 blocks in order, each block 32 consecutive inputs:
+uint8; each row is its in_features / 32 blocks in order, each block 32 consecutive inputs (an
+int8 tensor of that shape is the same blocks packed, below: the dtype is the layout's tag):
 
     Q8_0  34 bytes   fp16 scale d | 32 x int8 q                      w[j] = d * q[j]
     Q4_0  18 bytes   fp16 scale d | 16 bytes, byte i = q[i] | q[i+16] << 4   w[j] = d * (q[j] - 8)
 
-Three ways to multiply (`linear`): on CPU with the compiled extension, csrc/quant_matmul.h's
-kernel quantizes the activations per block of 32 to int8 as llama.cpp does and runs integer dot
+Three ways to multiply (`linear`): on CPU with the compiled extension, pagedecode._cpu.quant_linear
+(csrc/quant_lanes.h on packed blocks, csrc/quant_matmul.h on GGUF's) quantizes the activations per block of 32 to int8 as llama.cpp does and runs integer dot
 products (AVX-512 VNNI); on CUDA, kernels/quant_matmul.py's Triton GEMV / GEMM dequantize the
 blocks in registers (float activations); otherwise (attention_backend="torch", no extension) the
 weight is dequantized for the call (the reference), so the only error is the weights'. The
 embedding's rows are dequantized where they are looked up (`embedding_rows`).
 
-For the compiled CPU forward the blocks are repacked at load (`QuantizedWeight.packed`, by
+For the compiled CPU forward the blocks are repacked at load where the build has the packed
+kernel (`pagedecode._cpu.quant_packed_is_fast`: AVX-512 VNNI; `QuantizedWeight.packed`, by
 pagedecode._cpu.quant_pack): 16 rows to a 512-bit register, so that csrc/quant_lanes.h's kernel
 forms the 16 rows' block dots at once (3-4x the GGUF-layout kernel's multiply-adds a second). Same
 size, same blocks, int8 instead of uint8; `gguf_blocks()` gives GGUF's layout back, bit for bit.
@@ -119,7 +121,7 @@ QuantKernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: QuantKernel | None = None,
            backend: str = "auto") -> torch.Tensor:
     """F.linear over a float or a quantized weight. A quantized weight goes to `kernel`
-    (pagedecode._cpu.quant_linear: int8 activations, csrc/quant_matmul.h) when given, else to
+    (pagedecode._cpu.quant_linear: int8 activations, either layout) when given, else to
     kernels/quant_matmul.py (float activations): its Triton kernels on CUDA, or where `backend`
     asks for them; the reference (the weight dequantized for this call) otherwise."""
     if not isinstance(w, QuantizedWeight):

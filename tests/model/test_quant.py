@@ -49,9 +49,10 @@ def blocks_in(q, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("T, K, N", [(1, 64, 96), (3, 96, 7), (17, 576, 100), (2, 1536, 33), (11, 160, 37),
-                                     (1, 576, 300)])
+                                     (1, 576, 300), (130, 96, 48)])
 def test_kernel_against_dequantized_reference(kind, T, K, N, layout):
-    """csrc/quant_matmul.h quantizes activations per block to int8: its error against float
+    """The compiled kernel (csrc/quant_lanes.h packed, csrc/quant_matmul.h GGUF's layout) quantizes
+    activations per block to int8: its error against float
     activations is that rounding (half a step of each block's largest |x| / 127), ~0.7% here."""
     g = torch.Generator().manual_seed(T * K + N)
     q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
@@ -79,15 +80,15 @@ def test_gemm_equals_the_gemv_row_by_row(kind, layout):
     (what keeps a request's tokens independent of its batch), at 1 and 2 threads. Odd shapes: T not
     a multiple of the 4-token tile, N not of the 4-row tile, K a multiple of 32 but not of 64 / 256
     (Q4_0's odd last block), tokens past one 128-token block. Packed: N past and not a multiple of
-    the 16-row group (the rest of the rows in GGUF's layout), T past the 8-token tile, a gemv over
-    more rows than its 8 groups at once (300: two such, two single groups, 12 rows in GGUF's)."""
+    the 16-row group (the rest of the rows in GGUF's layout), T past the 8-token tile and past one
+    128-token block with whole row groups (131 x 37, 130 x 48)."""
     g = torch.Generator().manual_seed(11)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             for T, K, N in [(2, 96, 7), (3, 800, 33), (17, 608, 65), (64, 576, 9), (131, 160, 5), (15, 64, 48),
-                            (5, 96, 300)]:
+                            (5, 96, 300), (131, 160, 37), (130, 64, 48)]:
                 q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
                 x = torch.randn(T, K, generator=g) * torch.rand(T, 1, generator=g) * 4
                 blocks = blocks_in(q, layout)
@@ -107,7 +108,7 @@ def test_kernel_is_the_same_bit_for_bit_at_any_thread_count(kind, layout):
     by the call alone, so the result may not depend on any of it, even with more threads than cores
     (workers descheduled mid-chunk). 3 blocks a row: Q4_0's odd last block too."""
     g = torch.Generator().manual_seed(7)
-    shapes = [(1, 96, 4001), (3, 96, 2000), (5, 576, 700)]
+    shapes = [(1, 96, 4001), (3, 96, 2000), (5, 576, 700), (9, 576, 700), (40, 96, 2000)]   # 8+ rows: OpenMP
     cases = [(QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind), torch.randn(T, K, generator=g), N)
              for T, K, N in shapes]
     cases = [(blocks_in(q, layout), x, N) for q, x, N in cases]
@@ -173,10 +174,11 @@ def test_packed_kernel_forms_the_gguf_kernels_integer_dots(kind):
         q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
         x = torch.randn(T, K, generator=g)
         a, b = _cpu.quant_linear(x, q.blocks, N), _cpu.quant_linear(x, q.pack().blocks, N)
-        assert 0 < (a - b).abs().max() <= 1e-5 * a.abs().max()
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
 @needs_kernel
+@pytest.mark.skipif(not getattr(_cpu, "quant_packed_is_fast", False), reason="a build without AVX-512 VNNI packs nothing")
 def test_the_compiled_forward_holds_quantized_weights_packed(stories_path, monkeypatch):
     """A model on the compiled CPU forward packs its quantized weights at load, in place of the
     GGUF-layout blocks (the same bytes: weight_bytes does not move), the tied head staying the
@@ -302,3 +304,15 @@ def test_triton_backend_multiplies_quantized_weights_with_the_triton_kernels(sto
         assert calls == [len(ids)] * quantized
         want = logits_of(reference, ids)
         assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_det_linear_takes_quantized_blocks(layout):
+    """Deterministic mode's det_linear hands Q8_0 / Q4_0 blocks to quant_linear (its shape check
+    compared K with the blocks' width in bytes, refusing every quantized weight)."""
+    q = QuantizedWeight.quantize(torch.randn(40, 96, generator=torch.Generator().manual_seed(5)), "q4_0")
+    blocks, x = blocks_in(q, layout), torch.randn(3, 96)
+    assert torch.equal(_cpu.det_linear(x, blocks), _cpu.quant_linear(x, blocks, 40))
+    with pytest.raises(RuntimeError, match="det_linear"):
+        _cpu.det_linear(x, torch.randn(40, 95))
