@@ -191,14 +191,8 @@ struct Job {
   int64_t row_end(int64_t c) const { return c == chunks - 1 ? N : std::min(groups, (c + 1) * per_chunk) * kRows; }
 
   bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
-    const int64_t begin = row_begin(c), end = row_end(c), rows = end - begin;
-    float* o = out + begin;
-    int64_t ld = N;
-    if (scratch != nullptr) {
-      scratch->resize(T * rows);
-      o = scratch->data();
-      ld = rows;
-    }
+    const int64_t begin = row_begin(c), end = row_end(c);
+    const auto [o, ld] = work::destination(out, N, T, begin, end - begin, scratch);
 #if defined(QUANT_LANES)
     const int64_t full_end = std::min(end, groups * kRows);
     const bool q4 = is_q4(block_bytes);
@@ -221,9 +215,7 @@ struct Job {
   }
 
   void commit(int64_t c, std::vector<float>* scratch) const {
-    const int64_t begin = row_begin(c), rows = row_end(c) - begin;
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(out + t * N + begin, scratch->data() + t * rows, rows * sizeof(float));
+    work::publish(out, N, T, row_begin(c), row_end(c) - row_begin(c), *scratch);
   }
 };
 

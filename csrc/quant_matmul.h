@@ -415,14 +415,8 @@ struct MatmulJob {
   bool q4;
 
   bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
-    const int64_t begin = c * per_chunk, end = std::min(N, begin + per_chunk), rows = end - begin;
-    float* o = out + begin;
-    int64_t ld = N;
-    if (scratch != nullptr) {
-      scratch->resize(T * rows);
-      o = scratch->data();
-      ld = rows;
-    }
+    const int64_t begin = c * per_chunk, end = std::min(N, begin + per_chunk);
+    const auto [o, ld] = work::destination(out, N, T, begin, end - begin, scratch);
 #if defined(QUANT_Q4_PAIRS)
     if (T >= 2) return gemm(begin, end, o, ld, live);
 #endif
@@ -463,9 +457,8 @@ struct MatmulJob {
 #endif
 
   void commit(int64_t c, std::vector<float>* scratch) const {
-    const int64_t begin = c * per_chunk, rows = std::min(N, begin + per_chunk) - begin;
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(out + t * N + begin, scratch->data() + t * rows, rows * sizeof(float));
+    const int64_t begin = c * per_chunk;
+    work::publish(out, N, T, begin, std::min(N, begin + per_chunk) - begin, *scratch);
   }
 };
 

@@ -233,6 +233,23 @@ class Pool {
   std::atomic<int> sleepers_{0};
 };
 
+// Where a chunk of output columns [begin, begin + cols) of a (T, N) output goes: in place, or,
+// for a worker, into its scratch (T, cols), which publish() then copies out.
+struct Dest {
+  float* o;
+  int64_t ld;
+};
+
+inline Dest destination(float* out, int64_t N, int64_t T, int64_t begin, int64_t cols, std::vector<float>* scratch) {
+  if (scratch == nullptr) return {out + begin, N};
+  scratch->resize(T * cols);
+  return {scratch->data(), cols};
+}
+
+inline void publish(float* out, int64_t N, int64_t T, int64_t begin, int64_t cols, const std::vector<float>& scratch) {
+  for (int64_t t = 0; t < T; ++t) std::memcpy(out + t * N + begin, scratch.data() + t * cols, cols * sizeof(float));
+}
+
 // The chunks of a matmul of `rows` activation rows: a gemv's few rows on the Pool (its workers,
 // spinning between calls, take a chunk within a microsecond; a decode step is ~120 calls of tens
 // of microseconds), more rows on OpenMP's threads, each claiming chunks from one atomic counter.
