@@ -383,132 +383,232 @@ void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t
   for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;
 }
 
-template <typename T, int64_t kD>
-void paged_attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt,
-                     int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S,
-                     int64_t page_size, int64_t H, int64_t Hkv, int64_t head_dim, float scale, T* out, bool det) {
-  const int64_t D = kD > 0 ? kD : head_dim, G = H / Hkv, page_elems = page_size * Hkv * D;
+// The inputs of one attention call, as a work item reads them
+template <typename T>
+struct AttendArgs {
+  const T* qkv;
+  int64_t q_stride;
+  const T* kc;
+  const T* vc;
+  const int32_t* pt;
+  int64_t pt_stride;
+  const int32_t* lens;
+  const int32_t* cu;
+  int64_t S, rows, num_pages, page_size, H, Hkv, D;
+  float scale;
+  bool det;
+  bool pool;      // few rows on the spinning pool: where the matmuls around it run there too
+};
+
+// One work item: query heads [h0, h0 + nh) of the rows [r0, r0 + kRowBlock) of sequence s that it
+// holds; the output of row r0 + i, head h0 + k at o + i * ld + k * D (converted to O). Returns
+// false, computing nothing, if the inputs do not describe such an item: only a pool worker late
+// for a call the caller already finished can see that (it reads the caller's copies of the small
+// inputs while the next call rewrites them; see decode_attention), and its result is discarded.
+template <typename T, int64_t kD, typename O>
+bool attend_block(const AttendArgs<T>& a, int64_t s, int64_t r0, int64_t h0, int64_t nh, O* o, int64_t ld) {
+  const int64_t D = kD > 0 ? kD : a.D, H = a.H, G = H / a.Hkv, page_size = a.page_size;
+  const int64_t page_elems = page_size * a.Hkv * D;
 #if defined(__AVX512BF16__)
   // bf16 scores straight from the pages (qk_scores_bf16); the V pages are still widened once each
   constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
 #else
   constexpr bool kDotBf16 = false;
 #endif
+  if (s < 0 || s >= a.S || h0 < 0 || nh <= 0 || h0 + nh > H) return false;
+  const int64_t begin = a.cu[s], end = a.cu[s + 1];
+  if (begin < 0 || r0 < begin || r0 >= end || end > a.rows) return false;
+  const int64_t r1 = std::min<int64_t>(r0 + kRowBlock, end), nq = (r1 - r0) * nh;
+  const int64_t cached = a.lens[s] - (end - begin);
+  const int64_t width = cached + (r1 - begin);                 // positions the block's last row sees
+  if (cached < 0 || width > a.pt_stride * page_size) return false;
+  const int32_t* pages = a.pt + s * a.pt_stride;
+  for (int64_t p = 0; p * page_size < width; ++p)
+    if (pages[p] < 0 || pages[p] >= a.num_pages) return false;
+  // scratch kept per thread across calls (resize only grows it): no allocation per layer
+  thread_local std::vector<float> q, scores, acc, denom, kf, vf;
+  thread_local std::vector<int64_t> vis;
+  if constexpr (!std::is_same_v<T, float>) {
+    kf.resize(page_elems);
+    vf.resize(page_elems);
+  }
+  // one page as float: the cache itself for float, else converted once into buf
+  auto page_as_float = [&](const T* cache, int32_t page, int64_t n, std::vector<float>& buf) -> const float* {
+    const T* src = cache + static_cast<int64_t>(page) * page_elems;
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+#pragma omp simd
+      for (int64_t e = 0; e < n * a.Hkv * D; ++e) buf[e] = f32(src[e]);
+      return buf.data();
+    }
+  };
+  auto q_row = [&](int64_t j) { return a.qkv + (r0 + j / nh) * a.q_stride + (h0 + j % nh) * D; };
+  auto kv_head = [&](int64_t j) { return ((h0 + j % nh) / G) * D; };
+  q.resize(nq * D);
+  vis.resize(nq);
+  for (int64_t j = 0; j < nq; ++j) {                        // query j: row r0 + j / nh, head h0 + j % nh
+    vis[j] = cached + (r0 + j / nh - begin) + 1;
+    if constexpr (kDotBf16) continue;                      // read in place instead
+    const T* src = q_row(j);
+    for (int64_t d = 0; d < D; ++d) q[j * D + d] = f32(src[d]) * a.scale;
+  }
+  scores.resize(nq * width);
+  for (int64_t p0 = 0; p0 < width; p0 += page_size) {
+    const int64_t n = std::min(page_size, width - p0);
+    if constexpr (kDotBf16) {
+#if defined(__AVX512BF16__)
+      const T* k = a.kc + static_cast<int64_t>(pages[p0 / page_size]) * page_elems;
+      for (int64_t j = 0; j < nq; ++j)
+        qk_scores_bf16<kD>(q_row(j), k + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0), a.scale,
+                           scores.data() + j * width + p0);
+#endif
+      continue;
+    }
+    const float* k = page_as_float(a.kc, pages[p0 / page_size], n, kf);
+    for (int64_t j = 0; j < nq; ++j)
+      qk_scores<kD>(q.data() + j * D, k + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0), D,
+                    scores.data() + j * width + p0);
+  }
+  denom.resize(nq);
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = scores.data() + j * width;
+    const float shift = row_max(sj, vis[j]);
+    denom[j] = a.det ? exp_shifted_sum_fixed(sj, vis[j], shift) : exp_shifted_sum(sj, vis[j], shift);
+  }
+  acc.assign(nq * D, 0.f);
+  for (int64_t p0 = 0; p0 < width; p0 += page_size) {
+    const int64_t n = std::min(page_size, width - p0);
+    const float* v = page_as_float(a.vc, pages[p0 / page_size], n, vf);
+    for (int64_t j = 0; j < nq; ++j)
+      pv_accumulate<kD>(scores.data() + j * width + p0, v + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0), D,
+                        acc.data() + j * D);
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    const float inv = 1.f / denom[j];
+    O* out = o + (j / nh) * ld + (j % nh) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = to<O>(acc[j * D + d] * inv);
+  }
+  if (scores.capacity() > (size_t{1} << 22)) {     // a long context's scores: not kept past 16 MB
+    scores.clear();
+    scores.shrink_to_fit();
+  }
+  return true;
+}
+
+// A decode step's items on the spinning pool (work_pool.h), whose workers take a chunk within a
+// microsecond: at::parallel_for's OpenMP threads, woken for ~60 such calls a step, fought the
+// pool's spinning workers for the cores (a 135M q4_0 model's single-stream step 5 ms -> 11 ms).
+// A worker computes its item into its scratch (float), which commit() converts into place.
+template <typename T, int64_t kD>
+struct DecodeAttention {
+  AttendArgs<T> a;
+  const int64_t* items;      // (s, r0, h0, nh) per item
+  T* out;
+
+  bool compute(int64_t c, std::vector<float>* scratch, work::Live) const {
+    const int64_t* it = items + 4 * c;
+    const int64_t row = a.H * a.D;
+    if (scratch == nullptr) return attend_block<T, kD, T>(a, it[0], it[1], it[2], it[3], out + it[1] * row + it[2] * a.D, row);
+    if (it[3] <= 0 || it[3] > a.H) return false;
+    scratch->resize(kRowBlock * it[3] * a.D);
+    return attend_block<T, kD, float>(a, it[0], it[1], it[2], it[3], scratch->data(), it[3] * a.D);
+  }
+
+  void commit(int64_t c, std::vector<float>* scratch) const {   // the caller is inside run(): inputs intact
+    const int64_t* it = items + 4 * c;
+    const int64_t r0 = it[1], nh = it[3], r1 = std::min<int64_t>(r0 + kRowBlock, a.cu[it[0] + 1]);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* o = out + r * a.H * a.D + it[2] * a.D;
+      const float* src = scratch->data() + (r - r0) * nh * a.D;
+      for (int64_t e = 0; e < nh * a.D; ++e) o[e] = to<T>(src[e]);
+    }
+  }
+};
+
+// items (s, r0, h0, nh) on the pool. A worker whose item the caller took back may still be
+// reading after the caller returned (work_pool.h): the small inputs (queries, page table rows,
+// lengths, the items) are copied into buffers of the calling thread that are only reallocated once
+// no worker is inside a chunk, and attend_block refuses what is out of range; the caches stay
+// allocated (KVCache quiesces the pool before it frees them).
+template <typename T, int64_t kD>
+void decode_attention(const AttendArgs<T>& a, const std::vector<int64_t>& items, T* out) {
+  work::Pool& pool = work::Pool::get();
+  thread_local std::vector<T> qkv_c;
+  thread_local std::vector<int32_t> pt_c, lens_c, cu_c;
+  thread_local std::vector<int64_t> items_c;
+  const size_t n_qkv = a.rows * a.q_stride, n_pt = a.S * a.pt_stride;
+  if (n_qkv > qkv_c.capacity() || n_pt > pt_c.capacity() || static_cast<size_t>(a.S + 1) > cu_c.capacity() ||
+      items.size() > items_c.capacity())
+    pool.quiesce();
+  qkv_c.assign(a.qkv, a.qkv + n_qkv);
+  pt_c.assign(a.pt, a.pt + n_pt);
+  lens_c.assign(a.lens, a.lens + a.S);
+  cu_c.assign(a.cu, a.cu + a.S + 1);
+  items_c.assign(items.begin(), items.end());
+  AttendArgs<T> c = a;
+  c.qkv = qkv_c.data();
+  c.q_stride = a.q_stride;
+  c.pt = pt_c.data();
+  c.lens = lens_c.data();
+  c.cu = cu_c.data();
+  pool.run(static_cast<int64_t>(items.size() / 4), DecodeAttention<T, kD>{c, items_c.data(), out});
+}
+
+template <typename T, int64_t kD>
+void paged_attention(const AttendArgs<T>& a, T* out) {
   std::vector<int64_t> block_seq, block_row;
-  for (int64_t s = 0; s < S; ++s) {
-    if (!det && cu[s + 1] - cu[s] >= kMatmulRows) continue;  // prefill_attention takes it
-    for (int64_t r = cu[s]; r < cu[s + 1]; r += kRowBlock) {
+  for (int64_t s = 0; s < a.S; ++s) {
+    if (!a.det && a.cu[s + 1] - a.cu[s] >= kMatmulRows) continue;  // prefill_attention takes it
+    for (int64_t r = a.cu[s]; r < a.cu[s + 1]; r += kRowBlock) {
       block_seq.push_back(s);
       block_row.push_back(r);
     }
   }
-  const int64_t items = static_cast<int64_t>(block_seq.size());
-  const int64_t bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  // Fewer blocks than threads (one sequence decoding): each block's query heads split into parts,
+  // an item each, so that every thread has one. An output's arithmetic is the same whichever item,
+  // thread or path computes it.
+  const int64_t threads = at::get_num_threads(), blocks = static_cast<int64_t>(block_seq.size());
+  const int64_t parts = blocks > 0 && blocks < threads ? std::min(a.H, (threads + blocks - 1) / blocks) : 1;
+  const int64_t items = blocks * parts;
+  std::vector<int64_t> item(4 * items);                      // (s, r0, h0, nh)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t h0 = (it % parts) * a.H / parts, h1 = (it % parts + 1) * a.H / parts;
+    item[4 * it] = block_seq[it / parts];
+    item[4 * it + 1] = block_row[it / parts];
+    item[4 * it + 2] = h0;
+    item[4 * it + 3] = h1 - h0;
+  }
+  if (a.pool && items > 1 && threads > 1 && a.rows < work::kOpenMPRows && !at::in_parallel_region()) {
+    decode_attention<T, kD>(a, item, out);
+    return;
+  }
+  const int64_t bins = std::max<int64_t>(1, std::min<int64_t>(threads, items));
   // kept across calls (no allocation a layer); named through references, which the workers'
   // lambda below captures (a thread_local named inside it would be the worker's own)
   thread_local std::vector<int64_t> work_, order_, bin_start_;
   std::vector<int64_t>&work = work_, &order = order_, &bin_start = bin_start_;
   work.resize(items);
   for (int64_t it = 0; it < items; ++it) {
-    const int64_t s = block_seq[it], r1 = std::min<int64_t>(block_row[it] + kRowBlock, cu[s + 1]);
-    work[it] = (r1 - block_row[it]) * (lens[s] - (cu[s + 1] - r1));     // rows x the context they see
+    const int64_t s = item[4 * it], r0 = item[4 * it + 1], r1 = std::min<int64_t>(r0 + kRowBlock, a.cu[s + 1]);
+    work[it] = (r1 - r0) * item[4 * it + 3] * (a.lens[s] - (a.cu[s + 1] - r1));   // rows x heads x context
   }
   balance(work, bins, order, bin_start);
   at::parallel_for(0, bins, 1, [&](int64_t bin_begin, int64_t bin_end) {
-    // scratch kept per thread across calls (resize only grows it): no allocation per layer
-    thread_local std::vector<float> q, scores, acc, denom, kf, vf;
-    thread_local std::vector<int64_t> vis;
-    if constexpr (!std::is_same_v<T, float>) {
-      kf.resize(page_elems);
-      vf.resize(page_elems);
-    }
-    // one page as float: the cache itself for float, else converted once into buf
-    auto page_as_float = [&](const T* cache, int32_t page, int64_t n, std::vector<float>& buf) -> const float* {
-      const T* src = cache + static_cast<int64_t>(page) * page_elems;
-      if constexpr (std::is_same_v<T, float>) {
-        return src;
-      } else {
-#pragma omp simd
-        for (int64_t e = 0; e < n * Hkv * D; ++e) buf[e] = f32(src[e]);
-        return buf.data();
-      }
-    };
     for (int64_t k = bin_start[bin_begin]; k < bin_start[bin_end]; ++k) {
-      const int64_t it = order[k];
-      const int64_t s = block_seq[it], r0 = block_row[it];
-      const int64_t r1 = std::min<int64_t>(r0 + kRowBlock, cu[s + 1]), nq = (r1 - r0) * H;
-      const int64_t cached = lens[s] - (cu[s + 1] - cu[s]);
-      const int64_t width = cached + (r1 - cu[s]);            // positions the block's last row sees
-      const int32_t* pages = pt + s * pt_stride;
-      q.resize(nq * D);
-      vis.resize(nq);
-      for (int64_t j = 0; j < nq; ++j) {                        // query j: row r0 + j / H, head j % H
-        const int64_t r = r0 + j / H;
-        vis[j] = cached + (r - cu[s]) + 1;
-        if constexpr (kDotBf16) continue;                      // read in place instead
-        const T* src = qkv + r * q_stride + (j % H) * D;
-        for (int64_t d = 0; d < D; ++d) q[j * D + d] = f32(src[d]) * scale;
-      }
-      scores.resize(nq * width);
-      for (int64_t p0 = 0; p0 < width; p0 += page_size) {
-        const int64_t n = std::min(page_size, width - p0);
-        if constexpr (kDotBf16) {
-#if defined(__AVX512BF16__)
-          const T* k = kc + static_cast<int64_t>(pages[p0 / page_size]) * page_elems;
-          for (int64_t j = 0; j < nq; ++j) {
-            const T* qj = qkv + (r0 + j / H) * q_stride + (j % H) * D;
-            qk_scores_bf16<kD>(qj, k + ((j % H) / G) * D, Hkv * D, std::min(n, vis[j] - p0), scale,
-                               scores.data() + j * width + p0);
-          }
-#endif
-          continue;
-        }
-        const float* k = page_as_float(kc, pages[p0 / page_size], n, kf);
-        for (int64_t j = 0; j < nq; ++j) {
-          const float* qj = q.data() + j * D;
-          const float* kh = k + ((j % H) / G) * D;
-          float* sj = scores.data() + j * width + p0;
-          qk_scores<kD>(qj, kh, Hkv * D, std::min(n, vis[j] - p0), D, sj);
-        }
-      }
-      denom.resize(nq);
-      for (int64_t j = 0; j < nq; ++j) {
-        float* sj = scores.data() + j * width;
-        const float shift = row_max(sj, vis[j]);
-        denom[j] = det ? exp_shifted_sum_fixed(sj, vis[j], shift) : exp_shifted_sum(sj, vis[j], shift);
-      }
-      acc.assign(nq * D, 0.f);
-      for (int64_t p0 = 0; p0 < width; p0 += page_size) {
-        const int64_t n = std::min(page_size, width - p0);
-        const float* v = page_as_float(vc, pages[p0 / page_size], n, vf);
-        for (int64_t j = 0; j < nq; ++j) {
-          const float* vh = v + ((j % H) / G) * D;
-          const float* sj = scores.data() + j * width + p0;
-          float* a = acc.data() + j * D;
-          pv_accumulate<kD>(sj, vh, Hkv * D, std::min(n, vis[j] - p0), D, a);
-        }
-      }
-      for (int64_t j = 0; j < nq; ++j) {
-        const float inv = 1.f / denom[j];
-        T* o = out + (r0 + j / H) * H * D + (j % H) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = to<T>(acc[j * D + d] * inv);
-      }
-    }
-    if (scores.capacity() > (size_t{1} << 22)) {     // a long context's scores: not kept past 16 MB
-      scores.clear();
-      scores.shrink_to_fit();
+      const int64_t* it = item.data() + 4 * order[k];
+      attend_block<T, kD, T>(a, it[0], it[1], it[2], it[3], out + it[1] * a.H * a.D + it[2] * a.D, a.H * a.D);
     }
   });
 }
 
 template <typename T>
-void attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, const int32_t* pt, int64_t pt_stride,
-               const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H, int64_t Hkv,
-               int64_t D, float scale, T* out, bool det) {
-  auto run = [&](auto fixed) {
-    paged_attention<T, decltype(fixed)::value>(qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, page_size, H,
-                                               Hkv, D, scale, out, det);
-  };
+void attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, int64_t num_pages, const int32_t* pt,
+               int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H,
+               int64_t Hkv, int64_t D, float scale, T* out, bool det, bool pool) {
+  const AttendArgs<T> a{qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, S > 0 ? cu[S] : 0, num_pages,
+                        page_size, H, Hkv, D, scale, det, pool};
+  auto run = [&](auto fixed) { paged_attention<T, decltype(fixed)::value>(a, out); };
   switch (D) {
     case 8: run(std::integral_constant<int64_t, 8>()); break;
     case 16: run(std::integral_constant<int64_t, 16>()); break;
@@ -933,9 +1033,9 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
     T* vc = v_cache.data_ptr<T>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
                    slots, kc, vc);
-    attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, page_table.data_ptr<int32_t>(), page_table.size(1),
+    attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, k_cache.size(1), page_table.data_ptr<int32_t>(), page_table.size(1),
               seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
-              attn.data_ptr<T>(), det);
+              attn.data_ptr<T>(), det, /*pool=*/quant_blocks(L[1]));
     if (!chunks.empty()) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
     Tensor o = mm(attn, 3, 4, 9, 13, L, buf_o);
     add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
@@ -1028,7 +1128,7 @@ Tensor silu_mul_op(const Tensor& gate_up) {
 // q (T, H, D) against the paged cache of one layer (pages, page_size, Hkv, D): every row through the
 // paged kernel in its fixed order (decode rows and chunks alike) -> (T, H, D)
 Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_layer, const Tensor& page_table,
-                        const Tensor& seq_lens, const Tensor& cu_q, double scale) {
+                        const Tensor& seq_lens, const Tensor& cu_q, double scale, bool pool) {
   TORCH_CHECK(q.dim() == 3 && k_layer.dim() == 4 && k_layer.is_contiguous() && v_layer.is_contiguous() &&
                   k_layer.scalar_type() == q.scalar_type() && page_table.is_contiguous() &&
                   page_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -1040,9 +1140,10 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
   Tensor out = at::empty_like(qc);
   by_dtype(q, "det_attention", [&](auto tag) {
     using T = decltype(tag);
-    attention(qc.data_ptr<T>(), H * D, k_layer.data_ptr<T>(), v_layer.data_ptr<T>(), page_table.data_ptr<int32_t>(),
+    attention(qc.data_ptr<T>(), H * D, k_layer.data_ptr<T>(), v_layer.data_ptr<T>(), k_layer.size(0),
+              page_table.data_ptr<int32_t>(),
               page_table.size(1), lens.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), lens.size(0), k_layer.size(1),
-              H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true);
+              H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true, pool);
     return 0;
   });
   return out;
@@ -1076,13 +1177,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("det_pack", &det_pack_op, "w (N, K) in det_linear's packed layout (csrc/det_matmul.h), made once at load");
   m.def("det_rms_norm", &det_rms_norm_op, "RMSNorm over the last dim, each row's sum in one fixed order");
   m.def("silu_mul", &silu_mul_op, "silu(gate) * up of (T, 2 I) gate_up rows");
-  m.def("det_attention", &det_attention_op, "causal attention over the paged cache, one order per query position");
+  m.def("det_attention", &det_attention_op, "causal attention over the paged cache, one order per query position "
+        "(pool: under 8 rows on the spinning pool, as the forward of a quantized model runs it)",
+        py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("page_table"), py::arg("seq_lens"),
+        py::arg("cu_q"), py::arg("scale"), py::arg("pool") = false);
   m.attr("takes_deterministic") = true;   // forward's last argument, and the det_* kernels
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
-  m.def("quiesce", [] { work::Pool::get().quiesce(); },
-        "wait until no worker of the quantized matmuls is inside a chunk (csrc/work_pool.h): call before "
-        "freeing blocks the compiled forward has used");
+  m.def("quiesce", [] { work::Pool::quiesce_current(); },
+        "wait until no pool worker (quantized matmuls, decode attention) is inside a chunk (csrc/work_pool.h): "
+        "call before freeing weights or KV pages the compiled forward has used");
   m.def("quant_embedding_rows", &quant_embedding_rows,
         "rows of an embedding table in Q8_0 / Q4_0 blocks (either layout), dequantized to float32 (csrc/quant_lanes.h)");
   m.def("quant_linear", [](const Tensor& x, const Tensor& blocks, int64_t n) { return quant_linear(x, blocks, n); },

@@ -17,8 +17,9 @@
 // A worker whose chunk was taken back may still be reading the call's inputs when the caller has
 // moved on; it notices at its next row and stops. Those inputs must therefore stay allocated until
 // quiesce() returns, which waits until no worker is inside a chunk: the activations are per-thread
-// buffers grown only after it; the weights are the model's (LlamaModel calls pagedecode._cpu.quiesce
-// before they can be freed); quant_linear, given blocks from Python, calls it after each call.
+// buffers grown only after it; the weights and KV pages are the model's (LlamaModel and KVCache call
+// pagedecode._cpu.quiesce before they can be freed); quant_linear, given blocks from Python, calls
+// it after each call.
 // Waiting there instead, at the end of every forward, put a descheduled worker's time slice back
 // into most steps on a loaded machine.
 //
@@ -74,12 +75,21 @@ class Pool {
   // The pool for the current thread count (rebuilt when it changes, and in a forked child, which
   // has none of its parent's threads). An old pool is left idle, never destroyed.
   static Pool& get() {
-    static std::mutex m;
-    static Pool* pool = nullptr;
     const int threads = std::max(1, at::get_num_threads());
-    std::lock_guard<std::mutex> lock(m);
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    Pool*& pool = current();
     if (pool == nullptr || pool->threads_ != threads || pool->pid_ != getpid()) pool = new Pool(threads);
     return *pool;
+  }
+
+  // quiesce() on the current pool, if this process has one (starts no threads)
+  static void quiesce_current() {
+    Pool* pool;
+    {
+      std::lock_guard<std::mutex> lock(registry_mutex());
+      pool = current();
+    }
+    if (pool != nullptr && pool->pid_ == getpid()) pool->quiesce();
   }
 
   int threads() const { return threads_; }
@@ -149,6 +159,15 @@ class Pool {
 
  private:
   static constexpr uint64_t kComputing = 0, kTaken = 1, kCommitting = 2, kDone = 3;
+
+  static std::mutex& registry_mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static Pool*& current() {
+    static Pool* pool = nullptr;
+    return pool;
+  }
 
   struct Slot {
     std::atomic<uint64_t> seq{0};                  // the epoch whose job this holds; 0 while written

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import torch
 
+try:
+    from .._cpu import quiesce as _quiesce
+except ImportError:
+    _quiesce = None
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -12,6 +17,13 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.num_pages = num_pages
+
+    def __del__(self) -> None:
+        # the compiled forward's decode attention runs on pool workers (csrc/cpu_forward.cpp), one
+        # of which may still be finishing an item its caller took back: the pages are freed only
+        # once none is
+        if _quiesce is not None and getattr(self, "k", None) is not None and self.k.device.type == "cpu":
+            _quiesce()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -175,6 +175,25 @@ def check_against_torch(model, shape, rng, page_size, num_pages, specs, tol):
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype,tol", TOLERANCES)
+@pytest.mark.parametrize("specs", [[(45, 1)], [(3, 1), (70, 1), (20, 1)], [(30, 5)], [(9, 1), (0, 4)]])
+def test_few_rows_attend_on_every_thread(dtype, tol, specs):
+    """Under 8 rows (a decode step of a few sequences, a short chunk) attention runs on the
+    spinning pool (csrc/work_pool.h), a lone sequence's query heads split over the threads: held to
+    the torch path at 1 (no pool), 2, 3 and 4 threads. (test_deterministic_kernels.py: the same
+    bits at every thread count.)"""
+    shape = dict(heads=6, kv_heads=2, head_dim=16)
+    model = random_model(dtype, **shape)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            check_against_torch(model, shape, random.Random(5), 16, 40, specs, tol)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_ext
 @pytest.mark.parametrize("rows", [5, 9, 64])
 def test_a_chunk_row_equals_its_one_row_forward(rows):
     """A small model's multi-row step (a speculative verify of 1 + k rows, a short chunk) runs its

@@ -111,6 +111,34 @@ def test_rms_norm_rows_alone_and_together(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_gives_the_same_bits_at_every_thread_count(dtype):
+    """A lone sequence's query heads split over the threads; under 8 rows of a quantized model
+    (pool=True) the items run on the spinning pool, a worker computing into its scratch, copied
+    out: one decode row, three, and a 5-row chunk beside a decode row give the same bits at 1 to 4
+    threads, on OpenMP or the pool, call after call."""
+    H, Hkv, D, ps = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(12, ps, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(12, ps, Hkv, D, generator=g).to(dtype)
+    table = torch.tensor([[5, 0, 7], [1, 2, 3], [11, 9, 4]], dtype=torch.int32)
+    layouts = [([40], [0, 1]), ([40, 3, 33], [0, 1, 2, 3]), ([45, 17], [0, 5, 6])]
+    before = torch.get_num_threads()
+    try:
+        for lens, cu in layouts:
+            S = len(lens)
+            q = torch.randn(cu[-1], H, D, generator=g).to(dtype)
+            args = (k, v, table[:S].contiguous(), torch.tensor(lens, dtype=torch.int32),
+                    torch.tensor(cu, dtype=torch.int32), D ** -0.5)
+            outs = []
+            for threads in (1, 2, 3, 4):
+                torch.set_num_threads(threads)
+                outs += [ext().det_attention(q, *args, pool=pool) for pool in (False, True) for _ in range(10)]
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), (lens, cu)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_decode_extend_and_chunked_give_the_same_bits(dtype):
     """A 45-token sequence (pages out of order) attended as one prefill, as chunks of 16 / 29 / 1
     rows, and row by row as decode steps: each query position the same bits."""
