@@ -400,6 +400,10 @@ struct AttendArgs {
   bool pool;      // few rows on the spinning pool: where the matmuls around it run there too
 };
 
+// A value a late pool worker may see rewritten under it (see decode_attention): read once, so that
+// what was checked is what is used
+template <typename V> inline V load_once(const V* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
 // One work item: query heads [h0, h0 + nh) of the rows [r0, r0 + kRowBlock) of sequence s that it
 // holds; the output of row r0 + i, head h0 + k at o + i * ld + k * D (converted to O). Returns
 // false, computing nothing, if the inputs do not describe such an item: only a pool worker late
@@ -416,18 +420,21 @@ bool attend_block(const AttendArgs<T>& a, int64_t s, int64_t r0, int64_t h0, int
   constexpr bool kDotBf16 = false;
 #endif
   if (s < 0 || s >= a.S || h0 < 0 || nh <= 0 || h0 + nh > H) return false;
-  const int64_t begin = a.cu[s], end = a.cu[s + 1];
+  const int64_t begin = load_once(a.cu + s), end = load_once(a.cu + s + 1);
   if (begin < 0 || r0 < begin || r0 >= end || end > a.rows) return false;
   const int64_t r1 = std::min<int64_t>(r0 + kRowBlock, end), nq = (r1 - r0) * nh;
-  const int64_t cached = a.lens[s] - (end - begin);
+  const int64_t cached = load_once(a.lens + s) - (end - begin);
   const int64_t width = cached + (r1 - begin);                 // positions the block's last row sees
   if (cached < 0 || width > a.pt_stride * page_size) return false;
-  const int32_t* pages = a.pt + s * a.pt_stride;
-  for (int64_t p = 0; p * page_size < width; ++p)
-    if (pages[p] < 0 || pages[p] >= a.num_pages) return false;
   // scratch kept per thread across calls (resize only grows it): no allocation per layer
   thread_local std::vector<float> q, scores, acc, denom, kf, vf;
   thread_local std::vector<int64_t> vis;
+  thread_local std::vector<int32_t> pages;                     // the sequence's page ids, checked
+  pages.resize((width + page_size - 1) / page_size);
+  for (size_t p = 0; p < pages.size(); ++p) {
+    pages[p] = load_once(a.pt + s * a.pt_stride + p);
+    if (pages[p] < 0 || pages[p] >= a.num_pages) return false;
+  }
   if constexpr (!std::is_same_v<T, float>) {
     kf.resize(page_elems);
     vf.resize(page_elems);
@@ -507,12 +514,13 @@ struct DecodeAttention {
   T* out;
 
   bool compute(int64_t c, std::vector<float>* scratch, work::Live) const {
-    const int64_t* it = items + 4 * c;
+    const int64_t s = load_once(items + 4 * c), r0 = load_once(items + 4 * c + 1);
+    const int64_t h0 = load_once(items + 4 * c + 2), nh = load_once(items + 4 * c + 3);
     const int64_t row = a.H * a.D;
-    if (scratch == nullptr) return attend_block<T, kD, T>(a, it[0], it[1], it[2], it[3], out + it[1] * row + it[2] * a.D, row);
-    if (it[3] <= 0 || it[3] > a.H) return false;
-    scratch->resize(kRowBlock * it[3] * a.D);
-    return attend_block<T, kD, float>(a, it[0], it[1], it[2], it[3], scratch->data(), it[3] * a.D);
+    if (scratch == nullptr) return attend_block<T, kD, T>(a, s, r0, h0, nh, out + r0 * row + h0 * a.D, row);
+    if (nh <= 0 || nh > a.H) return false;
+    scratch->resize(kRowBlock * nh * a.D);
+    return attend_block<T, kD, float>(a, s, r0, h0, nh, scratch->data(), nh * a.D);
   }
 
   void commit(int64_t c, std::vector<float>* scratch) const {   // the caller is inside run(): inputs intact
@@ -538,9 +546,9 @@ void decode_attention(const AttendArgs<T>& a, const std::vector<int64_t>& items,
   thread_local std::vector<int32_t> pt_c, lens_c, cu_c;
   thread_local std::vector<int64_t> items_c;
   const size_t n_qkv = a.rows * a.q_stride, n_pt = a.S * a.pt_stride;
-  if (n_qkv > qkv_c.capacity() || n_pt > pt_c.capacity() || static_cast<size_t>(a.S + 1) > cu_c.capacity() ||
-      items.size() > items_c.capacity())
-    pool.quiesce();
+  if (n_qkv > qkv_c.capacity() || n_pt > pt_c.capacity() || static_cast<size_t>(a.S) > lens_c.capacity() ||
+      static_cast<size_t>(a.S + 1) > cu_c.capacity() || items.size() > items_c.capacity())
+    work::Pool::quiesce_all();
   qkv_c.assign(a.qkv, a.qkv + n_qkv);
   pt_c.assign(a.pt, a.pt + n_pt);
   lens_c.assign(a.lens, a.lens + a.S);
@@ -1136,7 +1144,25 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
               "pagedecode._cpu.det_attention: q (T, H, D), caches (pages, page_size, Hkv, D), int32 tables");
   const Tensor qc = q.contiguous(), lens = seq_lens.contiguous(), cu = cu_q.contiguous();
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_layer.size(2);
-  TORCH_CHECK(H % Hkv == 0 && k_layer.size(3) == D, "pagedecode._cpu.det_attention: heads and head size");
+  TORCH_CHECK(H % Hkv == 0 && k_layer.size(3) == D && v_layer.sizes() == k_layer.sizes(),
+              "pagedecode._cpu.det_attention: heads and head size");
+  // the layout every item relies on (the kernel computes nothing for an item that breaks it)
+  const int64_t S = lens.size(0), page_size = k_layer.size(1);
+  TORCH_CHECK(cu.numel() == S + 1 && page_table.dim() == 2 && page_table.size(0) >= S,
+              "pagedecode._cpu.det_attention: cu_q (S + 1,), page_table (>= S, max_pages)");
+  const int32_t* cp = cu.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int32_t* pt = page_table.data_ptr<int32_t>();
+  TORCH_CHECK(cp[0] == 0 && cp[S] == q.size(0), "pagedecode._cpu.det_attention: cu_q must run from 0 to q's rows");
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(cp[s + 1] >= cp[s] && lp[s] >= cp[s + 1] - cp[s] && lp[s] <= page_table.size(1) * page_size,
+                "pagedecode._cpu.det_attention: sequence ", s, ": lengths must cover its rows and fit its pages");
+    for (int64_t p = 0; p * page_size < lp[s]; ++p) {
+      const int32_t id = pt[s * page_table.size(1) + p];
+      TORCH_CHECK(id >= 0 && id < k_layer.size(0), "pagedecode._cpu.det_attention: sequence ", s, " page ", p,
+                  " is ", id, ", outside the cache");
+    }
+  }
   Tensor out = at::empty_like(qc);
   by_dtype(q, "det_attention", [&](auto tag) {
     using T = decltype(tag);
@@ -1146,6 +1172,7 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
               H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true, pool);
     return 0;
   });
+  if (pool) work::Pool::quiesce_all();     // the caller may free the caches once this returns
   return out;
 }
 
@@ -1184,7 +1211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("takes_deterministic") = true;   // forward's last argument, and the det_* kernels
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
-  m.def("quiesce", [] { work::Pool::quiesce_current(); },
+  m.def("quiesce", [] { work::Pool::quiesce_all(); },
         "wait until no pool worker (quantized matmuls, decode attention) is inside a chunk (csrc/work_pool.h): "
         "call before freeing weights or KV pages the compiled forward has used");
   m.def("quant_embedding_rows", &quant_embedding_rows,

@@ -231,7 +231,7 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   thread_local std::vector<int32_t> nc_buf;
   if (static_cast<size_t>(T * K) > qx_buf.capacity() || static_cast<size_t>(T * nb) > dx_buf.capacity() ||
       static_cast<size_t>(T * nb) > nc_buf.capacity())
-    pool.quiesce();
+    work::Pool::quiesce_all();
   qx_buf.resize(T * K);
   dx_buf.resize(T * nb);
   nc_buf.resize(T * nb);
@@ -289,7 +289,7 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, in
     else
       quant::matmul(x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out, block_bytes);
   }
-  if (quiesce) work::Pool::get().quiesce();     // the caller may free the blocks once this returns
+  if (quiesce) work::Pool::quiesce_all();     // the caller may free the blocks once this returns
   return out;
 }
 

@@ -483,7 +483,7 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   if (static_cast<size_t>(T * K) > qx_buf.capacity() || static_cast<size_t>(T * nb) > dx_buf.capacity() ||
       (q4 && (static_cast<size_t>(T * K) > xp_buf.capacity() || static_cast<size_t>(T * K / 4) > corr_buf.capacity())) ||
       (!q4 && T >= 2 && static_cast<size_t>(T * K) > xu_buf.capacity()))
-    pool.quiesce();
+    work::Pool::quiesce_all();
   qx_buf.resize(T * K);
   dx_buf.resize(T * nb);
   quantize_rows(x, qx_buf.data(), dx_buf.data(), T, K);

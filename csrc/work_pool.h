@@ -78,18 +78,23 @@ class Pool {
     const int threads = std::max(1, at::get_num_threads());
     std::lock_guard<std::mutex> lock(registry_mutex());
     Pool*& pool = current();
-    if (pool == nullptr || pool->threads_ != threads || pool->pid_ != getpid()) pool = new Pool(threads);
+    if (pool == nullptr || pool->threads_ != threads || pool->pid_ != getpid()) {
+      pool = new Pool(threads);
+      every().push_back(pool);
+    }
     return *pool;
   }
 
-  // quiesce() on the current pool, if this process has one (starts no threads)
-  static void quiesce_current() {
-    Pool* pool;
+  // Waits until no worker of any of this process's pools is inside a chunk (a worker of a pool
+  // left behind by a thread-count change may still be finishing one); starts no pool.
+  static void quiesce_all() {
+    std::vector<Pool*> pools;
     {
       std::lock_guard<std::mutex> lock(registry_mutex());
-      pool = current();
+      pools = every();
     }
-    if (pool != nullptr && pool->pid_ == getpid()) pool->quiesce();
+    for (Pool* pool : pools)
+      if (pool->pid_ == getpid()) pool->quiesce();
   }
 
   int threads() const { return threads_; }
@@ -149,7 +154,8 @@ class Pool {
     }
   }
 
-  // Waits until no worker is inside a chunk (see the top of this file).
+  // Waits until no worker of this pool is inside a chunk (see the top of this file; quiesce_all
+  // is what protects buffers).
   void quiesce() {
     for (int64_t spins = 0; active_.load(std::memory_order_acquire) > 0; ++spins) {
       if (spins < 4096) cpu_relax();
@@ -167,6 +173,10 @@ class Pool {
   static Pool*& current() {
     static Pool* pool = nullptr;
     return pool;
+  }
+  static std::vector<Pool*>& every() {
+    static std::vector<Pool*> pools;
+    return pools;
   }
 
   struct Slot {

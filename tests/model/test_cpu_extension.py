@@ -25,8 +25,9 @@ def test_extension_is_built_where_a_compiler_is():
     assert cpu_extension_available()
 
 
-def random_model(dtype, heads=6, kv_heads=2, head_dim=16, bias=True, seed=0, max_pos=128, device="cpu"):
-    cfg = ModelConfig(vocab_size=97, hidden_size=heads * head_dim, intermediate_size=72, num_layers=2,
+def random_model(dtype, heads=6, kv_heads=2, head_dim=16, bias=True, seed=0, max_pos=128, device="cpu", inter=72,
+                 quantization=None):
+    cfg = ModelConfig(vocab_size=97, hidden_size=heads * head_dim, intermediate_size=inter, num_layers=2,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_pos,
                       rms_norm_eps=1e-5)
     g = torch.Generator().manual_seed(seed)
@@ -48,10 +49,10 @@ def random_model(dtype, heads=6, kv_heads=2, head_dim=16, bias=True, seed=0, max
             if bias:
                 put(p + f"self_attn.{n}_proj.bias", out)
         put(p + "self_attn.o_proj.weight", hid, q)
-        put(p + "mlp.gate_proj.weight", 72, hid)
-        put(p + "mlp.up_proj.weight", 72, hid)
-        put(p + "mlp.down_proj.weight", hid, 72)
-    return LlamaModel(cfg, w, dtype=dtype, device=device)
+        put(p + "mlp.gate_proj.weight", inter, hid)
+        put(p + "mlp.up_proj.weight", inter, hid)
+        put(p + "mlp.down_proj.weight", hid, inter)
+    return LlamaModel(cfg, w, dtype=dtype, device=device, quantization=quantization)
 
 
 def leading_decode(specs):
@@ -178,10 +179,10 @@ def check_against_torch(model, shape, rng, page_size, num_pages, specs, tol):
 @pytest.mark.parametrize("dtype,tol", TOLERANCES)
 @pytest.mark.parametrize("specs", [[(45, 1)], [(3, 1), (70, 1), (20, 1)], [(30, 5)], [(9, 1), (0, 4)]])
 def test_few_rows_attend_on_every_thread(dtype, tol, specs):
-    """Under 8 rows (a decode step of a few sequences, a short chunk) attention runs on the
-    spinning pool (csrc/work_pool.h), a lone sequence's query heads split over the threads: held to
-    the torch path at 1 (no pool), 2, 3 and 4 threads. (test_deterministic_kernels.py: the same
-    bits at every thread count.)"""
+    """Under 8 rows (a decode step of a few sequences, a short chunk) a lone sequence's query heads
+    split over the threads (OpenMP in a float model): held to the torch path at 1, 2, 3 and 4
+    threads. (test_deterministic_kernels.py: the same bits at every thread count; below: a quantized
+    model, whose attention runs on the spinning pool.)"""
     shape = dict(heads=6, kv_heads=2, head_dim=16)
     model = random_model(dtype, **shape)
     before = torch.get_num_threads()
@@ -191,6 +192,47 @@ def test_few_rows_attend_on_every_thread(dtype, tol, specs):
             check_against_torch(model, shape, random.Random(5), 16, 40, specs, tol)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_quantized_few_rows_give_the_same_bits_at_every_thread_count(kind):
+    """A quantized model's steps under 8 rows run attention on the spinning pool beside its
+    matmuls (a worker's item computed into its scratch, copied out), a lone sequence's query heads
+    split over the threads. Every operation's result is fixed whichever thread computes it: the
+    logits and the KV written are the same bits at 1 (no pool), 2, 3 and 4 threads, step after
+    step; and they stay near the torch path's."""
+    shape = dict(heads=6, kv_heads=2, head_dim=16, inter=96)      # every matmul's K a multiple of 32
+    model = random_model(torch.float32, **shape, quantization=kind)
+    c, page_size, num_pages = model.config, 16, 40
+    rng = random.Random(6)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    specs = [(45, 1), (3, 1), (70, 1), (30, 4)]
+    seq_pages = [[free.pop() for _ in range(-(-(cc + n) // page_size))] for cc, n in specs]
+    prefix = mixed_batch(rng, page_size, seq_pages, [(0, cc) for cc, _ in specs])
+    base = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, torch.float32)
+    run(model, prefix, base, "auto")
+    steps = [mixed_batch(random.Random(7 + i), page_size, [seq_pages[s] for s in sel], [specs[s] for s in sel])
+             for i, sel in enumerate([[0], [0, 1, 2], [3], [0, 3]])]
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, torch.float32)
+            kv.k.copy_(base.k)
+            kv.v.copy_(base.v)
+            outs.append([run(model, b, kv, "auto") for b in steps for _ in range(5)] + [kv.k.clone(), kv.v.clone()])
+    finally:
+        torch.set_num_threads(before)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
+    kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, torch.float32)
+    kv.k.copy_(base.k)
+    kv.v.copy_(base.v)
+    want = run(model, steps[1], kv, "torch")
+    torch.testing.assert_close(outs[0][5], want, atol=0.05 * float(want.abs().max()), rtol=0)
 
 
 @needs_ext

@@ -138,6 +138,27 @@ def test_attention_gives_the_same_bits_at_every_thread_count(dtype):
         torch.set_num_threads(before)
 
 
+def test_attention_refuses_tables_outside_the_cache():
+    """det_attention checks the layout every work item relies on, and names what is wrong (an
+    item given one it does not hold computes nothing: the output would be left unwritten)."""
+    k = torch.zeros(4, 16, 1, 64)
+    q = torch.zeros(2, 2, 64)
+
+    def attend(table, lens, cu):
+        return ext().det_attention(q, k, k, torch.tensor(table, dtype=torch.int32),
+                                   torch.tensor(lens, dtype=torch.int32), torch.tensor(cu, dtype=torch.int32),
+                                   0.125, pool=True)
+    assert attend([[0, 1], [2, 3]], [20, 17], [0, 1, 2]).shape == (2, 2, 64)
+    with pytest.raises(RuntimeError, match="page 1 is 4, outside the cache"):
+        attend([[0, 1], [2, 4]], [20, 17], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="page 1 is -1"):
+        attend([[0, -1], [2, 3]], [20, 17], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="fit its pages"):
+        attend([[0, 1], [2, 3]], [40, 17], [0, 1, 2])
+    with pytest.raises(RuntimeError, match="cu_q must run from 0"):
+        attend([[0, 1], [2, 3]], [20, 17], [0, 1, 1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_decode_extend_and_chunked_give_the_same_bits(dtype):
     """A 45-token sequence (pages out of order) attended as one prefill, as chunks of 16 / 29 / 1
