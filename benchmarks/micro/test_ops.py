@@ -25,7 +25,8 @@ from pagedecode.kernels.sampling import make_sampling_inputs, sample
 from pagedecode.model.batch import ForwardBatch
 from pagedecode.model.config import ModelConfig
 from pagedecode.model.kv_cache import KVCache
-from pagedecode.model.llama import LlamaModel, cpu_extension_available
+from pagedecode.model.cpu_forward import cpu_extension_available
+from pagedecode.model.llama import LlamaModel
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -194,7 +195,7 @@ def test_cpu_forward_decode_step(benchmark, copy_gbs, dtype, batch):
                      torch.arange(batch + 1, dtype=torch.int32), torch.arange(batch), num_decode=batch, max_new=1)
     assert model.uses_cpu_extension()
     benchmark(lambda: model.forward(b, kv))
-    weights = sum(t.numel() * t.element_size() for t in model._flat_layers) + model.lm_head.numel() * \
+    weights = sum(t.numel() * t.element_size() for t in model._compiled.flat_layers) + model.lm_head.numel() * \
         model.lm_head.element_size()
     report(benchmark, weights, copy_gbs, tokens_per_s=round(batch / benchmark.stats.stats.median, 1),
            threads=torch.get_num_threads())

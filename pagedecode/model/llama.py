@@ -3,12 +3,12 @@
 Covers Llama 2 / 3.x (rope scaling), Mistral, Qwen2 / 2.5 (q/k/v bias), Qwen3 (q/k RMSNorm),
 SmolLM and TinyLlama (Llama shapes); tied or untied embeddings. Attention never sees K/V
 except through the cache: each layer writes the new tokens' K/V, then attends over the pages.
+On CPU the whole stack runs as one compiled call where it applies (model/cpu_forward.py); the
+torch path here is what tests hold it to.
 """
 from __future__ import annotations
 
 import math
-import os
-import types
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -28,66 +28,9 @@ from .config import ModelConfig
 from .kv_cache import KVCache
 from .quant import BLOCK, QuantizedWeight, Weight, cat_rows, embedding_rows, linear, weight_bytes
 
-_cpu_ext: types.ModuleType | None
-try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
-    from .. import _cpu as _cpu_ext
-except ImportError:  # pragma: no cover - depends on the install
-    _cpu_ext = None
-# builds before EngineConfig.cpu_matmul read PAGEDECODE_CPU_MATMUL themselves; newer ones take the
-# choice as forward's last argument
-_TAKES_MATMUL_CHOICE = bool(getattr(_cpu_ext, "takes_matmul_choice", False))
-_TAKES_DETERMINISTIC = bool(getattr(_cpu_ext, "takes_deterministic", False))
-
-
-# weights of at most this many elements also go to the compiled forward transposed (small_t)
-SMALL_LAYER = 1 << 16
-
-
-def default_cpu_matmul() -> str:
-    """EngineConfig.cpu_matmul's default: "aten" when PAGEDECODE_CPU_MATMUL=aten, else "onednn"."""
-    return "aten" if os.environ.get("PAGEDECODE_CPU_MATMUL") == "aten" else "onednn"
-
-
-def default_cpu_pack_weights() -> bool:
-    """EngineConfig.cpu_pack_weights' default: True unless PAGEDECODE_CPU_PACK=0."""
-    return os.environ.get("PAGEDECODE_CPU_PACK") != "0"
-
-
-def keep_freed_memory() -> bool:
-    """glibc's malloc keeps freed blocks for reuse (csrc/cpu_forward.cpp keep_freed_memory: once
-    per process, idempotent); False without the compiled extension or off glibc."""
-    return bool(_cpu_ext.keep_freed_memory()) if _cpu_ext is not None else False
-
-
-def configure_cpu_forward(model: object, matmul: str, pack_weights: bool, keep_freed: bool) -> None:
-    """What an engine asks of the compiled CPU forward (EngineConfig.cpu_*): the model's matmuls
-    and packed weights (any model with `configure_cpu`), and glibc's malloc setting when the
-    model runs that forward (applied here, by the engine, never by a model's constructor)."""
-    configure = getattr(model, "configure_cpu", None)
-    if callable(configure):
-        configure(matmul, pack_weights)
-    uses = getattr(model, "uses_cpu_extension", None)
-    if keep_freed and callable(uses) and uses():
-        keep_freed_memory()
-
-
-def cpu_extension_available() -> bool:
-    return _cpu_ext is not None
-
-
-def _deterministic_ext(device: torch.device) -> types.ModuleType:
-    """The compiled kernels deterministic mode runs on CPU (csrc/cpu_forward.cpp's det_*)."""
-    if device.type != "cpu":
-        raise NotImplementedError("deterministic mode on this device: only the CPU path has its kernels here")
-    if _cpu_ext is None or not _TAKES_DETERMINISTIC:
-        raise RuntimeError("deterministic mode on CPU needs the compiled extension pagedecode._cpu (built by "
-                           "setup.py with a C++ compiler); this install has none or an older build")
-    return _cpu_ext
-
-
-def _plain(w: Weight) -> torch.Tensor:
-    """What the compiled kernels take: a float weight, or a quantized one's blocks."""
-    return w.blocks if isinstance(w, QuantizedWeight) else w
+# read at call time (a test switches the compiled forward off by setting cpu_forward._cpu_ext)
+from . import cpu_forward as compiled
+from .cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 
 
 @dataclass
@@ -176,61 +119,19 @@ class LlamaModel:
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
         self.quantized = any(isinstance(w, QuantizedWeight) for w in self._weights())
-        # quantized layers on CPU: the compiled int8 kernel (quant_linear), unless "torch" asks for the
-        # dequantizing reference; on CUDA (kernel None) linear() takes kernels/quant_matmul.py's
-        # Triton GEMV / GEMM
-        self._quant_kernel = (getattr(_cpu_ext, "quant_linear", None)       # None: an older build
-                              if self.device.type == "cpu" and attention_backend == "auto" else None)
-        # the one-call CPU forward (csrc/cpu_forward.cpp): float32 / bfloat16 Llama shapes, no q/k
-        # norm, quantized weights only with a build that has their kernel, not a tensor-parallel
-        # shard (which overrides _embed / _reduce / _logits)
-        self._fused_cpu = (_cpu_ext is not None and self.device.type == "cpu" and not c.qk_norm
-                           and dtype in (torch.float32, torch.bfloat16) and type(self) is LlamaModel
-                           and (not self.quantized or hasattr(_cpu_ext, "quant_embedding_rows")))
-        self._onednn = True
-        self._pack_weights = False
-        self._packed_kind: str | None = None        # what the packed slots hold: "onednn", "det" or nothing
-        if self._fused_cpu:
-            if self.quantized and self._quant_kernel is not None and getattr(_cpu_ext, "quant_packed_is_fast", False):
-                self._pack_quantized()          # the compiled kernels multiply them (not "torch"'s reference)
-            none = torch.empty(0, dtype=dtype)
-
-            def plain(w: Weight) -> torch.Tensor:
-                """What the compiled forward takes: a float weight, or a quantized one's blocks."""
-                return w.blocks if isinstance(w, QuantizedWeight) else w
-
-            def small_t(w: Weight) -> torch.Tensor:
-                """A small layer's weight transposed, for the compiled gemv over outputs (a 64-wide
-                layer spends most of a dot product per output in its horizontal sum)."""
-                if isinstance(w, QuantizedWeight):
-                    return none
-                return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
-
-            self._flat_layers = [t for L in self.layers for t in (
-                L.ln1, plain(L.qkv_w), none if L.qkv_b is None else L.qkv_b, plain(L.o_w),
-                none if L.o_b is None else L.o_b, L.ln2, plain(L.gate_up_w), plain(L.down_w),
-                small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w),
-                none, none, none, none)]         # the packed copies: _pack
-            self._embed_plain = plain(self.embed)
-            self._lm_head_plain = plain(self.lm_head)
-            self._lm_head_t = small_t(self.lm_head)
-            self._lm_head_packed = none
-            self._cos32, self._sin32 = cos.float().contiguous(), sin.float().contiguous()
-            # held here: at interpreter exit the module's attributes may be gone before __del__ runs
-            self._quiesce = getattr(_cpu_ext, "quiesce", None) if self.quantized else None
+        # quantized layers on CPU: the compiled int8 kernel, unless "torch" asks for the dequantizing
+        # reference; on CUDA (kernel None) linear() takes kernels/quant_matmul.py's Triton GEMV / GEMM
+        self._quant_kernel = compiled.quant_kernel(self.device, attention_backend)
+        # the one-call CPU forward (model/cpu_forward.py), not for a tensor-parallel shard (which
+        # overrides _embed / _reduce / _logits)
+        self._compiled: compiled.CompiledForward | None = None
+        if type(self) is LlamaModel and compiled.applies(c, self.device, dtype, self.quantized):
+            if self.quantized and self._quant_kernel is not None:
+                compiled.pack_quantized(self)      # the compiled kernels multiply them (not "torch"'s reference)
+            self._compiled = compiled.CompiledForward(c, self.layers, self.embed, self.lm_head, self.final_norm,
+                                                      cos, sin, dtype, self.scale, self.quantized)
             self.configure_cpu(default_cpu_matmul() if cpu_matmul is None else cpu_matmul,
                                default_cpu_pack_weights() if cpu_pack_weights is None else cpu_pack_weights)
-
-    def _pack_quantized(self) -> None:
-        """Every quantized weight in the compiled kernel's packed layout (csrc/quant_lanes.h: the
-        same bytes rearranged, the GGUF-layout blocks dropped; the tied head stays the embedding)."""
-        def packed(w: Any) -> Any:
-            return w.pack() if isinstance(w, QuantizedWeight) else w
-        tied = self.lm_head is self.embed
-        self.embed = packed(self.embed)
-        self.lm_head = self.embed if tied else packed(self.lm_head)
-        for L in self.layers:
-            L.qkv_w, L.o_w, L.gate_up_w, L.down_w = (packed(w) for w in (L.qkv_w, L.o_w, L.gate_up_w, L.down_w))
 
     def configure_cpu(self, matmul: str = "onednn", pack_weights: bool = True) -> None:
         """How the compiled CPU forward multiplies (EngineConfig.cpu_matmul / cpu_pack_weights;
@@ -241,14 +142,8 @@ class LlamaModel:
         second copy of the weights, made or dropped here. No effect off the compiled forward."""
         if matmul not in ("onednn", "aten"):
             raise ValueError(f"matmul must be 'onednn' or 'aten', got {matmul!r}")
-        if not self._fused_cpu:
-            return
-        if matmul == "aten" and not _TAKES_MATMUL_CHOICE and default_cpu_matmul() != "aten":   # it reads the env
-            raise RuntimeError("this build of pagedecode._cpu predates the matmul choice: rebuild it "
-                               "(make install) to use cpu_matmul='aten'")
-        self._onednn = matmul == "onednn"
-        self._pack_weights = pack_weights
-        self._pack()
+        if self._compiled is not None:
+            self._compiled.configure(matmul, pack_weights)
 
     @property
     def deterministic(self) -> bool:
@@ -257,43 +152,8 @@ class LlamaModel:
     @deterministic.setter
     def deterministic(self, on: bool) -> None:
         self._deterministic = bool(on)
-        if self._fused_cpu:
-            self._pack()            # the packed copies the mode's matmul reads
-
-    def _pack(self) -> None:
-        """The compiled forward's packed weight copies for the mode that runs: det_pack's layout in
-        deterministic mode, oneDNN's otherwise (one copy at a time, swapped when the mode changes)."""
-        if self._deterministic:
-            kind = "det" if self._pack_weights and hasattr(_cpu_ext, "det_pack") else None
-        else:
-            kind = "onednn" if self._onednn and self._pack_weights and torch.backends.mkldnn.is_available() else None
-        if kind == self._packed_kind:
-            return
-        none = torch.empty(0, dtype=self.dtype)
-
-        def packed(w: Weight) -> torch.Tensor:
-            if kind is None or not isinstance(w, torch.Tensor):
-                return none
-            if kind == "det":
-                assert _cpu_ext is not None
-                return _cpu_ext.det_pack(w)
-            try:
-                return torch.ops.mkldnn._reorder_linear_weight(w, 64)
-            except (RuntimeError, AttributeError):      # a torch without the op: plain weights
-                return none
-
-        for i, L in enumerate(self.layers):    # each layer's last four entries (see forward_impl)
-            self._flat_layers[16 * i + 12:16 * i + 16] = [packed(L.qkv_w), packed(L.o_w), packed(L.gate_up_w),
-                                                          packed(L.down_w)]
-        self._lm_head_packed = packed(self.lm_head)
-        self._packed_kind = kind
-
-    def __del__(self) -> None:
-        # the compiled quantized matmuls' workers may still be finishing a row of a chunk the
-        # caller took back (csrc/work_pool.h): the blocks are freed only once none is
-        quiesce = getattr(self, "_quiesce", None)
-        if quiesce is not None:
-            quiesce()
+        if self._compiled is not None:
+            self._compiled.set_deterministic(self._deterministic)
 
     def _weights(self) -> list[Weight]:
         out: list[Weight] = [self.embed, self.final_norm]
@@ -309,9 +169,8 @@ class LlamaModel:
         """Bytes the weights take in memory, as the forward holds them (quantized blocks at their
         size; the compiled CPU forward's transposed and packed copies included)."""
         seen: dict[int, int] = {}
-        extra = getattr(self, "_flat_layers", []) + [getattr(self, "_lm_head_t", None),
-                                                     getattr(self, "_lm_head_packed", None)]
-        for w in self._weights() + [t for t in extra if t is not None]:
+        extra = self._compiled.tensors() if self._compiled is not None else []
+        for w in self._weights() + extra:
             if isinstance(w, QuantizedWeight):
                 key = w.blocks.data_ptr()            # the compiled forward's list holds the same blocks
             elif w.is_mkldnn:                    # oneDNN's packed copies have no plain storage
@@ -324,21 +183,13 @@ class LlamaModel:
     def uses_cpu_extension(self) -> bool:
         """True when forward runs the compiled CPU pass (attention_backend "auto" on CPU); "torch"
         forces the torch path, which tests hold the compiled one to."""
-        return self._fused_cpu and self.attention_backend == "auto"
+        return self._compiled is not None and self.attention_backend == "auto"
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         c = self.config
-        if self.uses_cpu_extension() and kv.k.dtype == self.dtype and (_TAKES_DETERMINISTIC or not self.deterministic):
-            assert _cpu_ext is not None
-            b = batch
-            return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
-                                    b.logits_indices, self._embed_plain, self.final_norm, self._lm_head_plain,
-                                    self._lm_head_t,
-                                    self._lm_head_packed, self._cos32, self._sin32, self._flat_layers, kv.k, kv.v,
-                                    c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale,
-                                    *((self._onednn, self.deterministic) if _TAKES_DETERMINISTIC else
-                                      (self._onednn,) if _TAKES_MATMUL_CHOICE else ()))
+        if self._compiled is not None and self.attention_backend == "auto" and self._compiled.runs(kv):
+            return self._compiled.forward(batch, kv)
         if self.deterministic and not use_triton(batch.input_ids, self.attention_backend):
             return self._forward_deterministic(batch, kv)
         T = batch.num_tokens
@@ -394,7 +245,7 @@ class LlamaModel:
         reduction (matmul, RMSNorm, attention, SiLU x up): what a tensor-parallel shard runs in
         deterministic mode (its collectives sit between the ops), and any model the one-call
         forward does not take (q / k norms). The rest is elementwise, the same bits for any batch."""
-        ext = _deterministic_ext(self.device)
+        ext = compiled.deterministic_ext(self.device)
         c = self.config
         T, H, Hkv, D = batch.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]
@@ -426,9 +277,9 @@ class LlamaModel:
         made on first use and kept: a second copy of the float weights, as the compiled forward
         keeps in deterministic mode (without it every call packs; quantized blocks need none, and
         an older build has no det_pack)."""
-        ext = _deterministic_ext(self.device)
+        ext = compiled.deterministic_ext(self.device)
         if not isinstance(w, torch.Tensor) or not hasattr(ext, "det_pack"):
-            return ext.det_linear(x, _plain(w), b)
+            return ext.det_linear(x, compiled.plain(w), b)
         cache: dict[int, torch.Tensor] = self.__dict__.setdefault("_det_packs", {})
         if id(w) not in cache:
             cache[id(w)] = ext.det_pack(w)

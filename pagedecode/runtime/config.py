@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernels._backend import BACKENDS
-from ..model.llama import default_cpu_matmul, default_cpu_pack_weights
+from ..model.cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 from .trace import TRACE_LEVELS
 
 BACKPRESSURE_POLICIES = ("pause", "fail")

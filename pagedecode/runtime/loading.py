@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..model.llama import configure_cpu_forward
+from ..model.cpu_forward import configure_cpu_forward
 from .config import EngineConfig
 
 if TYPE_CHECKING:

@@ -12,7 +12,8 @@ import torch
 from pagedecode.model.batch import ForwardBatch
 from pagedecode.model.config import ModelConfig
 from pagedecode.model.kv_cache import KVCache
-from pagedecode.model.llama import LlamaModel, cpu_extension_available
+from pagedecode.model.cpu_forward import cpu_extension_available
+from pagedecode.model.llama import LlamaModel
 
 needs_ext = pytest.mark.skipif(not cpu_extension_available(), reason="pagedecode._cpu not built")
 

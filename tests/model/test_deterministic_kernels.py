@@ -3,7 +3,7 @@ same bits whatever the number of rows, the chunking of a prompt, or the thread c
 import pytest
 import torch
 
-from pagedecode.model.llama import cpu_extension_available
+from pagedecode.model.cpu_forward import cpu_extension_available
 
 pytestmark = pytest.mark.skipif(not cpu_extension_available(), reason="needs the compiled CPU extension")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -82,10 +82,10 @@ def test_a_model_keeps_the_packed_copy_of_the_mode_that_runs(dtype):
     import random
     model = random_model(dtype, heads=4, kv_heads=2, head_dim=64)       # qkv 512 x 256: not a small layer
     c = model.config
-    assert model._packed_kind in ("onednn", None)
+    assert model._compiled.packed_kind in ("onednn", None)
     model.deterministic = True
-    assert model._packed_kind == "det"
-    assert torch.equal(model._flat_layers[12], ext().det_pack(model.layers[0].qkv_w))
+    assert model._compiled.packed_kind == "det"
+    assert torch.equal(model._compiled.flat_layers[12], ext().det_pack(model.layers[0].qkv_w))
 
     def logits():
         kv = KVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim, dtype)
@@ -93,11 +93,11 @@ def test_a_model_keeps_the_packed_copy_of_the_mode_that_runs(dtype):
         return model.forward(batch, kv)
     kept = logits()
     model.configure_cpu("onednn", pack_weights=False)
-    assert model._packed_kind is None and model._flat_layers[12].numel() == 0
+    assert model._compiled.packed_kind is None and model._compiled.flat_layers[12].numel() == 0
     assert torch.equal(logits(), kept)
     model.configure_cpu("onednn", pack_weights=True)
     model.deterministic = False
-    assert model._packed_kind == ("onednn" if torch.backends.mkldnn.is_available() else None)
+    assert model._compiled.packed_kind == ("onednn" if torch.backends.mkldnn.is_available() else None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -186,7 +186,7 @@ def test_written_quantized_gguf_in_the_compiled_forward(tiny, qtype):
     folder, cfg, weights, meta = tiny
     path = folder / f"compiled-{qtype.name}.gguf"
     write_gguf(path, cfg, weights, meta, qtype=qtype)
-    from pagedecode.model.llama import cpu_extension_available
+    from pagedecode.model.cpu_forward import cpu_extension_available
     if not cpu_extension_available():
         pytest.skip("pagedecode._cpu not built")
     engine = pd.Engine.from_pretrained(path)

@@ -9,7 +9,7 @@ from pagedecode import cli
 from pagedecode.kernels._backend import HAS_TRITON, interpreting
 from pagedecode.model.config import ModelConfig
 from pagedecode.model.llama import LlamaModel
-from pagedecode.model.llama import _cpu_ext as _cpu
+from pagedecode.model.cpu_forward import _cpu_ext as _cpu
 from pagedecode.model.quant import QuantizedWeight
 
 from .gguf_files import Q, gguf, random_llama
@@ -234,8 +234,8 @@ def test_stories_quantized_logits_and_memory(stories_path, kind, max_error, same
 def test_weight_bytes_count_blocks_at_their_size(stories_path, kind, monkeypatch):
     from safetensors.torch import load_file
 
-    from pagedecode.model import llama
-    monkeypatch.setattr(llama, "_cpu_ext", None)                 # no compiled forward: no derived copies
+    from pagedecode.model import cpu_forward
+    monkeypatch.setattr(cpu_forward, "_cpu_ext", None)                 # no compiled forward: no derived copies
     engine = pd.Engine.from_pretrained(stories_path, quantization=kind)
     checkpoint = load_file(str(stories_path / "model.safetensors"))
     layer_floats = sum(t.numel() for n, t in checkpoint.items() if n.endswith("proj.weight") and "down" not in n)

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import pagedecode as pd
-from pagedecode.model import llama
+from pagedecode.model import cpu_forward
 from pagedecode.runtime.config import EngineConfig
 
 SWITCHES = ("PAGEDECODE_CPU_MATMUL", "PAGEDECODE_CPU_PACK", "PAGEDECODE_MALLOC")
-needs_ext = pytest.mark.skipif(not llama.cpu_extension_available(), reason="pagedecode._cpu not built")
+needs_ext = pytest.mark.skipif(not cpu_forward.cpu_extension_available(), reason="pagedecode._cpu not built")
 
 
 @pytest.fixture
@@ -59,12 +59,12 @@ def test_the_engine_packs_the_weights_as_its_config_says(clean_env, stories_path
 
 
 @needs_ext
-@pytest.mark.skipif(not llama._TAKES_MATMUL_CHOICE, reason="a build of pagedecode._cpu from before the matmul choice")
+@pytest.mark.skipif(not cpu_forward._TAKES_MATMUL_CHOICE, reason="a build of pagedecode._cpu from before the matmul choice")
 def test_cpu_matmul_aten_runs_at_mm_with_the_same_logits(clean_env, stories_path):
     """cpu_matmul="aten" (at::mm for the larger matmuls) per engine, in one process: the same
     logits within float32 rounding as oneDNN's."""
     eng = pd.Engine.from_pretrained(stories_path, cpu_matmul="aten")
-    assert eng.model._onednn is False and eng.weight_bytes < pd.Engine.from_pretrained(stories_path).weight_bytes
+    assert eng.model._compiled.onednn is False and eng.weight_bytes < pd.Engine.from_pretrained(stories_path).weight_bytes
     params = pd.SamplingParams(max_tokens=8, logprobs=0, ignore_eos=True, prompt_logprobs=0)
     prompt = "Once upon a time there was a little girl named Lily who loved to play outside"
     a = eng.generate(prompt, params)[0]
@@ -76,7 +76,7 @@ def test_cpu_matmul_aten_runs_at_mm_with_the_same_logits(clean_env, stories_path
 @needs_ext
 def test_malloc_is_set_by_the_engine_that_asks_not_by_the_model(clean_env, stories_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(llama._cpu_ext, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(cpu_forward._cpu_ext, "keep_freed_memory", lambda: calls.append(1) or True)
     eng = pd.Engine.from_pretrained(stories_path, cpu_keep_freed_memory=False)
     assert calls == []                          # neither the model's constructor nor this engine
     pd.Engine(eng.model, eng.tokenizer, EngineConfig(cpu_keep_freed_memory=True))

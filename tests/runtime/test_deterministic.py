@@ -48,7 +48,8 @@ def test_the_flag_on_generate_demo_and_serve():
 import random  # noqa: E402
 
 from pagedecode.model.config import ModelConfig  # noqa: E402
-from pagedecode.model.llama import LlamaModel, cpu_extension_available  # noqa: E402
+from pagedecode.model.cpu_forward import cpu_extension_available  # noqa: E402
+from pagedecode.model.llama import LlamaModel  # noqa: E402
 
 needs_ext = pytest.mark.skipif(not cpu_extension_available(), reason="deterministic CPU mode needs pagedecode._cpu")
 NEEDLE_TOKENS = 4
