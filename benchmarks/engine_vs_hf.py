@@ -146,13 +146,14 @@ def latency(t0: float, arrivals: list[list[float]]) -> dict[str, Any]:
 
 
 # -- engines --------------------------------------------------------------------------------
-def run_pagedecode(path: Path, reqs: list, device: str, dtype: str, quantization: str | None = None) -> dict[str, Any]:
-    """`path`: a checkpoint folder or a GGUF file (benchmarks/quantized.py); `quantization` as
-    Engine.from_pretrained takes it."""
+def run_pagedecode(path: Path, reqs: list, device: str, dtype: str, quantization: str | None = None,
+                   **options: Any) -> dict[str, Any]:
+    """`path`: a checkpoint folder or a GGUF file (benchmarks/quantized.py); `quantization` and
+    `options` (EngineConfig's) as Engine.from_pretrained takes them."""
     total = sum(len(p) + o for p, o in reqs)
     engine = pd.Engine.from_pretrained(path, device=device, dtype=DTYPES[dtype], max_batch_size=64,
                                        max_cache_tokens=total + 64 * 16, max_tokens_per_step=2048,
-                                       quantization=quantization)
+                                       quantization=quantization, **options)
     weight_bytes = engine.weight_bytes
     engine.generate([reqs[0][0][:8]], pd.SamplingParams(max_tokens=4, ignore_eos=True))     # warm-up
     pd.freeze_heap()                                    # as `pagedecode serve` runs (runtime/heap.py)

@@ -6,13 +6,15 @@
 Files  llama.cpp's convert script writes the checkpoint as an f32 GGUF; llama-quantize from the
        same build makes bf16 / q8_0 / q4_0 from it (--pure: every matrix in that type, the tied
        embedding / LM head included). pagedecode and llama.cpp load the same file. pagedecode
-       computes in float32 (bfloat16 for bf16) with the quantized blocks kept as they are.
+       computes in float32 (bfloat16 for bf16) with the quantized blocks kept as they are, on a
+       float16 KV cache (--kv-cache-dtype) as llama.cpp's default (bf16: its own bfloat16).
 Speed  per format, interleaved: pagedecode, llama.cpp and (float32 / bfloat16 only) transformers
        on engine_vs_hf.py's workloads, --threads threads each: single (64-token prompt + 128
        tokens; llama-bench -pg, the median of --repeat runs) and mixed (64 requests; llama.cpp:
        llama-batched-bench with the mean lengths). Useful tokens/s, and the ratios.
 Accuracy  --prompts fixed prompts (seeded token ids) and the float32 file's greedy continuation of
-       --accuracy-tokens tokens; each format's logits teacher-forced over it against float32's:
+       --accuracy-tokens tokens (on a float32 cache: the reference); each format's logits, on its
+       benchmarked KV cache, teacher-forced over it against the reference's:
        max |logit difference| and mean KL(float32 || format) per position. Greedy agreement: the
        fraction of identical tokens (position by position) between pagedecode and llama.cpp
        (benchmarks/peers/greedy.cpp) each decoding greedily from the same prompts and file.
@@ -87,10 +89,11 @@ def prompts(n: int, vocab: int, length: int = 32, seed: int = 1) -> list[list[in
     return [[1] + [rng.randrange(3, min(vocab, 512)) for _ in range(length - 1)] for _ in range(n)]
 
 
-def all_logits(model: Any, ids: list[int]) -> torch.Tensor:
-    c, page = model.config, 16
+def all_logits(engine: Any, ids: list[int]) -> torch.Tensor:
+    """Every position's logits, teacher-forced, on a cache of the engine's KV dtype."""
+    model, c, page = engine.model, engine.model.config, 16
     pages = (len(ids) + page - 1) // page
-    kv = pd.KVCache(c.num_layers, pages, page, c.num_kv_heads, c.head_dim, model.dtype)
+    kv = pd.KVCache(c.num_layers, pages, page, c.num_kv_heads, c.head_dim, engine.kv.k.dtype)
     with torch.inference_mode():
         return model.forward(prefill_batch(ids, pages=list(range(pages)), page_size=page), kv).float()
 
@@ -114,15 +117,16 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
             "identical_prompts": f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"}
 
 
-def accuracy(engines: dict[str, Any], ps: list[list[int]], n: int, files: dict[str, Path] | None,
+def accuracy(engines: dict[str, Any], reference: Any, ps: list[list[int]], n: int, files: dict[str, Path] | None,
              threads: int) -> dict[str, dict[str, Any]]:
-    """Per format: logits against float32's over float32's greedy continuation, and greedy agreement."""
-    ref_tokens = greedy(engines["f32"], ps, n)
+    """Per format (each engine on its KV dtype): logits against the reference's (float32 weights and
+    cache) over the reference's greedy continuation, and greedy agreement."""
+    ref_tokens = greedy(reference, ps, n)
     seqs = [p + t for p, t in zip(ps, ref_tokens)]
-    ref = [all_logits(engines["f32"].model, s)[len(p) - 1:len(s) - 1] for p, s in zip(ps, seqs)]
+    ref = [all_logits(reference, s)[len(p) - 1:len(s) - 1] for p, s in zip(ps, seqs)]
     out = {}
     for fmt, engine in engines.items():
-        got = [all_logits(engine.model, s)[len(p) - 1:len(s) - 1] for p, s in zip(ps, seqs)]
+        got = [all_logits(engine, s)[len(p) - 1:len(s) - 1] for p, s in zip(ps, seqs)]
         diff = max(float((g - r).abs().max()) for g, r in zip(got, ref))
         kl = torch.cat([(torch.log_softmax(r, -1).exp() * (torch.log_softmax(r, -1) - torch.log_softmax(g, -1))).sum(-1)
                         for g, r in zip(got, ref)])
@@ -142,7 +146,8 @@ def run_engine(name: str, src: dict[str, Any], files: dict[str, Path] | None, fm
     """One run of one engine on one case, with the load average as it started."""
     load = os.getloadavg()[0]
     if name == "pagedecode":
-        r = evh.run_pagedecode(src["path"], reqs, "cpu", src["dtype"], quantization=src["quantization"])
+        r = evh.run_pagedecode(src["path"], reqs, "cpu", src["dtype"], quantization=src["quantization"],
+                               kv_cache_dtype=src["kv_cache_dtype"])
         r = {k: v for k, v in r.items() if k != "decode_batch"} | {"decode_batch_mean": r["decode_batch"]["mean"]}
     elif name == "llamacpp":
         assert files is not None
@@ -182,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-workloads", default="single,mixed", help="the workloads transformers runs")
     ap.add_argument("--prompts", type=int, default=8, help="accuracy: fixed prompts (32 token ids each)")
     ap.add_argument("--accuracy-tokens", type=int, default=32, help="accuracy: greedy tokens per prompt")
+    ap.add_argument("--kv-cache-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                    help="pagedecode's KV cache for the float32-computing formats (f32, q8_0, q4_0; bf16 keeps "
+                         "its own): float16 is what llama.cpp holds by default (-ctk / -ctv f16)")
     ap.add_argument("--note", default="", help="a line kept in the JSON (e.g. what else loaded the machine)")
     ap.add_argument("--out", help="the JSON path (default: a new file under benchmarks/results/)")
     args = ap.parse_args(argv)
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
               "load": os.getloadavg()[0], "python": sys.version.split()[0], "torch": torch.__version__,
               "llamacpp": why_not or f"llama-cpp-python {os.environ.get('LLAMA_CPP_PYTHON', '0.3.36')} sdist build",
               "pagedecode_source": "the same GGUF file" if why_not is None else "the HF folder, quantization=",
+              "kv_cache": {"pagedecode": f"{args.kv_cache_dtype} (bf16: bfloat16)", "llamacpp": "f16 (its default)"},
               "accuracy": acc, "results": rows}
     models = evh.model_dirs(argparse.Namespace(model=None, models=args.models, stories=args.stories))
     workloads = args.workloads.split(",")
@@ -208,10 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads((path / "config.json").read_text())
         files = gguf_files(path, formats) if why_not is None else None
         sources = {fmt: source(files, path, fmt) for fmt in formats}
-        loaded = {fmt: pd.Engine.from_pretrained(s["path"], dtype=s["dtype"], quantization=s["quantization"])
-                  for fmt, s in sources.items()}
-        acc[mname] = accuracy(loaded, prompts(args.prompts, cfg["vocab_size"]), args.accuracy_tokens, files,
-                              args.threads)
+        for s in sources.values():
+            s["kv_cache_dtype"] = args.kv_cache_dtype if s["dtype"] == "float32" else "auto"
+        loaded = {fmt: pd.Engine.from_pretrained(s["path"], dtype=s["dtype"], quantization=s["quantization"],
+                                                 kv_cache_dtype=s["kv_cache_dtype"]) for fmt, s in sources.items()}
+        reference = pd.Engine.from_pretrained(sources["f32"]["path"], dtype="float32")
+        acc[mname] = accuracy(loaded, reference, prompts(args.prompts, cfg["vocab_size"]), args.accuracy_tokens,
+                              files, args.threads)
+        reference.close()
         for fmt in formats:
             a = acc[mname][fmt]
             llama = f"  vs llama.cpp {a['greedy_vs_llamacpp']['token_agreement']:.3f}" if files else ""

@@ -55,6 +55,12 @@ template <typename T> inline float f32(T x) { return static_cast<float>(x); }
 template <typename T> inline T to(float x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
+  } else if constexpr (std::is_same_v<T, c10::Half>) {       // a float16 KV cache's writes
+#if defined(__F16C__)
+    return T(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT), T::from_bits());
+#else
+    return T(x);
+#endif
   } else {
     const uint32_t u = __builtin_bit_cast(uint32_t, x);
     const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
@@ -214,9 +220,9 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
 
 // In place on the (T, (H + 2 Hkv) D) qkv rows: rotate q and k heads ("rotate half", with the
 // signed-sin table of kernels/rope.py), then write k and v to their cache slots.
-template <typename T>
+template <typename T, typename C>
 void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, const float* cos,
-                    const float* sin, const int64_t* pos, const int64_t* slots, T* kc, T* vc) {
+                    const float* sin, const int64_t* pos, const int64_t* slots, C* kc, C* vc) {
   const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(D);
@@ -231,8 +237,15 @@ void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, con
         for (int64_t d = 0; d < D; ++d) x[d] = to<T>(tmp[d]);
       }
       const int64_t slot = slots[r];
-      std::copy(row + H * D, row + (H + Hkv) * D, kc + slot * Hkv * D);
-      std::copy(row + (H + Hkv) * D, row + width, vc + slot * Hkv * D);
+      if constexpr (std::is_same_v<T, C>) {
+        std::copy(row + H * D, row + (H + Hkv) * D, kc + slot * Hkv * D);
+        std::copy(row + (H + Hkv) * D, row + width, vc + slot * Hkv * D);
+      } else {                                  // a narrower cache: rounded to nearest even
+        for (int64_t e = 0; e < Hkv * D; ++e) {
+          kc[slot * Hkv * D + e] = to<C>(f32(row[H * D + e]));
+          vc[slot * Hkv * D + e] = to<C>(f32(row[(H + Hkv) * D + e]));
+        }
+      }
     }
   });
 }
@@ -383,13 +396,29 @@ void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t
   for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;
 }
 
-// The inputs of one attention call, as a work item reads them
-template <typename T>
+// dst[0, n) = src[0, n) as float: a page of a 16-bit cache
+template <typename C>
+inline void widen(const C* src, int64_t n, float* dst) {
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  for (; e + 16 <= n; e += 16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
+    if constexpr (std::is_same_v<C, c10::Half>)
+      _mm512_storeu_ps(dst + e, _mm512_cvtph_ps(x));
+    else
+      _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+  }
+#endif
+  for (; e < n; ++e) dst[e] = f32(src[e]);
+}
+
+// The inputs of one attention call, as a work item reads them: T the queries' type, C the cache's
+template <typename T, typename C>
 struct AttendArgs {
   const T* qkv;
   int64_t q_stride;
-  const T* kc;
-  const T* vc;
+  const C* kc;
+  const C* vc;
   const int32_t* pt;
   int64_t pt_stride;
   const int32_t* lens;
@@ -409,13 +438,14 @@ template <typename V> inline V load_once(const V* p) { return __atomic_load_n(p,
 // false, computing nothing, if the inputs do not describe such an item: only a pool worker late
 // for a call the caller already finished can see that (it reads the caller's copies of the small
 // inputs while the next call rewrites them; see decode_attention), and its result is discarded.
-template <typename T, int64_t kD, typename O>
-bool attend_block(const AttendArgs<T>& a, int64_t s, int64_t r0, int64_t h0, int64_t nh, O* o, int64_t ld) {
+template <typename T, typename C, int64_t kD, typename O>
+bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, int64_t nh, O* o, int64_t ld) {
   const int64_t D = kD > 0 ? kD : a.D, H = a.H, G = H / a.Hkv, page_size = a.page_size;
   const int64_t page_elems = page_size * a.Hkv * D;
 #if defined(__AVX512BF16__)
   // bf16 scores straight from the pages (qk_scores_bf16); the V pages are still widened once each
-  constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 32 == 0;
+  constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && kD > 0 &&
+                            kD % 32 == 0;
 #else
   constexpr bool kDotBf16 = false;
 #endif
@@ -435,18 +465,17 @@ bool attend_block(const AttendArgs<T>& a, int64_t s, int64_t r0, int64_t h0, int
     pages[p] = load_once(a.pt + s * a.pt_stride + p);
     if (pages[p] < 0 || pages[p] >= a.num_pages) return false;
   }
-  if constexpr (!std::is_same_v<T, float>) {
+  if constexpr (!std::is_same_v<C, float>) {
     kf.resize(page_elems);
     vf.resize(page_elems);
   }
   // one page as float: the cache itself for float, else converted once into buf
-  auto page_as_float = [&](const T* cache, int32_t page, int64_t n, std::vector<float>& buf) -> const float* {
-    const T* src = cache + static_cast<int64_t>(page) * page_elems;
-    if constexpr (std::is_same_v<T, float>) {
+  auto page_as_float = [&](const C* cache, int32_t page, int64_t n, std::vector<float>& buf) -> const float* {
+    const C* src = cache + static_cast<int64_t>(page) * page_elems;
+    if constexpr (std::is_same_v<C, float>) {
       return src;
     } else {
-#pragma omp simd
-      for (int64_t e = 0; e < n * a.Hkv * D; ++e) buf[e] = f32(src[e]);
+      widen(src, n * a.Hkv * D, buf.data());
       return buf.data();
     }
   };
@@ -465,7 +494,7 @@ bool attend_block(const AttendArgs<T>& a, int64_t s, int64_t r0, int64_t h0, int
     const int64_t n = std::min(page_size, width - p0);
     if constexpr (kDotBf16) {
 #if defined(__AVX512BF16__)
-      const T* k = a.kc + static_cast<int64_t>(pages[p0 / page_size]) * page_elems;
+      const C* k = a.kc + static_cast<int64_t>(pages[p0 / page_size]) * page_elems;
       for (int64_t j = 0; j < nq; ++j)
         qk_scores_bf16<kD>(q_row(j), k + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0), a.scale,
                            scores.data() + j * width + p0);
@@ -507,9 +536,9 @@ bool attend_block(const AttendArgs<T>& a, int64_t s, int64_t r0, int64_t h0, int
 // microsecond: at::parallel_for's OpenMP threads, woken for ~60 such calls a step, fought the
 // pool's spinning workers for the cores (a 135M q4_0 model's single-stream step 5 ms -> 11 ms).
 // A worker computes its item into its scratch (float), which commit() converts into place.
-template <typename T, int64_t kD>
+template <typename T, typename C, int64_t kD>
 struct DecodeAttention {
-  AttendArgs<T> a;
+  AttendArgs<T, C> a;
   const int64_t* items;      // (s, r0, h0, nh) per item
   T* out;
 
@@ -517,10 +546,10 @@ struct DecodeAttention {
     const int64_t s = load_once(items + 4 * c), r0 = load_once(items + 4 * c + 1);
     const int64_t h0 = load_once(items + 4 * c + 2), nh = load_once(items + 4 * c + 3);
     const int64_t row = a.H * a.D;
-    if (scratch == nullptr) return attend_block<T, kD, T>(a, s, r0, h0, nh, out + r0 * row + h0 * a.D, row);
+    if (scratch == nullptr) return attend_block<T, C, kD, T>(a, s, r0, h0, nh, out + r0 * row + h0 * a.D, row);
     if (nh <= 0 || nh > a.H) return false;
     scratch->resize(kRowBlock * nh * a.D);
-    return attend_block<T, kD, float>(a, s, r0, h0, nh, scratch->data(), nh * a.D);
+    return attend_block<T, C, kD, float>(a, s, r0, h0, nh, scratch->data(), nh * a.D);
   }
 
   void commit(int64_t c, std::vector<float>* scratch) const {   // the caller is inside run(): inputs intact
@@ -539,8 +568,8 @@ struct DecodeAttention {
 // lengths, the items) are copied into buffers of the calling thread that are only reallocated once
 // no worker is inside a chunk, and attend_block refuses what is out of range; the caches stay
 // allocated (KVCache quiesces the pool before it frees them).
-template <typename T, int64_t kD>
-void decode_attention(const AttendArgs<T>& a, const std::vector<int64_t>& items, T* out) {
+template <typename T, typename C, int64_t kD>
+void decode_attention(const AttendArgs<T, C>& a, const std::vector<int64_t>& items, T* out) {
   work::Pool& pool = work::Pool::get();
   thread_local std::vector<T> qkv_c;
   thread_local std::vector<int32_t> pt_c, lens_c, cu_c;
@@ -554,17 +583,17 @@ void decode_attention(const AttendArgs<T>& a, const std::vector<int64_t>& items,
   lens_c.assign(a.lens, a.lens + a.S);
   cu_c.assign(a.cu, a.cu + a.S + 1);
   items_c.assign(items.begin(), items.end());
-  AttendArgs<T> c = a;
+  AttendArgs<T, C> c = a;
   c.qkv = qkv_c.data();
   c.q_stride = a.q_stride;
   c.pt = pt_c.data();
   c.lens = lens_c.data();
   c.cu = cu_c.data();
-  pool.run(static_cast<int64_t>(items.size() / 4), DecodeAttention<T, kD>{c, items_c.data(), out});
+  pool.run(static_cast<int64_t>(items.size() / 4), DecodeAttention<T, C, kD>{c, items_c.data(), out});
 }
 
-template <typename T, int64_t kD>
-void paged_attention(const AttendArgs<T>& a, T* out) {
+template <typename T, typename C, int64_t kD>
+void paged_attention(const AttendArgs<T, C>& a, T* out) {
   std::vector<int64_t> block_seq, block_row;
   for (int64_t s = 0; s < a.S; ++s) {
     if (!a.det && a.cu[s + 1] - a.cu[s] >= kMatmulRows) continue;  // prefill_attention takes it
@@ -588,7 +617,7 @@ void paged_attention(const AttendArgs<T>& a, T* out) {
     item[4 * it + 3] = h1 - h0;
   }
   if (a.pool && items > 1 && threads > 1 && a.rows < work::kOpenMPRows && !at::in_parallel_region()) {
-    decode_attention<T, kD>(a, item, out);
+    decode_attention<T, C, kD>(a, item, out);
     return;
   }
   const int64_t bins = std::max<int64_t>(1, std::min<int64_t>(threads, items));
@@ -605,18 +634,18 @@ void paged_attention(const AttendArgs<T>& a, T* out) {
   at::parallel_for(0, bins, 1, [&](int64_t bin_begin, int64_t bin_end) {
     for (int64_t k = bin_start[bin_begin]; k < bin_start[bin_end]; ++k) {
       const int64_t* it = item.data() + 4 * order[k];
-      attend_block<T, kD, T>(a, it[0], it[1], it[2], it[3], out + it[1] * a.H * a.D + it[2] * a.D, a.H * a.D);
+      attend_block<T, C, kD, T>(a, it[0], it[1], it[2], it[3], out + it[1] * a.H * a.D + it[2] * a.D, a.H * a.D);
     }
   });
 }
 
-template <typename T>
-void attention(const T* qkv, int64_t q_stride, const T* kc, const T* vc, int64_t num_pages, const int32_t* pt,
+template <typename T, typename C>
+void attention(const T* qkv, int64_t q_stride, const C* kc, const C* vc, int64_t num_pages, const int32_t* pt,
                int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H,
                int64_t Hkv, int64_t D, float scale, T* out, bool det, bool pool) {
-  const AttendArgs<T> a{qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, S > 0 ? cu[S] : 0, num_pages,
+  const AttendArgs<T, C> a{qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, S > 0 ? cu[S] : 0, num_pages,
                         page_size, H, Hkv, D, scale, det, pool};
-  auto run = [&](auto fixed) { paged_attention<T, decltype(fixed)::value>(a, out); };
+  auto run = [&](auto fixed) { paged_attention<T, C, decltype(fixed)::value>(a, out); };
   switch (D) {
     case 8: run(std::integral_constant<int64_t, 8>()); break;
     case 16: run(std::integral_constant<int64_t, 16>()); break;
@@ -998,8 +1027,8 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
 // same four packed (for oneDNN; in deterministic mode det::pack's layout); an empty tensor for an
 // absent bias, a layer without its transposed copy, or a weight not packed; lm_head_t and
 // lm_head_packed likewise.
-// k_cache, v_cache: (layers, pages, page_size, Hkv, D).
-template <typename T>
+// k_cache, v_cache: (layers, pages, page_size, Hkv, D), of type C.
+template <typename T, typename C>
 Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
                     const Tensor& logits_indices, const Tensor& embed, const Tensor& final_norm,
@@ -1037,8 +1066,8 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   for (int64_t i = 0; i < n_layers; ++i) {
     const Tensor* L = layers.data() + kPerLayer * i;
     Tensor qkv = mm(x, 1, 2, 8, 12, L, buf_qkv).contiguous();                    // (T, (H + 2 Hkv) D)
-    T* kc = k_cache.data_ptr<T>() + i * per_layer;
-    T* vc = v_cache.data_ptr<T>() + i * per_layer;
+    C* kc = k_cache.data_ptr<C>() + i * per_layer;
+    C* vc = v_cache.data_ptr<C>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
                    slots, kc, vc);
     attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, k_cache.size(1), page_table.data_ptr<int32_t>(), page_table.size(1),
@@ -1060,6 +1089,21 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
   return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits, onednn).to(at::kFloat);
 }
 
+// f(T{}, C{}) for activations of dtype t over a KV cache of dtype c: a float32 model's cache is
+// float32, bfloat16 or float16 (kv_cache_dtype), a bfloat16 model's its own dtype
+template <typename F>
+auto by_cache_dtype(at::ScalarType t, at::ScalarType c, const char* what, F&& f) {
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "pagedecode._cpu.", what, ": float32 or bfloat16 only");
+  if (t == at::kBFloat16) {
+    TORCH_CHECK(c == at::kBFloat16, "pagedecode._cpu.", what, ": a bfloat16 model's KV cache must be bfloat16");
+    return f(at::BFloat16{}, at::BFloat16{});
+  }
+  if (c == at::kBFloat16) return f(float{}, at::BFloat16{});
+  if (c == at::kHalf) return f(float{}, at::Half{});
+  TORCH_CHECK(c == at::kFloat, "pagedecode._cpu.", what, ": a float32 model's KV cache must be float32, bfloat16 or float16");
+  return f(float{}, float{});
+}
+
 Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
                Tensor cu_q, Tensor logits_indices, Tensor embed, Tensor final_norm, Tensor lm_head,
                Tensor lm_head_t, Tensor lm_head_packed, Tensor cos, Tensor sin, std::vector<Tensor> layers,
@@ -1072,18 +1116,16 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
         "page_table, seq_lens, cu_q must be int32");
   check(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat, "rope tables must be float32");
   check(k_cache.is_contiguous() && v_cache.is_contiguous() && page_table.is_contiguous(), "caches must be contiguous");
-  check(k_cache.dtype() == final_norm.dtype(), "cache and weights must share a dtype");
+  check(v_cache.dtype() == k_cache.dtype() && v_cache.sizes() == k_cache.sizes(), "K and V caches must match");
   check(D % 2 == 0 && H % Hkv == 0, "head_dim must be even and heads a multiple of kv heads");
   for (const auto& t : layers)
     check(t.is_mkldnn() || t.numel() == 0 || t.is_contiguous(), "weights must be contiguous");
-  if (final_norm.scalar_type() == at::kFloat)
-    return forward_impl<float>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices, embed,
-                               final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers, k_cache, v_cache,
-                               H, Hkv, D, eps, scale, onednn, deterministic);
-  check(final_norm.scalar_type() == at::kBFloat16, "weights must be float32 or bfloat16");
-  return forward_impl<at::BFloat16>(ids, positions, slot_mapping, page_table, seq_lens, cu_q, logits_indices,
-                                    embed, final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin, layers,
-                                    k_cache, v_cache, H, Hkv, D, eps, scale, onednn, deterministic);
+  return by_cache_dtype(final_norm.scalar_type(), k_cache.scalar_type(), "forward", [&](auto t, auto c) {
+    return forward_impl<decltype(t), decltype(c)>(ids, positions, slot_mapping, page_table, seq_lens, cu_q,
+                                                  logits_indices, embed, final_norm, lm_head, lm_head_t,
+                                                  lm_head_packed, cos, sin, layers, k_cache, v_cache, H, Hkv, D, eps,
+                                                  scale, onednn, deterministic);
+  });
 }
 
 // The deterministic kernels one at a time, for the torch path in deterministic mode (a
@@ -1138,7 +1180,7 @@ Tensor silu_mul_op(const Tensor& gate_up) {
 Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_layer, const Tensor& page_table,
                         const Tensor& seq_lens, const Tensor& cu_q, double scale, bool pool) {
   TORCH_CHECK(q.dim() == 3 && k_layer.dim() == 4 && k_layer.is_contiguous() && v_layer.is_contiguous() &&
-                  k_layer.scalar_type() == q.scalar_type() && page_table.is_contiguous() &&
+                  v_layer.scalar_type() == k_layer.scalar_type() && page_table.is_contiguous() &&
                   page_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   cu_q.scalar_type() == at::kInt,
               "pagedecode._cpu.det_attention: q (T, H, D), caches (pages, page_size, Hkv, D), int32 tables");
@@ -1164,9 +1206,10 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
     }
   }
   Tensor out = at::empty_like(qc);
-  by_dtype(q, "det_attention", [&](auto tag) {
-    using T = decltype(tag);
-    attention(qc.data_ptr<T>(), H * D, k_layer.data_ptr<T>(), v_layer.data_ptr<T>(), k_layer.size(0),
+  by_cache_dtype(q.scalar_type(), k_layer.scalar_type(), "det_attention", [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    attention(qc.data_ptr<T>(), H * D, k_layer.data_ptr<C>(), v_layer.data_ptr<C>(), k_layer.size(0),
               page_table.data_ptr<int32_t>(),
               page_table.size(1), lens.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), lens.size(0), k_layer.size(1),
               H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true, pool);

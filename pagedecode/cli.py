@@ -46,7 +46,8 @@ def _engine(args: argparse.Namespace) -> Any:
     except ValueError as e:
         raise CliError(str(e)) from None
     options = {"max_batch_size": max(8, getattr(args, "requests", 1)), "speculative": speculative,
-               "deterministic": getattr(args, "deterministic", False)}
+               "deterministic": getattr(args, "deterministic", False),
+               "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}
     return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
                                   tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                                   tokenizer=args.tokenizer, **options)
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         p.add_argument("--deterministic", action="store_true",
                        help="batch-invariant kernels: the same prompt and seed give the same bits whatever else runs")
+        p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="the KV cache's element type (auto: the model's; bfloat16 / float16 halve a float32 "
+                            "model's cache)")
         add_speculative_arguments(p)
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")

@@ -129,8 +129,10 @@ def test_quantized_smallest_on_stories(stories_path, tmp_path):
     out = tmp_path / "q.json"
     assert quantized.main(["--stories", str(stories_path), "--models", "stories260k", "--formats", "f32,q8_0",
                            "--workloads", "single", "--engines", "pagedecode,llamacpp", "--repeat", "1",
-                           "--prompts", "2", "--accuracy-tokens", "8", "--out", str(out)]) == 0
+                           "--prompts", "2", "--accuracy-tokens", "8", "--kv-cache-dtype", "float32",
+                           "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["kv_cache"]["pagedecode"].startswith("float32")
     acc = result["accuracy"]["stories260k"]
     assert acc["f32"]["max_abs_logit_diff"] == 0 and acc["f32"]["mean_kl"] == 0
     assert 0 < acc["q8_0"]["max_abs_logit_diff"] < 1 and 0 < acc["q8_0"]["mean_kl"] < 0.01

@@ -13,6 +13,23 @@ def test_generate_streams_the_reference_text(stories_path, capsys):
     assert "max_output_tokens" in out.err
 
 
+def test_generate_with_a_half_size_kv_cache(stories_path, capsys, monkeypatch):
+    """--kv-cache-dtype reaches the engine (on generate, demo and serve: test_serve_takes_every_...)."""
+    import pagedecode as pd
+    made = []
+    original = pd.Engine.from_pretrained.__func__
+
+    def spy(cls, *a, **k):
+        made.append(original(cls, *a, **k))
+        return made[-1]
+    monkeypatch.setattr(pd.Engine, "from_pretrained", classmethod(spy))
+    assert cli.main(["generate", "--model", str(stories_path), "--prompt", "Once upon a time",
+                     "--max-tokens", "16", "--kv-cache-dtype", "float16"]) == 0
+    assert capsys.readouterr().out.strip() == ", there was a little girl named Lily. She loved to play"
+    assert made[0].kv.k.dtype == __import__("torch").float16
+    assert cli.build_parser().parse_args(["demo", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
+
+
 def test_demo_on_the_default_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PAGEDECODE_CACHE", str(tmp_path))
     assert cli.main(["demo", "--requests", "3", "--max-tokens", "8"]) == 0
@@ -115,6 +132,7 @@ def test_serve_takes_every_engine_option_as_a_flag():
                           "--max-batch-size", "5", "--max-finished-bytes", "1000"])
     assert (args.engine_enable_prefix_caching, args.engine_page_size, args.engine_trace) == (False, 8, "off")
     assert args.engine_max_batch_size == 5 and args.engine_max_finished_bytes == 1000
+    assert ap.parse_args(["serve", "--kv-cache-dtype", "float16"]).engine_kv_cache_dtype == "float16"
     for f in fields(pd.EngineConfig):
         if f.name not in ("model_name", "speculative"):     # speculative: --speculative-method and co.
             assert hasattr(args, "engine_" + f.name)
@@ -136,6 +154,12 @@ def test_serve_takes_several_api_keys_hosts_and_switches(tmp_path, capsys):
     keys.write_text("# nobody\n\n")
     assert cli.main(["serve", "--api-keys-file", str(keys)]) == 2           # never an open server by mistake
     assert "holds no key" in capsys.readouterr().err
+    # a bad engine option is one line and exit 2, before any model is loaded or port taken
+    for flags, says in ((["--kv-cache-dtype", "fp8"], "kv_cache_dtype must be one of auto"),
+                        (["--page-size", "3"], "page_size must be a power of two")):
+        assert cli.main(["serve", "--port", "0", *flags]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
 
 
 def test_help_shows_each_default_once_and_real_dtype_choices(capsys):

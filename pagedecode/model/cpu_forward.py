@@ -193,9 +193,11 @@ class CompiledForward:
         return self.flat_layers + [self.lm_head_t, self.lm_head_packed]
 
     def runs(self, kv: KVCache) -> bool:
-        """Whether forward() takes this batch's cache: the model's dtype, and deterministic mode
-        only with a build that has its kernels."""
-        return kv.k.dtype == self.dtype and (_TAKES_DETERMINISTIC or not self.deterministic)
+        """Whether forward() takes this batch's cache: the model's dtype, or for a float32 model a
+        bfloat16 / float16 one (kv_cache_dtype); deterministic mode only with a build that has its
+        kernels."""
+        takes = (self.dtype,) + ((torch.bfloat16, torch.float16) if self.dtype == torch.float32 else ())
+        return kv.k.dtype in takes and (_TAKES_DETERMINISTIC or not self.deterministic)
 
     def forward(self, b: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits (N, vocab) float32 of the batch's logits rows, its K/V written into kv."""

@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..kernels._backend import BACKENDS
 from ..model.cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 from .trace import TRACE_LEVELS
@@ -13,6 +15,10 @@ BACKPRESSURE_POLICIES = ("pause", "fail")
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_CACHE_TOKENS = 16384
 CPU_MATMULS = ("onednn", "aten")
+# kv_cache_dtype: "auto" (the model's dtype) or a float type, under its usual names
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+                   "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                   "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16}
 
 
 def default_keep_freed_memory() -> bool:
@@ -63,6 +69,14 @@ class EngineConfig:
                                              # glibc keeps what a step frees for the next (mallopt, applied
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
     speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
+    kv_cache_dtype: str = "auto"             # the KV cache's element type: "auto" (the model's dtype),
+                                             # "bfloat16" / "float16" (half a float32 model's cache bytes:
+                                             # K/V rounded once when written, attention still in float32)
+                                             # or "float32"
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's torch dtype for a model computing in model_dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     def kv_pages(self, bytes_per_token: int, model_context: int) -> int:
         """How many KV pages the engine allocates: memory_budget_bytes or max_cache_tokens, else
@@ -104,6 +118,10 @@ class EngineConfig:
             raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a pd.SpeculativeConfig or None, got {type(self.speculative).__name__}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype.lower() not in KV_CACHE_DTYPES:
+            raise ValueError("kv_cache_dtype must be one of auto, float32, bfloat16, float16 (or bf16, fp16, fp32), "
+                             f"got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = self.kv_cache_dtype.lower()
         if self.max_finished_bytes is not None and self.max_finished_bytes < 1:
             raise ValueError(f"max_finished_bytes must be >= 1 or None, got {self.max_finished_bytes}")
 

@@ -59,11 +59,15 @@ class Engine:
         configure(model, config)
         mc = model.config
         self.device = torch.device(getattr(model, "device", "cpu"))
-        self.bytes_per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype)
+        kv_dtype = config.kv_dtype(model.dtype)
+        if kv_dtype != model.dtype and int(getattr(model, "world", 1)) > 1:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a tensor-parallel model's KV cache is "
+                             f"its own dtype ({model.dtype}); use kv_cache_dtype='auto'")
+        self.bytes_per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
         model_ctx = min(mc.max_context, config.max_context or mc.max_context)
         num_pages = config.kv_pages(self.bytes_per_token, model_ctx)
         self.kv = KVCache(mc.num_layers, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim,
-                          model.dtype, self.device)
+                          kv_dtype, self.device)
         self.pool = PagePool(num_pages)
         self.slots = SlotTable(config.max_batch_size)
         self.scheduler = Scheduler(self.pool, self.slots, config.page_size, config.max_tokens_per_step,

@@ -183,13 +183,18 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     if args.ray:
         print("pagedecode serve: --ray is run by `pagedecode serve` (pagedecode.cli)", file=sys.stderr)
         return 2
+    options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS}
+    try:
+        EngineConfig(**options)                          # a bad engine option: one line, before loading
+    except ValueError as e:
+        print(f"pagedecode serve: {e}", file=sys.stderr)
+        return 2
     try:
         sock = listen_socket(args.host, args.port)      # before loading: a taken port is one line, at once
     except OSError as e:
         print(f"pagedecode serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     model_dir = Path(args.model) if args.model else default_model_path()
-    options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS}
     options["speculative"] = speculative
     name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
     engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,

@@ -88,6 +88,33 @@ def test_extend_matches_reference(hq, hkv, d, page, spans, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@needs_triton
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cache_under_float32_queries(cache_dtype):
+    """kv_cache_dtype: a float32 model over a float16 / bfloat16 cache. Both kernels widen each
+    loaded K/V row to float32, so they match the float64 reference over the same rounded cache to
+    float32's tolerance, not the cache's."""
+    g = torch.Generator().manual_seed(stable_seed("16-bit cache", cache_dtype))
+    page, lens, spans = 16, [1, 17, 40], [(0, 9), (16, 1), (5, 11)]
+    num_pages = 12
+    kc = torch.randn(num_pages, page, 2, 64, generator=g).to(cache_dtype).to(DEVICE)
+    vc = torch.randn(num_pages, page, 2, 64, generator=g).to(cache_dtype).to(DEVICE)
+    table = random_page_tables(lens, page, num_pages, g).to(DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), 4, 64, generator=g).to(DEVICE)
+    out = paged_decode_attention(q, kc, vc, table, seq_lens, backend="triton")
+    ref = paged_decode_attention_ref(q.double(), kc.double(), vc.double(), table, seq_lens, 64 ** -0.5)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < TOL[torch.float32]
+    ext_lens = [p + n for p, n in spans]
+    table = random_page_tables(ext_lens, page, num_pages, g).to(DEVICE)
+    cu = torch.tensor([0, 9, 10, 21], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(21, 4, 64, generator=g).to(DEVICE)
+    seq_lens = torch.tensor(ext_lens, dtype=torch.int32, device=DEVICE)
+    out = paged_extend_attention(q, kc, vc, table, cu, seq_lens, backend="triton")
+    ref = paged_extend_attention_ref(q.double(), kc.double(), vc.double(), table, cu, seq_lens, 64 ** -0.5)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < TOL[torch.float32]
+
+
 def test_extend_reference_agrees_with_dense_causal_attention():
     """The reference itself, against torch's SDPA on a contiguous copy (prefix 0)."""
     g = torch.Generator().manual_seed(3)

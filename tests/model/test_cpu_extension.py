@@ -132,12 +132,14 @@ def test_long_prefill_chunks_match(dtype, tol):
                         [(37, 1), (0, 800), (130, 770)], tol)
 
 
-def check_against_torch(model, shape, rng, page_size, num_pages, specs, tol):
+def check_against_torch(model, shape, rng, page_size, num_pages, specs, tol, kv_dtype=None):
     """One batch of `specs` ((cached, new) per sequence) over shuffled pages, through the compiled
     forward and through the torch path: the same logits and the same KV rows written. `shape`:
-    random_model's arguments, for the float64 oracle of a bf16 model."""
+    random_model's arguments, for the float64 oracle of a bf16 model. kv_dtype: the caches' dtype
+    (default: the model's)."""
     c, dtype = model.config, model.dtype
-    kv_ref = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype)
+    kv_dtype = kv_dtype or dtype
+    kv_ref = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, kv_dtype)
     kv_ref.k.fill_(float("nan"))
     kv_ref.v.fill_(float("nan"))
     free = list(range(num_pages))
@@ -147,7 +149,7 @@ def check_against_torch(model, shape, rng, page_size, num_pages, specs, tol):
     cached = [(i, cc) for i, (cc, _) in enumerate(specs) if cc]
     prefix = mixed_batch(rng, page_size, [seq_pages[i] for i, _ in cached], [(0, cc) for _, cc in cached])
     run(model, prefix, kv_ref, "torch")
-    kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, dtype)
+    kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, kv_dtype)
     kv.k.copy_(kv_ref.k)
     kv.v.copy_(kv_ref.v)
     # the same pages again, now with each sequence's new rows after its cached ones
@@ -174,6 +176,33 @@ def check_against_torch(model, shape, rng, page_size, num_pages, specs, tol):
         for mine, ref in ((kv.k, kv_ref.k), (kv.v, kv_ref.v)):
             a, b = mine[layer].flatten(0, 1)[written].float(), ref[layer].flatten(0, 1)[written].float()
             torch.testing.assert_close(a, b, atol=tol * max(1.0, float(b.abs().max())), rtol=0)
+
+
+@needs_ext
+@pytest.mark.parametrize("kv_dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)])
+@pytest.mark.parametrize("shape", [dict(heads=6, kv_heads=2, head_dim=16), dict(heads=4, kv_heads=2, head_dim=64),
+                                   dict(heads=2, kv_heads=1, head_dim=128, bias=False)])
+def test_a_16_bit_cache_under_a_float32_model(kv_dtype, tol, shape):
+    """kv_cache_dtype="float16" / "bfloat16": the compiled forward rounds K/V once as it writes
+    them and widens each page back to float32 to attend; held to the torch path over the same kind
+    of cache (decode rows, chunks, a cached prefix, a lone row split over the threads, a chunk long
+    enough for the fused prefill attention). The tolerance is the cache's rounding: one path may
+    round a K/V value one unit off the other."""
+    model = random_model(torch.float32, **shape, max_pos=2048)
+    c = model.config
+    assert model._compiled is not None and model.uses_cpu_extension()
+    assert model._compiled.runs(KVCache(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim, kv_dtype))
+    rng = random.Random(3)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            check_against_torch(model, shape, rng, 16, 60, [(rng.randrange(0, 30), 1) for _ in range(3)] +
+                                [(0, 9), (5, 4), (0, 20), (12, 17)], tol, kv_dtype)
+            check_against_torch(model, shape, rng, 16, 60, [(45, 1)], tol, kv_dtype)
+        check_against_torch(model, shape, rng, 16, 120, [(37, 1), (0, 800)], tol, kv_dtype)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_ext
@@ -266,6 +295,11 @@ def test_falls_back_where_it_does_not_apply():
     model.attention_backend = "torch"
     assert not model.uses_cpu_extension()
     assert not random_model(torch.float16).uses_cpu_extension()
+    # a bfloat16 model keeps its cache in bfloat16: another dtype goes through the torch path
+    bf16 = random_model(torch.bfloat16)
+    c = bf16.config
+    assert bf16._compiled is not None
+    assert not bf16._compiled.runs(KVCache(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim, torch.float16))
 
 
 @needs_ext

@@ -138,6 +138,32 @@ def test_attention_gives_the_same_bits_at_every_thread_count(dtype):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_attention_over_a_16_bit_cache_is_attention_over_its_float32_values(cache_dtype):
+    """kv_cache_dtype: a float32 model's queries against a float16 / bfloat16 cache give the same
+    bits as against that cache widened to float32 (widening is exact, the arithmetic after it the
+    same), at 1 and 2 threads, on OpenMP and the pool; and a float32 cache is refused for bfloat16
+    queries by name."""
+    H, Hkv, D, ps = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(12, ps, Hkv, D, generator=g).to(cache_dtype)
+    v = torch.randn(12, ps, Hkv, D, generator=g).to(cache_dtype)
+    table = torch.tensor([[5, 0, 7], [1, 2, 3]], dtype=torch.int32)
+    q = torch.randn(6, H, D, generator=g)
+    args = (table, torch.tensor([40, 45], dtype=torch.int32), torch.tensor([0, 1, 6], dtype=torch.int32), D ** -0.5)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for pool in (False, True):
+                got = ext().det_attention(q, k, v, *args, pool=pool)
+                assert torch.equal(got, ext().det_attention(q, k.float(), v.float(), *args, pool=pool))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="bfloat16 model's KV cache must be bfloat16"):
+        ext().det_attention(q.bfloat16(), k.float(), v.float(), *args)
+
+
 def test_attention_refuses_tables_outside_the_cache():
     """det_attention checks the layout every work item relies on, and names what is wrong (an
     item given one it does not hold computes nothing: the output would be left unwritten)."""

@@ -78,3 +78,25 @@ def test_first_step_logits(engine):
         values, idx = logits.topk(5)
         assert idx.tolist() == [t for t, _ in top]
         torch.testing.assert_close(values, torch.tensor([v for _, v in top]), atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_a_16_bit_kv_cache_keeps_the_reference_continuations(stories_engine_factory, kv):
+    """kv_cache_dtype halves the cache of the float32 model (the same budget holds twice the
+    tokens) and, on this model, changes none of the greedy tokens, in a batch with chunked prefill."""
+    budget = 1 << 20
+    plain = stories_engine_factory(memory_budget_bytes=budget)
+    engine = stories_engine_factory(kv_cache_dtype=kv, memory_budget_bytes=budget, max_tokens_per_step=7)
+    assert engine.kv.k.dtype == engine.kv.v.dtype == getattr(torch, kv)
+    assert engine.bytes_per_token * 2 == plain.bytes_per_token
+    assert engine.pool.num_pages == 2 * plain.pool.num_pages
+    assert engine.model._compiled is not None and engine.model._compiled.runs(engine.kv)
+    outs = engine.generate(list(REFERENCE) + [[1]], pd.SamplingParams(max_tokens=32))
+    for out, prompt in zip(outs, REFERENCE):
+        assert (out.token_ids, out.text) == REFERENCE[prompt][1:]
+    assert outs[-1].token_ids == BOS_ONLY_FIRST_60[:32]
+    # the first step's logits: within the cache's rounding of float32's
+    want = plain.generate("The cat", pd.SamplingParams(max_tokens=1, logprobs=5))[0].top_logprobs[0]
+    got = engine.generate("The cat", pd.SamplingParams(max_tokens=1, logprobs=5))[0].top_logprobs[0]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 0.05

@@ -87,3 +87,26 @@ def test_malloc_is_set_by_the_engine_that_asks_not_by_the_model(clean_env, stori
     # torch path (no compiled forward): nothing to keep, nothing asked
     pd.Engine(eng.model, eng.tokenizer, EngineConfig(attention_backend="torch", cpu_keep_freed_memory=True))
     assert calls == [1] and isinstance(eng.model.embed, torch.Tensor)
+
+
+def test_kv_cache_dtype_takes_the_usual_names_and_refuses_others():
+    assert EngineConfig().kv_cache_dtype == "auto"
+    assert EngineConfig().kv_dtype(torch.bfloat16) == torch.bfloat16
+    for name, dtype in (("float16", torch.float16), ("FP16", torch.float16), ("bf16", torch.bfloat16),
+                        ("float32", torch.float32), ("half", torch.float16)):
+        config = EngineConfig(kv_cache_dtype=name)
+        assert config.kv_dtype(torch.float32) == dtype
+        assert config.kv_cache_dtype == name.lower()
+    for bad in ("fp8", "int8", "", None, 16):
+        with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
+            EngineConfig(kv_cache_dtype=bad)
+
+
+def test_a_tensor_parallel_model_keeps_its_own_kv_dtype(stories_path):
+    """Its worker ranks allocate their caches in the model's dtype: another is refused by name
+    before anything is allocated (the model here only says it is sharded)."""
+    model, tokenizer = pd.load_model(stories_path)
+    model.world = 2
+    with pytest.raises(ValueError, match="kv_cache_dtype='float16': a tensor-parallel model's KV cache"):
+        pd.Engine(model, tokenizer, EngineConfig(kv_cache_dtype="float16"))
+    pd.Engine(model, tokenizer, EngineConfig(kv_cache_dtype="float32")).close()     # its own dtype: taken
