@@ -60,6 +60,9 @@ class Engine:
         mc = model.config
         self.device = torch.device(getattr(model, "device", "cpu"))
         kv_dtype = config.kv_dtype(model.dtype)
+        if kv_dtype != model.dtype and model.dtype != torch.float32:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs a float32 model: this one computes in "
+                             f"{model.dtype}, and its KV cache is that dtype; use kv_cache_dtype='auto'")
         if kv_dtype != model.dtype and int(getattr(model, "world", 1)) > 1:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a tensor-parallel model's KV cache is "
                              f"its own dtype ({model.dtype}); use kv_cache_dtype='auto'")

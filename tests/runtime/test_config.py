@@ -110,3 +110,16 @@ def test_a_tensor_parallel_model_keeps_its_own_kv_dtype(stories_path):
     with pytest.raises(ValueError, match="kv_cache_dtype='float16': a tensor-parallel model's KV cache"):
         pd.Engine(model, tokenizer, EngineConfig(kv_cache_dtype="float16"))
     pd.Engine(model, tokenizer, EngineConfig(kv_cache_dtype="float32")).close()     # its own dtype: taken
+
+
+@pytest.mark.parametrize("kv", ["float16", "float32"])
+def test_a_narrower_model_keeps_its_own_kv_dtype(stories_path, kv):
+    """Only a float32 model's cache may differ from it: a bfloat16 model's is bfloat16 (its
+    deterministic kernels and compiled forward attend over their own dtype)."""
+    model, tokenizer = pd.load_model(stories_path, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{kv}' needs a float32 model: this one computes in "
+                                         "torch.bfloat16"):
+        pd.Engine(model, tokenizer, EngineConfig(kv_cache_dtype=kv))
+    engine = pd.Engine(model, tokenizer, EngineConfig(kv_cache_dtype="bfloat16"))
+    assert engine.kv.k.dtype == torch.bfloat16
+    engine.close()

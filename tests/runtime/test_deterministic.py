@@ -156,6 +156,19 @@ def test_needle_alone_and_in_batches_of_2_7_31(model_name, dtype, stories_path):
 
 
 @needs_ext
+def test_needle_on_a_float16_cache_alone_and_in_a_batch(stories_path):
+    """kv_cache_dtype="float16" under a float32 model keeps the batch invariance: K/V are rounded
+    as they are written, whatever the batch, and attention over them is the same fixed order."""
+    model, tok = get_model("stories260k", torch.float32, stories_path)
+    alone = run_needle(make_engine(model, tok, kv_cache_dtype="float16"))
+    engine = make_engine(model, tok, kv_cache_dtype="float16")
+    assert engine.kv.k.dtype == torch.float16 and model._compiled.runs(engine.kv)
+    rng = random.Random(8)
+    assert run_needle(engine, random_load(rng, 5, True), {2: random_load(rng, 6, True)}) == alone
+    assert alone != run_needle(make_engine(model, tok)), "the float16 cache changed no logprob: not in use?"
+
+
+@needs_ext
 def test_without_deterministic_the_needle_moves(stories_path):
     """The needle test can fail: the default kernels (gemv / oneDNN by row count) give other bits."""
     model, tok = get_model("llama135m", torch.float32, stories_path)
