@@ -1252,6 +1252,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("page_table"), py::arg("seq_lens"),
         py::arg("cu_q"), py::arg("scale"), py::arg("pool") = false);
   m.attr("takes_deterministic") = true;   // forward's last argument, and the det_* kernels
+  m.attr("takes_kv_cache_dtype") = true;  // a float32 model's float16 / bfloat16 cache (forward, det_attention)
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
   m.def("quiesce", [] { work::Pool::quiesce_all(); },

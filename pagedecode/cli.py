@@ -48,9 +48,12 @@ def _engine(args: argparse.Namespace) -> Any:
     options = {"max_batch_size": max(8, getattr(args, "requests", 1)), "speculative": speculative,
                "deterministic": getattr(args, "deterministic", False),
                "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}
-    return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
-                                  tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-                                  tokenizer=args.tokenizer, **options)
+    try:
+        return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
+                                      tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+                                      tokenizer=args.tokenizer, **options)
+    except ValueError as e:                    # an option that does not fit (--kv-cache-dtype with --dtype bfloat16)
+        raise CliError(str(e)) from None
 
 
 def _sampling(args: argparse.Namespace, seed: int | None = None) -> SamplingParams:
@@ -213,9 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         p.add_argument("--deterministic", action="store_true",
                        help="batch-invariant kernels: the same prompt and seed give the same bits whatever else runs")
-        p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="the KV cache's element type (auto: the model's; bfloat16 / float16 halve a float32 "
-                            "model's cache)")
+        p.add_argument("--kv-cache-dtype", default="auto",
+                       help="the KV cache's element type: auto (the model's), float16 or bfloat16 (half a float32 "
+                            "model's cache), float32; or fp16, bf16, ...")
         add_speculative_arguments(p)
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")

@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import pytest
 
 from pagedecode import cli
 
@@ -139,7 +140,7 @@ def test_serve_takes_every_engine_option_as_a_flag():
     assert args.host == "127.0.0.1" and args.port == 8000
 
 
-def test_serve_takes_several_api_keys_hosts_and_switches(tmp_path, capsys):
+def test_serve_takes_several_api_keys_hosts_and_switches(tmp_path, capsys, monkeypatch, stories_path):
     from pagedecode.server.serve import allowed_hosts, api_keys
     keys = tmp_path / "keys"
     keys.write_text("# one a line\nkey-c\n\n  key-d  \n")
@@ -154,12 +155,21 @@ def test_serve_takes_several_api_keys_hosts_and_switches(tmp_path, capsys):
     keys.write_text("# nobody\n\n")
     assert cli.main(["serve", "--api-keys-file", str(keys)]) == 2           # never an open server by mistake
     assert "holds no key" in capsys.readouterr().err
-    # a bad engine option is one line and exit 2, before any model is loaded or port taken
+    # a bad engine option is one line and exit 2, before any model is loaded, port taken or Ray
+    # cluster started; an option that does not fit the model loaded, one line too
+    import ray
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("a Ray cluster started"))
     for flags, says in ((["--kv-cache-dtype", "fp8"], "kv_cache_dtype must be one of auto"),
-                        (["--page-size", "3"], "page_size must be a power of two")):
+                        (["--page-size", "3"], "page_size must be a power of two"),
+                        (["--ray", "--kv-cache-dtype", "fp8"], "kv_cache_dtype must be one of auto"),
+                        (["--model", str(stories_path), "--dtype", "bfloat16", "--kv-cache-dtype", "float16"],
+                         "kv_cache_dtype='float16' needs a float32 model")):
         assert cli.main(["serve", "--port", "0", *flags]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err
+    assert cli.main(["generate", "--model", str(stories_path), "--prompt", "hi", "--dtype", "bfloat16",
+                     "--kv-cache-dtype", "fp16"]) == 2
+    assert "kv_cache_dtype='float16' needs a float32 model" in capsys.readouterr().err
 
 
 def test_help_shows_each_default_once_and_real_dtype_choices(capsys):

@@ -15,10 +15,11 @@ BACKPRESSURE_POLICIES = ("pause", "fail")
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_CACHE_TOKENS = 16384
 CPU_MATMULS = ("onednn", "aten")
-# kv_cache_dtype: "auto" (the model's dtype) or a float type, under its usual names
+# kv_cache_dtype: "auto" (the model's dtype) or a float type, under its usual names (kept as the first)
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
                    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16}
+KV_CACHE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def default_keep_freed_memory() -> bool:
@@ -69,14 +70,15 @@ class EngineConfig:
                                              # glibc keeps what a step frees for the next (mallopt, applied
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
     speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
-    kv_cache_dtype: str = "auto"             # the KV cache's element type: "auto" (the model's dtype),
+    kv_cache_dtype: "str | torch.dtype" = "auto"   # the KV cache's element type: "auto" (the model's dtype),
                                              # "bfloat16" / "float16" (half a float32 model's cache bytes:
                                              # K/V rounded once when written, attention still in float32)
-                                             # or "float32"
+                                             # or "float32"; an alias (bf16, fp16, ...) or a torch
+                                             # dtype is kept as that name
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's torch dtype for a model computing in model_dtype."""
-        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
+        return KV_CACHE_DTYPES[str(self.kv_cache_dtype)] or model_dtype
 
     def kv_pages(self, bytes_per_token: int, model_context: int) -> int:
         """How many KV pages the engine allocates: memory_budget_bytes or max_cache_tokens, else
@@ -118,10 +120,13 @@ class EngineConfig:
             raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a pd.SpeculativeConfig or None, got {type(self.speculative).__name__}")
-        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype.lower() not in KV_CACHE_DTYPES:
-            raise ValueError("kv_cache_dtype must be one of auto, float32, bfloat16, float16 (or bf16, fp16, fp32), "
-                             f"got {self.kv_cache_dtype!r}")
-        self.kv_cache_dtype = self.kv_cache_dtype.lower()
+        kv = KV_CACHE_NAMES.get(self.kv_cache_dtype, self.kv_cache_dtype) if isinstance(
+            self.kv_cache_dtype, torch.dtype) else self.kv_cache_dtype
+        if not isinstance(kv, str) or kv.lower() not in KV_CACHE_DTYPES:
+            raise ValueError("kv_cache_dtype must be one of auto, float32, bfloat16, float16 (or fp32 / f32, bf16, "
+                             f"fp16 / f16 / half, or one of those torch dtypes), got {self.kv_cache_dtype!r}")
+        dtype = KV_CACHE_DTYPES[kv.lower()]
+        self.kv_cache_dtype = "auto" if dtype is None else KV_CACHE_NAMES[dtype]
         if self.max_finished_bytes is not None and self.max_finished_bytes < 1:
             raise ValueError(f"max_finished_bytes must be >= 1 or None, got {self.max_finished_bytes}")
 

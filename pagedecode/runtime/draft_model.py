@@ -60,7 +60,10 @@ def load_draft(draft: Any, device: torch.device, dtype: torch.dtype) -> Model:
 
 class DraftModelProposer:
     def __init__(self, model: Model, capacity_tokens: int, page_size: int, vocab_size: int,
-                 rejection: bool = True) -> None:
+                 rejection: bool = True, kv_dtype: torch.dtype | None = None) -> None:
+        """capacity_tokens: the target's KV capacity, which the draft's cache matches in tokens;
+        kv_dtype: the target's kv_cache_dtype, which a float32 draft takes too (its cache then
+        narrows as the target's does; any other draft keeps its own dtype)."""
         mc = model.config
         self.model = model
         self.rejection = rejection               # False: every draft greedy, verified by exact matching
@@ -69,7 +72,8 @@ class DraftModelProposer:
         self.device = torch.device(getattr(model, "device", "cpu"))
         num_pages = max(1, capacity_tokens // page_size)
         self.pool = PagePool(num_pages)
-        self.kv = KVCache(mc.num_layers, num_pages, page_size, mc.num_kv_heads, mc.head_dim, model.dtype, self.device)
+        dtype = kv_dtype if kv_dtype is not None and model.dtype == torch.float32 else model.dtype
+        self.kv = KVCache(mc.num_layers, num_pages, page_size, mc.num_kv_heads, mc.head_dim, dtype, self.device)
         self.max_context = mc.max_context
         self._seqs: weakref.WeakKeyDictionary[Request, _DraftSeq] = weakref.WeakKeyDictionary()
 

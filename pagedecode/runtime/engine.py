@@ -83,7 +83,7 @@ class Engine:
         self.constraints = Constraints.from_config(self.tokenizer, self.vocab_size, self.eos_ids, self.device, config)
         self.speculator = (None if config.speculative is None else
                            Speculator(config.speculative, self.max_context, config.page_size, model,
-                                      num_pages * config.page_size, config.deterministic))
+                                      num_pages * config.page_size, config.deterministic, kv_dtype))
         identity = f"{self.model_name}|{mc.model_type}|{mc.vocab_size}|{mc.num_layers}|{model.dtype}|{id(model)}"
         self.intake = Intake(self.tokenizer, self.vocab_size, self.max_context, self.constraints, config.seed,
                              config.trace, identity)

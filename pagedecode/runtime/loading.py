@@ -31,14 +31,26 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
         model, tok = load_model(path, device=device, dtype=dtype, attention_backend=config.attention_backend,
                                 quantization=quantization, tokenizer=tokenizer, cpu_matmul=config.cpu_matmul,
                                 cpu_pack_weights=config.cpu_pack_weights)
-        return cls(model, tok, config)
+        return _engine(cls, model, tok, config)
     if quantization is not None or tokenizer is not None or Path(path).is_file():
         raise ValueError("tensor_parallel_size > 1 takes a Hugging Face directory, without quantization "
                          "or tokenizer")
     from ..model.parallel import load_tensor_parallel
     model, tok = load_tensor_parallel(path, tensor_parallel_size, device=device, dtype=dtype,
                                       attention_backend=config.attention_backend)
-    return cls(model, tok, config)
+    return _engine(cls, model, tok, config)
+
+
+def _engine(cls: type[E], model: Any, tok: Any, config: EngineConfig) -> E:
+    """The engine over a model just loaded; if the engine refuses it (an option that does not fit
+    the model), the model's worker processes, if any, are stopped before the error goes up."""
+    try:
+        return cls(model, tok, config)
+    except BaseException:
+        close = getattr(model, "close", None)
+        if callable(close):
+            close()
+        raise
 
 
 def configure(model: Model, config: EngineConfig) -> None:

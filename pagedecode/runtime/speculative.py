@@ -81,7 +81,7 @@ class Speculator:
     first tokens are committed, verifies the drafts one depth at a time."""
 
     def __init__(self, config: SpeculativeConfig, max_context: int, page_size: int, target: Model,
-                 capacity_tokens: int, deterministic: bool = False) -> None:
+                 capacity_tokens: int, deterministic: bool = False, kv_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.max_context = max_context
         self.page_size = page_size
@@ -92,7 +92,7 @@ class Speculator:
             # deterministic mode keeps exact matching for every request: a seeded request's tokens
             # must not depend on the verify schedule, which other requests shape
             self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size,
-                                            rejection=not deterministic)
+                                            rejection=not deterministic, kv_dtype=kv_dtype)
         self.counters = SpecCounters()
         self.cost = CostGate(config.min_gain, config.backoff_steps)
         self._gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()

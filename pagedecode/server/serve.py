@@ -59,7 +59,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (default: float32 on CPU, the checkpoint's on CUDA)")
+                   help="the weights' dtype, and the KV cache's unless --kv-cache-dtype says otherwise "
+                        "(default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--tensor-parallel-size", type=positive, default=1,
                    help="ranks the model is sharded over (processes started by the engine)")
 
@@ -197,9 +198,14 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     model_dir = Path(args.model) if args.model else default_model_path()
     options["speculative"] = speculative
     name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
-    engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
-                                       tensor_parallel_size=args.tensor_parallel_size,
-                                       quantization=args.quantization, tokenizer=args.tokenizer, **options)
+    try:
+        engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
+                                           tensor_parallel_size=args.tensor_parallel_size,
+                                           quantization=args.quantization, tokenizer=args.tokenizer, **options)
+    except ValueError as e:                              # options that do not fit this model (kv_cache_dtype)
+        sock.close()
+        print(f"pagedecode serve: {e}", file=sys.stderr)
+        return 2
     publisher = None
     try:
         if args.kv_events is not None:

@@ -93,11 +93,13 @@ def test_kv_cache_dtype_takes_the_usual_names_and_refuses_others():
     assert EngineConfig().kv_cache_dtype == "auto"
     assert EngineConfig().kv_dtype(torch.bfloat16) == torch.bfloat16
     for name, dtype in (("float16", torch.float16), ("FP16", torch.float16), ("bf16", torch.bfloat16),
-                        ("float32", torch.float32), ("half", torch.float16)):
+                        ("float32", torch.float32), ("half", torch.float16), (torch.bfloat16, torch.bfloat16),
+                        ("AUTO", None)):
         config = EngineConfig(kv_cache_dtype=name)
-        assert config.kv_dtype(torch.float32) == dtype
-        assert config.kv_cache_dtype == name.lower()
-    for bad in ("fp8", "int8", "", None, 16):
+        assert config.kv_dtype(torch.float32) == (dtype or torch.float32)
+        assert config.kv_cache_dtype == {torch.float16: "float16", torch.bfloat16: "bfloat16",
+                                         torch.float32: "float32", None: "auto"}[dtype]
+    for bad in ("fp8", "int8", "", " float16", None, 16, torch.int8, torch.float64):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
             EngineConfig(kv_cache_dtype=bad)
 
@@ -123,3 +125,16 @@ def test_a_narrower_model_keeps_its_own_kv_dtype(stories_path, kv):
     engine = pd.Engine(model, tokenizer, EngineConfig(kv_cache_dtype="bfloat16"))
     assert engine.kv.k.dtype == torch.bfloat16
     engine.close()
+
+
+def test_a_model_the_engine_refuses_is_closed(stories_path):
+    """from_pretrained: when the engine refuses the model it just loaded (an option that does not
+    fit it), the model's close() runs before the error goes up (a tensor-parallel model's worker
+    processes stop then, not at exit)."""
+    from pagedecode.runtime import loading
+    model, tokenizer = pd.load_model(stories_path, dtype=torch.bfloat16)
+    closed = []
+    model.close = lambda: closed.append(True)
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        loading._engine(pd.Engine, model, tokenizer, EngineConfig(kv_cache_dtype="float16"))
+    assert closed == [True]

@@ -465,3 +465,22 @@ def test_deterministic_mode_logprobs_bitwise_equal(stories_engine_factory, groun
     got = outputs(spec, prompts, params)
     assert got == want          # logprobs and top logprobs compared as floats: the same bits
     assert spec.snapshot().spec_decode_num_accepted_tokens > 0
+
+
+def test_a_float32_draft_narrows_its_cache_with_the_target(stories_path):
+    """kv_cache_dtype: the draft's cache holds as many tokens as the target's, in the same dtype
+    (a float32 draft narrows with it, so a float16 target cache does not leave the draft's at twice
+    its bytes); the tokens are the same as on float32 caches."""
+    spec = pd.SpeculativeConfig(method="draft", draft_model=str(stories_path), num_tokens=3)
+    outs, drafts = {}, {}
+    for kv in ("auto", "float16"):
+        engine = pd.Engine.from_pretrained(stories_path, kv_cache_dtype=kv, speculative=spec,
+                                           memory_budget_bytes=1 << 20)
+        draft_kv = engine.speculator.draft.kv
+        drafts[kv] = draft_kv.k.dtype, draft_kv.k.nbytes, engine.kv.k.nbytes
+        outs[kv] = [o.token_ids for o in engine.generate(["Once upon a time", "The cat"],
+                                                          pd.SamplingParams(max_tokens=24))]
+        engine.close()
+    assert drafts["auto"][0] == torch.float32 and drafts["float16"][0] == torch.float16
+    assert drafts["float16"][1] == drafts["float16"][2] == drafts["auto"][1] == drafts["auto"][2]
+    assert outs["float16"] == outs["auto"]
