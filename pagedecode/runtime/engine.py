@@ -128,6 +128,11 @@ class Engine:
         return int(getattr(self.model, "weight_bytes", 0))
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type (EngineConfig.kv_cache_dtype resolved against the model's)."""
+        return self.kv.k.dtype
+
+    @property
     def bytes_per_token_total(self) -> int:
         """KV bytes per token over every rank (bytes_per_token is this rank's)."""
         return self.bytes_per_token * self.tensor_parallel_size
