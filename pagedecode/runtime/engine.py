@@ -56,16 +56,16 @@ class Engine:
         self.model = model
         self.tokenizer: TokenizerLike = as_tokenizer(tokenizer)
         self.config = config = config or EngineConfig()
-        configure(model, config)
-        mc = model.config
-        self.device = torch.device(getattr(model, "device", "cpu"))
-        kv_dtype = config.kv_dtype(model.dtype)
+        kv_dtype = config.kv_dtype(model.dtype)       # checked before anything is set on the model
         if kv_dtype != model.dtype and model.dtype != torch.float32:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs a float32 model: this one computes in "
                              f"{model.dtype}, and its KV cache is that dtype; use kv_cache_dtype='auto'")
         if kv_dtype != model.dtype and int(getattr(model, "world", 1)) > 1:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a tensor-parallel model's KV cache is "
                              f"its own dtype ({model.dtype}); use kv_cache_dtype='auto'")
+        configure(model, config)
+        mc = model.config
+        self.device = torch.device(getattr(model, "device", "cpu"))
         self.bytes_per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
         model_ctx = min(mc.max_context, config.max_context or mc.max_context)
         num_pages = config.kv_pages(self.bytes_per_token, model_ctx)
