@@ -40,7 +40,7 @@ def _engine(args: argparse.Namespace) -> Any:
     from .runtime.engine import Engine
     _check_device(args.device)
     path = args.model or default_model_path()
-    from .server.serve import speculative_config
+    from .server.flags import speculative_config
     try:
         speculative = speculative_config(args)
     except ValueError as e:
@@ -191,7 +191,7 @@ def _report(ids: list[str], arrival: dict[str, float], stamps: dict[str, list[tu
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .server.serve import HelpFormatter, add_arguments, add_model_arguments, add_speculative_arguments, positive
+    from .server.flags import HelpFormatter, add_arguments, add_model_arguments, add_speculative_arguments, positive
     ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--version", action="version", version=f"pagedecode {__version__}")

@@ -141,7 +141,7 @@ def test_serve_takes_every_engine_option_as_a_flag():
 
 
 def test_serve_takes_several_api_keys_hosts_and_switches(tmp_path, capsys, monkeypatch, stories_path):
-    from pagedecode.server.serve import allowed_hosts, api_keys
+    from pagedecode.server.flags import allowed_hosts, api_keys
     keys = tmp_path / "keys"
     keys.write_text("# one a line\nkey-c\n\n  key-d  \n")
     args = cli.build_parser().parse_args(["serve", "--api-key", "key-a", "--api-key", "key-b", "--api-keys-file",

@@ -15,7 +15,7 @@ def serve_main(args: Any) -> int:
     from ray import serve
 
     from ..runtime.config import EngineConfig
-    from ..server.serve import ENGINE_FLAGS, api_keys, server_options
+    from ..server.flags import ENGINE_FLAGS, api_keys, server_options
 
     from .app import build_app
     try:

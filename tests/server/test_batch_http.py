@@ -199,7 +199,7 @@ def test_idempotent_retry_attaches_to_every_prompt(srv):
 def test_serve_flag():
     import argparse
 
-    from pagedecode.server.serve import add_arguments
+    from pagedecode.server.flags import add_arguments
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert p.parse_args([]).max_prompts_per_request == 64

@@ -1,0 +1,189 @@
+"""The `pagedecode serve` command line: its flags (and the model flags generate and demo share),
+and what they build: the engine options, the speculative config, the API keys, the allowed
+hosts, the server options."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from ..runtime.config import EngineConfig
+
+ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name", "speculative")]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default shown once: appended, unless the help already says it or there is
+    nothing to say (None, whose meaning the help gives, and an off flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is None or (action.nargs == 0 and action.default is False):
+            return text
+        return super()._get_help_string(action)
+
+
+def positive(text: str) -> int:
+    """argparse's type for a count: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What to load and where: --model, --quantization, --tokenizer, --device, --dtype,
+    --tensor-parallel-size (generate, demo and serve)."""
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
+    p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0"],
+                   help="keep the layer weights quantized in memory (a GGUF's own Q8_0 / Q4_0 stay so anyway)")
+    p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype, and the KV cache's unless --kv-cache-dtype says otherwise "
+                        "(default: float32 on CPU, the checkpoint's on CUDA)")
+    p.add_argument("--tensor-parallel-size", type=positive, default=1,
+                   help="ranks the model is sharded over (processes started by the engine)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY'; repeat it for more tenants (each key one tenant, "
+                        "who sees only its own requests)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="a file of API keys, one a line (blank lines and lines starting with # skipped)")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key when keys are set")
+    p.add_argument("--allowed-host", action="append", default=None,
+                   help="a Host name the server answers to besides its address and localhost ('*': any); "
+                        "repeatable")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="chat content's special-token strings ('</s>') become the real tokens (unsafe)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name, or the GGUF file's without .gguf)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="prompts one completions request may batch (400 beyond); its choices, prompts x n, are at "
+                        "most this or 16, whichever is more")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 beyond)")
+    p.add_argument("--max-request-seconds", type=float, default=None, help="cap on timeout and first_token_timeout")
+    p.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at once; at the cap a new one closes the longest-idle one, or gets 503 "
+                        "when every connection has a request running (default: 2048, less to fit the open-file limit)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds from connecting (or a kept-alive connection's next byte) to complete request headers")
+    p.add_argument("--body-timeout", type=float, default=20.0,
+                   help="seconds from the request headers to the body's last byte (408 and closed beyond)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection is kept open between requests")
+    p.add_argument("--grace-seconds", type=float, default=10.0, help="on shutdown, how long live requests may finish")
+    p.add_argument("--log-text", action="store_true", help="include output text in the per-request log line")
+    p.add_argument("--resume-grace", type=float, default=0.0,
+                   help="seconds a disconnected stream waits for a client to resume it before it is cancelled")
+    p.add_argument("--on-disconnect", default="cancel", choices=["cancel", "continue"],
+                   help="what a client going away does to its request (a request's on_disconnect field overrides)")
+    p.add_argument("--idempotency-ttl", type=float, default=600.0, help="seconds an Idempotency-Key is kept")
+    p.add_argument("--idempotency-max-keys", type=int, default=10_000, help="most Idempotency-Keys kept")
+    p.add_argument("--metrics-compat", default=None, choices=["vllm"],
+                   help="also export the gauges an inference gateway reads under vLLM's names "
+                        "(vllm:num_requests_waiting, ...), so llm-d / KServe can route to this server")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish the prefix cache's changes in vLLM's KV-event format on this ZeroMQ endpoint "
+                        "(tcp://*:5557 binds, tcp://host:port connects; pagedecode[ray])")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="the KV events' replay socket (default: the publisher's port + 1 when it binds a port)")
+    p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events")
+    p.add_argument("--ray", action="store_true",
+                   help="serve replicas on Ray Serve (pagedecode[ray]): a local Ray cluster, or --ray-address's")
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas, each one engine")
+    p.add_argument("--ray-address", default=None, help="with --ray: join this Ray cluster instead of starting one")
+    for f in ENGINE_FLAGS:
+        flag = "--" + f.name.replace("_", "-")
+        # a field whose default comes from the environment (default_factory) is read now
+        default = f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+        kind: Any = type(default) if default is not None else None
+        extra: dict[str, Any] = {}
+        if isinstance(default, bool):
+            kind, extra = _bool, {"nargs": "?", "const": True}     # `--deterministic` alone means true
+        if f.name in ("max_cache_tokens", "memory_budget_bytes", "max_context", "seed", "max_finished_bytes"):
+            kind = int
+        p.add_argument(flag, type=kind, default=default, dest="engine_" + f.name, metavar=f.name.upper(),
+                       help=f"EngineConfig.{f.name}", **extra)
+    add_speculative_arguments(p)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """--speculative-method, --num-speculative-tokens, --draft-model (generate, demo and serve)."""
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: ngram (prompt lookup in each request's own tokens) or "
+                        "draft (a smaller model, --draft-model); off by default")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed per step")
+    p.add_argument("--draft-model", default=None, help="the draft model's directory (--speculative-method draft)")
+
+
+def speculative_config(args: argparse.Namespace) -> Any:
+    """The SpeculativeConfig the flags ask for, or None; bad values raise ValueError."""
+    from ..runtime.config import SpeculativeConfig
+    if args.speculative_method is None:
+        if args.draft_model is not None:
+            raise ValueError("--draft-model needs --speculative-method draft")
+        return None
+    return SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
+                             draft_model=args.draft_model)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def server_options(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
+    """build_app's options (ServerOptions fields) from the command line."""
+    from .protocol import Limits
+    return dict(api_keys=keys, metrics_public=args.metrics_public, allowed_hosts=allowed_hosts(args),
+                allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                limits=Limits(max_tokens=args.max_tokens_cap, max_request_seconds=args.max_request_seconds),
+                max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
+                max_prompts_per_request=args.max_prompts_per_request, log_text=args.log_text,
+                resume_grace_s=args.resume_grace, on_disconnect=args.on_disconnect,
+                idempotency_ttl_s=args.idempotency_ttl, idempotency_max_keys=args.idempotency_max_keys,
+                metrics_compat=args.metrics_compat)
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The tenants' keys: every --api-key, then --api-keys-file's lines."""
+    keys = list(args.api_key or [])
+    if args.api_keys_file is not None:
+        try:
+            lines = Path(args.api_keys_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"--api-keys-file: {e}") from None
+        listed = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+        if not listed:                 # an empty file must not leave the server open
+            raise ValueError(f"--api-keys-file {args.api_keys_file} holds no key")
+        keys += listed
+    if any(not k or k != k.strip() for k in keys):
+        raise ValueError("an API key is empty or has surrounding whitespace")
+    return tuple(keys)
+
+
+def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
+    """--allowed-host values and --host (a wildcard address such as 0.0.0.0 names no one: a
+    connection's own address is accepted anyway, guard.py)."""
+    import ipaddress
+    try:
+        wildcard = ipaddress.ip_address(args.host).is_unspecified
+    except ValueError:
+        wildcard = False
+    return tuple(args.allowed_host or []) + (() if wildcard else (args.host,))
