@@ -32,7 +32,8 @@ from .commit import Commit
 from .delivery import Attachment, Delivery, output
 from .endings import Endings
 from .events import Event
-from .grammar import CompileJob, Constraints
+from .grammar import Constraints
+from .grammar_compiler import CompileJob
 from .intake import Intake
 from .loading import configure, from_pretrained
 from .lifecycle import RequestState

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from ..errors import InvalidRequestError
 from ..model.tokenizer import TokenizerLike
 from ..params import SamplingParams, unicode_error
-from .grammar import CompileJob, Constraints
+from .grammar import Constraints
+from .grammar_compiler import CompileJob
 from .output import OutputPipeline
 from .prefix_cache import namespace
 from .registry import RequestRegistry

@@ -197,7 +197,7 @@ def test_a_row_with_no_allowed_token_fails_and_never_samples_token_0(stories_eng
 
 def test_a_grammar_whose_tokens_logit_bias_bans_fails_that_request_only(stories_engine_factory):
     """Neither the grammar nor the bias alone leaves a row empty; together they do (issue 19, 10f)."""
-    from pagedecode.runtime.grammar import token_bytes_table
+    from pagedecode.runtime.grammar_compiler import token_bytes_table
     eng = stories_engine_factory()
     table = token_bytes_table(eng.tokenizer, eng.vocab_size)
     starts = {t: -float("inf") for t, b in enumerate(table) if b and b"yes".startswith(b)}
