@@ -75,11 +75,14 @@ def gguf_files(path: Path, formats: list[str]) -> dict[str, Path]:
     return files
 
 
-def source(files: dict[str, Path] | None, path: Path, fmt: str) -> dict[str, Any]:
-    """Engine.from_pretrained's arguments for a format: its GGUF file, or the folder + quantization=."""
+def source(files: dict[str, Path] | None, path: Path, fmt: str, kv_cache_dtype: str) -> dict[str, Any]:
+    """Engine.from_pretrained's arguments for a format: its GGUF file, or the folder + quantization=;
+    the KV cache asked for where the format computes in float32 (bf16 keeps its own)."""
+    kv = kv_cache_dtype if COMPUTE[fmt] == "float32" else "auto"
     if files is not None:
-        return {"path": files[fmt], "dtype": COMPUTE[fmt], "quantization": None}
-    return {"path": path, "dtype": COMPUTE[fmt], "quantization": fmt if fmt in ("q8_0", "q4_0") else None}
+        return {"path": files[fmt], "dtype": COMPUTE[fmt], "quantization": None, "kv_cache_dtype": kv}
+    return {"path": path, "dtype": COMPUTE[fmt], "quantization": fmt if fmt in ("q8_0", "q4_0") else None,
+            "kv_cache_dtype": kv}
 
 
 # -- accuracy -------------------------------------------------------------------------------
@@ -93,7 +96,7 @@ def all_logits(engine: Any, ids: list[int]) -> torch.Tensor:
     """Every position's logits, teacher-forced, on a cache of the engine's KV dtype."""
     model, c, page = engine.model, engine.model.config, 16
     pages = (len(ids) + page - 1) // page
-    kv = pd.KVCache(c.num_layers, pages, page, c.num_kv_heads, c.head_dim, engine.kv.k.dtype)
+    kv = pd.KVCache(c.num_layers, pages, page, c.num_kv_heads, c.head_dim, engine.kv_cache_dtype)
     with torch.inference_mode():
         return model.forward(prefill_batch(ids, pages=list(range(pages)), page_size=page), kv).float()
 
@@ -216,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     for mname, path in models:
         cfg = json.loads((path / "config.json").read_text())
         files = gguf_files(path, formats) if why_not is None else None
-        sources = {fmt: source(files, path, fmt) for fmt in formats}
-        for s in sources.values():
-            s["kv_cache_dtype"] = args.kv_cache_dtype if s["dtype"] == "float32" else "auto"
+        sources = {fmt: source(files, path, fmt, args.kv_cache_dtype) for fmt in formats}
         loaded = {fmt: pd.Engine.from_pretrained(s["path"], dtype=s["dtype"], quantization=s["quantization"],
                                                  kv_cache_dtype=s["kv_cache_dtype"]) for fmt, s in sources.items()}
         reference = pd.Engine.from_pretrained(sources["f32"]["path"], dtype="float32")

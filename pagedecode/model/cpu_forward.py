@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - depends on the install
 _TAKES_MATMUL_CHOICE = bool(getattr(_cpu_ext, "takes_matmul_choice", False))
 _TAKES_DETERMINISTIC = bool(getattr(_cpu_ext, "takes_deterministic", False))
 # builds before EngineConfig.kv_cache_dtype take only a cache of the model's own dtype
-TAKES_KV_CACHE_DTYPE = bool(getattr(_cpu_ext, "takes_kv_cache_dtype", False))
+_TAKES_KV_CACHE_DTYPE = bool(getattr(_cpu_ext, "takes_kv_cache_dtype", False))
 
 # weights of at most this many elements also go to the compiled forward transposed (small_t)
 SMALL_LAYER = 1 << 16
@@ -198,7 +198,7 @@ class CompiledForward:
         """Whether forward() takes this batch's cache: the model's dtype, or for a float32 model a
         bfloat16 / float16 one (kv_cache_dtype); deterministic mode only with a build that has its
         kernels."""
-        narrower = (torch.bfloat16, torch.float16) if self.dtype == torch.float32 and TAKES_KV_CACHE_DTYPE else ()
+        narrower = (torch.bfloat16, torch.float16) if self.dtype == torch.float32 and _TAKES_KV_CACHE_DTYPE else ()
         takes = (self.dtype, *narrower)
         return kv.k.dtype in takes and (_TAKES_DETERMINISTIC or not self.deterministic)
 

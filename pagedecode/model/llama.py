@@ -264,10 +264,7 @@ class LlamaModel:
                                      L.k_norm, c.rms_norm_eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend="torch")
-            k_layer, v_layer = kv.k[i], kv.v[i]
-            if k_layer.dtype != q.dtype and not compiled.TAKES_KV_CACHE_DTYPE:     # a build from before it
-                k_layer, v_layer = k_layer.to(q.dtype), v_layer.to(q.dtype)
-            attn = ext.det_attention(q, k_layer, v_layer, batch.page_table, batch.seq_lens, batch.cu_q, self.scale)
+            attn = ext.det_attention(q, kv.k[i], kv.v[i], batch.page_table, batch.seq_lens, batch.cu_q, self.scale)
             h = h + self._reduce(self._det_linear(attn.reshape(T, self._q_size), L.o_w, L.o_b))
             x = ext.det_rms_norm(h, L.ln2, c.rms_norm_eps)
             act = ext.silu_mul(self._det_linear(x, L.gate_up_w))

@@ -14,23 +14,17 @@ def serve_main(args: Any) -> int:
     import ray
     from ray import serve
 
-    from ..runtime.config import EngineConfig
-    from ..server.flags import ENGINE_FLAGS, api_keys, server_options
+    from ..server.flags import api_keys, engine_options, server_options
 
     from .app import build_app
     try:
         keys = api_keys(args)
+        options = engine_options(args, leave_out=("request_id_prefix",))   # before any cluster starts
     except ValueError as e:
         print(f"pagedecode serve: {e}", file=sys.stderr)
         return 2
     if args.replicas < 1:
         print("pagedecode serve: --replicas must be >= 1", file=sys.stderr)
-        return 2
-    options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS if f.name != "request_id_prefix"}
-    try:
-        EngineConfig(**options)                  # a bad engine option: one line, before any cluster starts
-    except ValueError as e:
-        print(f"pagedecode serve: {e}", file=sys.stderr)
         return 2
     options.update(server_options(args, keys))
     load = {"device": args.device, "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,

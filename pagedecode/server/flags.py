@@ -13,6 +13,14 @@ from ..runtime.config import EngineConfig
 ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name", "speculative")]
 
 
+def engine_options(args: argparse.Namespace, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The EngineConfig fields the flags give, checked now (a bad one raises ValueError naming it,
+    before any model loads or cluster starts)."""
+    options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS if f.name not in leave_out}
+    EngineConfig(**options)
+    return options
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default shown once: appended, unless the help already says it or there is
     nothing to say (None, whose meaning the help gives, and an off flag)."""

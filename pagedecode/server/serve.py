@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from ..runtime.config import EngineConfig
 from ..runtime.heap import thaw_heap
-from .flags import ENGINE_FLAGS, HelpFormatter, add_arguments, api_keys, server_options, speculative_config
+from .flags import HelpFormatter, add_arguments, api_keys, engine_options, server_options, speculative_config
 
 if TYPE_CHECKING:           # starlette and the server load only when serving
     from starlette.applications import Starlette
@@ -42,17 +41,12 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
                                   keep_alive_timeout_s=args.keep_alive_timeout)
         keys = api_keys(args)          # a bad key file fails before the model loads
         speculative = speculative_config(args)
+        options = engine_options(args)
     except ValueError as e:
         print(f"pagedecode serve: {e}", file=sys.stderr)
         return 2
     if args.ray:
         print("pagedecode serve: --ray is run by `pagedecode serve` (pagedecode.cli)", file=sys.stderr)
-        return 2
-    options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS}
-    try:
-        EngineConfig(**options)                          # a bad engine option: one line, before loading
-    except ValueError as e:
-        print(f"pagedecode serve: {e}", file=sys.stderr)
         return 2
     try:
         sock = listen_socket(args.host, args.port)      # before loading: a taken port is one line, at once
