@@ -207,3 +207,57 @@ def test_attention_decode_extend_and_chunked_give_the_same_bits(dtype):
     chunked = torch.cat([attend(0, 16), attend(16, 45, others=3)])
     stepped = torch.cat([attend(i, i + 1, others=i % 4) for i in range(n)])
     assert torch.equal(whole, chunked) and torch.equal(whole, stepped)
+
+
+def attention_reference(q, k, v, table, lens, cu, scale):
+    """Causal attention over the pages in float64: row i of sequence s sees positions 0 .. cached + i."""
+    H, D = q.shape[1], q.shape[2]
+    Hkv, ps = k.shape[2], k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for s in range(len(lens)):
+        n = int(lens[s])
+        rows = torch.arange(n)
+        keys = k[table[s][rows // ps].long(), rows % ps].double().repeat_interleave(H // Hkv, 1)  # (n, H, D)
+        vals = v[table[s][rows // ps].long(), rows % ps].double().repeat_interleave(H // Hkv, 1)
+        first, last = int(cu[s]), int(cu[s + 1])
+        cached = n - (last - first)
+        for i in range(first, last):
+            see = cached + (i - first) + 1
+            w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), keys[:see]) * scale, dim=-1)
+            out[i] = torch.einsum("hn,nhd->hd", w, vals[:see])
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 32), (8, 1, 64), (12, 2, 128), (7, 7, 64),
+                                                     (10, 2, 16), (6, 2, 24)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_attention_reads_each_kv_head_once_for_its_query_heads(heads, kv_heads, head_dim, cache_dtype):
+    """The query heads of a row that share a kv head read each key / value row once, in groups of
+    up to 3 (qk_group / pv_group in csrc/cpu_forward.cpp): every head layout (1 to 8 query heads per
+    kv head, groups of 3 + 1, 3 + 3, 3 + 2, 3 + 3 + 2; head sizes of whole vectors, and 24, which
+    takes the per-head path), decode rows, chunks and a lone row whose heads split over the threads
+    at a group's middle: float64 attention to float32's rounding, the same bits at 1 to 4 threads."""
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    ps = 16
+    k = torch.randn(24, ps, kv_heads, head_dim, generator=g).to(cache_dtype)
+    v = torch.randn(24, ps, kv_heads, head_dim, generator=g).to(cache_dtype)
+    table = torch.stack([torch.randperm(24, generator=g)[:8] for _ in range(4)]).to(torch.int32)
+    layouts = [([45], [0, 1]),                                  # a lone decode row: heads split per thread
+               ([70, 3, 33, 100], [0, 1, 2, 12, 13]),           # decode rows and a 10-row chunk
+               ([16, 127], [0, 16, 29])]                        # a whole page's prompt; a chunk after a prefix
+    before = torch.get_num_threads()
+    try:
+        for lens, cu in layouts:
+            S = len(lens)
+            q = torch.randn(cu[-1], heads, head_dim, generator=g)
+            args = (k, v, table[:S].contiguous(), torch.tensor(lens, dtype=torch.int32),
+                    torch.tensor(cu, dtype=torch.int32), head_dim ** -0.5)
+            want = attention_reference(q, *args)
+            outs = []
+            for threads in (1, 2, 3, 4):
+                torch.set_num_threads(threads)
+                outs += [ext().det_attention(q, *args, pool=pool) for pool in (False, True)]
+            torch.testing.assert_close(outs[0].double(), want, rtol=1e-5, atol=1e-5)
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), (lens, cu)
+    finally:
+        torch.set_num_threads(before)
