@@ -1166,6 +1166,27 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
 // absent bias, a layer without its transposed copy, or a weight not packed; lm_head_t and
 // lm_head_packed likewise.
 // k_cache, v_cache: (layers, pages, page_size, Hkv, D), of type C.
+// When the rows whose logits are asked for are each the last row of its own sequence (a prefill
+// chunk's last row, a decode row; in order) and fewer than all rows, the last layer's attention,
+// o_proj and MLP are needed only there: every row's K/V is still written, and those rows' outputs
+// are what the full layer gives them (in deterministic mode the same bits). cu_last: per sequence
+// 0 or 1 of those rows. Measured on the 135M model's prefill of 2048-row chunks: 1/30 of its
+// matmuls, about 2.5% of the step.
+bool last_rows_only(const Tensor& logits_indices, const int32_t* cu, int64_t S, int64_t rows,
+                    std::vector<int32_t>& cu_last) {
+  const int64_t n = logits_indices.size(0);
+  if (n == 0 || n >= rows) return false;
+  const int64_t* li = logits_indices.data_ptr<int64_t>();
+  cu_last.assign(S + 1, 0);
+  int64_t k = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const bool has = k < n && cu[s + 1] > cu[s] && li[k] == cu[s + 1] - 1;
+    cu_last[s + 1] = cu_last[s] + (has ? 1 : 0);
+    k += has ? 1 : 0;
+  }
+  return k == n;
+}
+
 template <typename T, typename C>
 Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
@@ -1200,6 +1221,9 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
     return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[packed], &buf)
                : linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], L[packed], buf, onednn);
   };
+  std::vector<int32_t> cu_last;
+  const bool trim = last_rows_only(logits_indices, cu_q.data_ptr<int32_t>(), S, T_, cu_last);
+  int64_t rows = T_;                                   // the rows the layer's outputs are kept for
   rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
   for (int64_t i = 0; i < n_layers; ++i) {
     const Tensor* L = layers.data() + kPerLayer * i;
@@ -1208,19 +1232,30 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
     C* vc = v_cache.data_ptr<C>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
                    slots, kc, vc);
+    const int32_t* cu = cu_q.data_ptr<int32_t>();
+    if (trim && i + 1 == n_layers) {                   // last_rows_only: from here on the logits' rows
+      rows = logits_indices.size(0);
+      qkv = qkv.index_select(0, logits_indices);
+      h = h.index_select(0, logits_indices);
+      hp = h.data_ptr<T>();
+      attn = attn.narrow(0, 0, rows);
+      x = x.narrow(0, 0, rows);
+      act = act.narrow(0, 0, rows);
+      cu = cu_last.data();
+    }
     attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, k_cache.size(1), page_table.data_ptr<int32_t>(), page_table.size(1),
-              seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S, page_size, H, Hkv, D, scale,
-              attn.data_ptr<T>(), det, /*pool=*/quant_blocks(L[1]));
-    if (!chunks.empty()) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
+              seq_lens.data_ptr<int32_t>(), cu, S, page_size, H, Hkv, D, scale, attn.data_ptr<T>(), det,
+              /*pool=*/quant_blocks(L[1]));
+    if (!chunks.empty() && rows == T_) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
     Tensor o = mm(attn, 3, 4, 9, 13, L, buf_o);
-    add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
-    Tensor gate_up = mm(x, 6, -1, 10, 14, L, buf_gate_up);                       // (T, 2 I)
-    silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), T_, I);
+    add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), rows, hidden, eps, det);
+    Tensor gate_up = mm(x, 6, -1, 10, 14, L, buf_gate_up);                       // (rows, 2 I)
+    silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), rows, I);
     Tensor down = mm(act, 7, -1, 11, 15, L, buf_down);
     const T* next_ln = i + 1 < n_layers ? layers[kPerLayer * (i + 1)].data_ptr<T>() : nullptr;
-    add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), T_, hidden, eps, det);
+    add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), rows, hidden, eps, det);
   }
-  Tensor last = h.index_select(0, logits_indices);
+  Tensor last = rows < T_ ? h : h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
   rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps, det);
   if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_packed, &buf_logits).to(at::kFloat);

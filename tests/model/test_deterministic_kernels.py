@@ -261,3 +261,37 @@ def test_attention_reads_each_kv_head_once_for_its_query_heads(heads, kv_heads, 
             assert all(torch.equal(outs[0], o) for o in outs[1:]), (lens, cu)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_last_layer_runs_for_the_logits_rows_alone_with_the_same_bits(dtype):
+    """When only each sequence's last row needs logits (prefill chunks, decode rows), the last
+    layer's attention, o_proj and MLP run for those rows alone (last_rows_only): in deterministic
+    mode their logits are the bits of the forward that keeps every row (all rows' logits asked
+    for), and every row's K/V is written alike. Rows that are not last rows (a middle one) take the
+    full layer and agree with it too."""
+    from .test_cpu_extension import mixed_batch, random_model
+    from pagedecode.model.kv_cache import KVCache
+    import dataclasses
+    import random
+    model = random_model(dtype, heads=4, kv_heads=2, head_dim=64)
+    c = model.config
+    model.deterministic = True
+    try:
+        batch = mixed_batch(random.Random(0), 16, [[3, 1], [0, 2], [5, 4, 6], [7, 8]], [(7, 1), (0, 20), (10, 30), (0, 5)])
+        rows = int(batch.cu_q[-1])
+
+        def forward(logits_rows):
+            kv = KVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim, dtype)
+            b = dataclasses.replace(batch, logits_indices=torch.tensor(logits_rows))
+            return model.forward(b, kv), kv
+        last = batch.logits_indices.tolist()
+        assert last == [0, 20, 50, 55] and rows == 56
+        trimmed, kv_trimmed = forward(last)
+        full, kv_full = forward(list(range(rows)))
+        assert torch.equal(trimmed, full[last])
+        assert torch.equal(kv_trimmed.k, kv_full.k) and torch.equal(kv_trimmed.v, kv_full.v)
+        middle, _ = forward([0, 12, 50])                     # row 12 is not its sequence's last
+        assert torch.equal(middle, full[[0, 12, 50]])
+    finally:
+        model.deterministic = False
