@@ -1170,8 +1170,8 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
 // chunk's last row, a decode row; in order) and fewer than all rows, the last layer's attention,
 // o_proj and MLP are needed only there: every row's K/V is still written, and those rows' outputs
 // are what the full layer gives them (in deterministic mode the same bits). cu_last: per sequence
-// 0 or 1 of those rows. Measured on the 135M model's prefill of 2048-row chunks: 1/30 of its
-// matmuls, about 2.5% of the step.
+// 0 or 1 of those rows. Measured on the 135M model (30 layers): the mixed workload's prefill (64
+// prompts in 2048-row steps) 20.3 -> 19.7 s.
 bool last_rows_only(const Tensor& logits_indices, const int32_t* cu, int64_t S, int64_t rows,
                     std::vector<int32_t>& cu_last) {
   const int64_t n = logits_indices.size(0);
