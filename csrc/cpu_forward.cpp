@@ -254,7 +254,8 @@ void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, con
 // kRowBlock consecutive rows of one sequence (a decode row is a block of one); it walks the
 // sequence's pages once for all its query heads, so each page (every kv head of page_size
 // positions, contiguous) is loaded once and stays in L1 while the G query heads of each kv head use
-// it. Per item: scores of every query against the positions it sees (row i of a chunk sees
+// it; with AVX-512 each key / value row is widened in registers once for up to 3 of them
+// (qk_group, pv_group), and the next page is asked for while this one is used. Per item: scores of every query against the positions it sees (row i of a chunk sees
 // 0 .. cached + i), softmax in float, the weighted sum of V rows. kD > 0 fixes the head size at
 // compile time (the inner loops then unroll into whole vectors); kD == 0 reads it at run time.
 constexpr int64_t kRowBlock = 8;
@@ -430,7 +431,8 @@ inline __m512 load16(const C* p) {
 // For NG query heads of one row that share a kv head: each key / value row is read from the cache
 // page (and widened) once for all of them, where qk_scores / pv_accumulate read a page widened
 // into a buffer once per query head. Measured on the 135M model's decode step (38 rows, context
-// 100-620, float16 cache, 2 threads): with the prefetch below, 24-30 ms of attention -> 17-19.
+// 100-620, float16 cache, 2 threads), with the prefetch below: attention 24 -> 15 ms with each
+// sequence's pages in order, 30 -> 20 ms with them shuffled.
 
 // s[g * s_stride + o] = q_g . k_o for the m key rows k_o = k + o * stride, q_g = q + g * kD: 16 rows'
 // products side by side, summed by one sum16 per query; a last partial block one row at a time.
@@ -499,8 +501,8 @@ inline void with_group_size(int64_t g, F&& f) {
   else f(std::integral_constant<int, 1>());
 }
 
-// Asks for the page an item reads next while it computes on this one: into L2 (_MM_HINT_T1). Into
-// L1 (T0) it was slower than no prefetch at all (24 against 19 ms above), L2 gave 17-19 ms.
+// Asks for the page an item reads next while it computes on this one: into L2 (_MM_HINT_T1). In the
+// measurement above (pages in order), without it 19-20 ms, into L1 (T0) 24, into L2 17.
 inline void prefetch_page(const void* page, int64_t bytes) {
   const char* p = static_cast<const char*>(page);
   for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
@@ -1159,13 +1161,6 @@ Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Te
   return out;
 }
 
-// layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (each weight
-// in the model's dtype or Q8_0 / Q4_0 blocks, uint8 or packed int8, which linear() sends to quant_linear), then the
-// four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), then the
-// same four packed (for oneDNN; in deterministic mode det::pack's layout); an empty tensor for an
-// absent bias, a layer without its transposed copy, or a weight not packed; lm_head_t and
-// lm_head_packed likewise.
-// k_cache, v_cache: (layers, pages, page_size, Hkv, D), of type C.
 // When the rows whose logits are asked for are each the last row of its own sequence (a prefill
 // chunk's last row, a decode row; in order) and fewer than all rows, the last layer's attention,
 // o_proj and MLP are needed only there: every row's K/V is still written, and those rows' outputs
@@ -1187,6 +1182,13 @@ bool last_rows_only(const Tensor& logits_indices, const int32_t* cu, int64_t S, 
   return k == n;
 }
 
+// layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (each weight
+// in the model's dtype or Q8_0 / Q4_0 blocks, uint8 or packed int8, which linear() sends to quant_linear), then the
+// four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), then the
+// same four packed (for oneDNN; in deterministic mode det::pack's layout); an empty tensor for an
+// absent bias, a layer without its transposed copy, or a weight not packed; lm_head_t and
+// lm_head_packed likewise.
+// k_cache, v_cache: (layers, pages, page_size, Hkv, D), of type C.
 template <typename T, typename C>
 Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
