@@ -1291,6 +1291,13 @@ Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_ta
         "page_table, seq_lens, cu_q must be int32");
   check(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat, "rope tables must be float32");
   check(k_cache.is_contiguous() && v_cache.is_contiguous() && page_table.is_contiguous(), "caches must be contiguous");
+  // the index tensors are read through their data pointers: a strided view (a slice with a step)
+  // is copied to the layout they assume (no copy when it already has it)
+  positions = positions.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  seq_lens = seq_lens.contiguous();
+  cu_q = cu_q.contiguous();
+  logits_indices = logits_indices.contiguous();
   check(v_cache.dtype() == k_cache.dtype() && v_cache.sizes() == k_cache.sizes(), "K and V caches must match");
   check(D % 2 == 0 && H % Hkv == 0, "head_dim must be even and heads a multiple of kv heads");
   for (const auto& t : layers)

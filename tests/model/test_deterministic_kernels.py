@@ -269,7 +269,7 @@ def test_the_last_layer_runs_for_the_logits_rows_alone_with_the_same_bits(dtype)
     layer's attention, o_proj and MLP run for those rows alone (last_rows_only): in deterministic
     mode their logits are the bits of the forward that keeps every row (all rows' logits asked
     for), and every row's K/V is written alike. Rows that are not last rows (a middle one) take the
-    full layer and agree with it too."""
+    full layer and agree with it too, as does a strided view of the indices (read by value)."""
     from .test_cpu_extension import mixed_batch, random_model
     from pagedecode.model.kv_cache import KVCache
     import dataclasses
@@ -293,5 +293,9 @@ def test_the_last_layer_runs_for_the_logits_rows_alone_with_the_same_bits(dtype)
         assert torch.equal(kv_trimmed.k, kv_full.k) and torch.equal(kv_trimmed.v, kv_full.v)
         middle, _ = forward([0, 12, 50])                     # row 12 is not its sequence's last
         assert torch.equal(middle, full[[0, 12, 50]])
+        # a strided view is read as its values, not as the memory under it (which holds the last rows)
+        strided = torch.tensor([0, 20, 50, 55, 20, 1, 50, 1])[::2]
+        kv = KVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim, dtype)
+        assert torch.equal(model.forward(dataclasses.replace(batch, logits_indices=strided), kv), full[[0, 50, 20, 50]])
     finally:
         model.deterministic = False
