@@ -24,7 +24,7 @@ class KVCache:
         self._quiesce = _quiesce if self.k.device.type == "cpu" else None
 
     def __del__(self) -> None:
-        # the compiled forward's decode attention runs on pool workers (csrc/cpu_forward.cpp), one
+        # the compiled forward's decode attention runs on pool workers (csrc/paged_attention.h), one
         # of which may still be finishing an item its caller took back: the pages are freed only
         # once none is
         quiesce = getattr(self, "_quiesce", None)

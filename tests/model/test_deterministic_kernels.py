@@ -233,7 +233,7 @@ def attention_reference(q, k, v, table, lens, cu, scale):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_attention_reads_each_kv_head_once_for_its_query_heads(heads, kv_heads, head_dim, cache_dtype):
     """The query heads of a row that share a kv head read each key / value row once, in groups of
-    up to 3 (qk_group / pv_group in csrc/cpu_forward.cpp): every head layout (1 to 8 query heads per
+    up to 3 (qk_group / pv_group in csrc/paged_attention.h): every head layout (1 to 8 query heads per
     kv head, groups of 3 + 1, 3 + 3, 3 + 2, 3 + 3 + 2; head sizes of whole vectors, and 24, which
     takes the per-head path), decode rows, chunks and a lone row whose heads split over the threads
     at a group's middle: float64 attention to float32's rounding, the same bits at 1 to 4 threads."""

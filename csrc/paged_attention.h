@@ -1,0 +1,614 @@
+// Paged attention over the cache for the compiled CPU forward (csrc/cpu_forward.cpp): decode rows
+// and prefill chunks read each sequence's pages in place; chunks of kMatmulRows rows or more gather
+// their context once for ATen's fused attention. Rows, sequences and positions as in
+// cpu_forward.cpp's layout comment.
+//
+// Included by cpu_forward.cpp inside its namespace, after its f32() / to<T>(), exp_f, row_max,
+// exp_shifted_sum(_fixed), sum16 and load_bf16; work::Pool from work_pool.h (through quant_lanes.h).
+
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+// Paged attention over the cache, reading the pages in place. A work item is a block of up to
+// kRowBlock consecutive rows of one sequence (a decode row is a block of one); it walks the
+// sequence's pages once for all its query heads, so each page (every kv head of page_size
+// positions, contiguous) is loaded once and stays in L1 while the G query heads of each kv head use
+// it; with AVX-512 each key / value row is widened in registers once for up to 3 of them
+// (qk_group, pv_group), and the next page is asked for while this one is used. Per item: scores of
+// every query against the positions it sees (row i of a chunk sees 0 .. cached + i), softmax in
+// float, the weighted sum of V rows. kD > 0 fixes the head size at compile time (the inner loops
+// then unroll into whole vectors); kD == 0 reads it at run time.
+constexpr int64_t kRowBlock = 8;
+
+// A sequence with at least this many new rows (a long prefill chunk) attends through ATen's fused
+// scaled_dot_product_attention instead (prefill_attention below): its scores are a matmul, and the
+// gather of its context is paid once for many rows. Measured on a 135M model in bf16 (2 threads):
+// the paged kernel is faster up to ~512-row prompts (256: 8-10% of the whole prefill), the fused
+// one from ~1024 rows (2000: 20%).
+constexpr int64_t kMatmulRows = 768;
+
+
+// s[o] = q . k_o for the m key rows k_o = k + o * stride (head size D). With AVX-512 and a head
+// size of whole vectors: q stays in registers, 16 rows' dot products run side by side, and their
+// sums come out of one sum16.
+template <int64_t kD>
+inline void qk_scores(const float* q, const float* k, int64_t stride, int64_t m, int64_t D, float* s) {
+  int64_t o = 0;
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    constexpr int64_t V = kD / 16;
+    __m512 qv[V];
+    for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + 16 * v);
+    for (; o + 16 <= m; o += 16) {
+      __m512 dots[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        const float* kr = k + (o + i) * stride;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+        for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kr + 16 * v), a);
+        dots[i] = a;
+      }
+      _mm512_storeu_ps(s + o, sum16(dots));
+    }
+  }
+#endif
+  for (; o < m; ++o) {
+    const float* kr = k + o * stride;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kr[d];
+    s[o] = dot;
+  }
+}
+
+#if defined(__AVX512BF16__)
+
+// The same for bf16 queries and keys where the CPU has AVX-512-BF16: vdpbf16ps takes 32 pairs per
+// instruction straight from the cache page (exact products, float sums), so a page of keys is not
+// widened to float first; s[o] = scale * (q . k_o).
+template <int64_t kD>
+inline void qk_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride, int64_t m, float scale,
+                           float* s) {
+  static_assert(kD % 32 == 0);
+  constexpr int64_t V = kD / 32;
+  __m512bh qv[V];
+  for (int64_t v = 0; v < V; ++v) qv[v] = load_bf16(q + 32 * v);
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t o = 0;
+  for (; o + 16 <= m; o += 16) {
+    __m512 dots[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      const c10::BFloat16* kr = k + (o + i) * stride;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bf16(kr));
+      for (int64_t v = 1; v < V; ++v) a = _mm512_dpbf16_ps(a, qv[v], load_bf16(kr + 32 * v));
+      dots[i] = a;
+    }
+    _mm512_storeu_ps(s + o, _mm512_mul_ps(sum16(dots), sc));
+  }
+  for (; o < m; ++o) {
+    const c10::BFloat16* kr = k + o * stride;
+    float dot = 0.f;
+    for (int64_t d = 0; d < kD; ++d) dot += f32(q[d]) * f32(kr[d]);
+    s[o] = dot * scale;
+  }
+}
+#endif
+
+// acc += sum over o < m of w[o] * v_o, v_o = v + o * stride. With AVX-512: acc in registers, two
+// positions per iteration into separate accumulators (so consecutive FMAs do not wait on each other).
+template <int64_t kD>
+inline void pv_accumulate(const float* w, const float* v, int64_t stride, int64_t m, int64_t D, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    constexpr int64_t V = kD / 16;
+    __m512 a[V], b[V];
+    for (int64_t i = 0; i < V; ++i) {
+      a[i] = _mm512_loadu_ps(acc + 16 * i);
+      b[i] = _mm512_setzero_ps();
+    }
+    int64_t o = 0;
+    for (; o + 2 <= m; o += 2) {
+      const __m512 w0 = _mm512_set1_ps(w[o]), w1 = _mm512_set1_ps(w[o + 1]);
+      const float* v0 = v + o * stride;
+      const float* v1 = v0 + stride;
+      for (int64_t i = 0; i < V; ++i) {
+        a[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * i), a[i]);
+        b[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * i), b[i]);
+      }
+    }
+    if (o < m) {
+      const __m512 w0 = _mm512_set1_ps(w[o]);
+      for (int64_t i = 0; i < V; ++i) a[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v + o * stride + 16 * i), a[i]);
+    }
+    for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(acc + 16 * i, _mm512_add_ps(a[i], b[i]));
+    return;
+  }
+#endif
+  for (int64_t o = 0; o < m; ++o) {
+    const float wo = w[o];
+    const float* vr = v + o * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += wo * vr[d];
+  }
+}
+
+// Work items to `bins` threads. Items differ in work (a mixed batch holds 16- and 700-token
+// sequences), so contiguous equal-count shares left a thread waiting on the other: each item goes,
+// longest first, to the least-loaded bin. Out: order (the items bin by bin, each bin in batch order)
+// and bin_start (bin t holds order[bin_start[t] .. bin_start[t + 1])).
+void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t>& order,
+             std::vector<int64_t>& bin_start) {
+  const int64_t items = static_cast<int64_t>(work.size());
+  order.resize(items);
+  std::iota(order.begin(), order.end(), 0);
+  bin_start.assign(bins + 1, 0);
+  if (bins == 1 || bins == items) {          // nothing to balance: one bin, or an item per bin
+    for (int64_t t = 0; t <= bins; ++t) bin_start[t] = bins == 1 ? (t == 0 ? 0 : items) : t;
+    return;
+  }
+  std::vector<int64_t> bin_of(items), load(bins, 0), by_work(order);
+  std::stable_sort(by_work.begin(), by_work.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+  for (int64_t it : by_work) {
+    bin_of[it] = std::min_element(load.begin(), load.end()) - load.begin();
+    load[bin_of[it]] += work[it];
+    ++bin_start[bin_of[it] + 1];
+  }
+  for (int64_t t = 0; t < bins; ++t) bin_start[t + 1] += bin_start[t];
+  std::vector<int64_t> fill(bin_start.begin(), bin_start.end() - 1);
+  for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;
+}
+
+// dst[0, n) = src[0, n) as float: a page of a 16-bit cache
+template <typename C>
+inline void widen(const C* src, int64_t n, float* dst) {
+  int64_t e = 0;
+#if defined(__AVX512F__)
+  for (; e + 16 <= n; e += 16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
+    if constexpr (std::is_same_v<C, c10::Half>)
+      _mm512_storeu_ps(dst + e, _mm512_cvtph_ps(x));
+    else
+      _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+  }
+#endif
+  for (; e < n; ++e) dst[e] = f32(src[e]);
+}
+
+#if defined(__AVX512F__)
+// 16 cache values as float, widened in registers (exactly, for every cache type)
+template <typename C>
+inline __m512 load16(const C* p) {
+  if constexpr (std::is_same_v<C, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<C, c10::Half>)
+      return _mm512_cvtph_ps(x);
+    else
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  }
+}
+
+// For NG query heads of one row that share a kv head: each key / value row is read from the cache
+// page (and widened) once for all of them, where qk_scores / pv_accumulate read a page widened
+// into a buffer once per query head. Measured on the 135M model's decode step (38 rows, context
+// 100-620, float16 cache, 2 threads), with the prefetch below: attention 24 -> 15 ms with each
+// sequence's pages in order, 30 -> 20 ms with them shuffled.
+
+// s[g * s_stride + o] = q_g . k_o for the m key rows k_o = k + o * stride, q_g = q + g * kD: 16 rows'
+// products side by side, summed by one sum16 per query; a last partial block one row at a time.
+template <int64_t kD, int NG, typename C>
+inline void qk_group(const float* q, const C* k, int64_t stride, int64_t m, float* s, int64_t s_stride) {
+  static_assert(kD > 0 && kD % 16 == 0);
+  constexpr int64_t V = kD / 16;
+  auto dot = [&](int g, const __m512* x) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * kD), x[0]);
+    for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * kD + 16 * v), x[v], acc);
+    return acc;
+  };
+  int64_t o = 0;
+  for (; o + 16 <= m; o += 16) {
+    __m512 dots[NG][16];
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512 x[V];
+      for (int64_t v = 0; v < V; ++v) x[v] = load16(k + (o + i) * stride + 16 * v);
+      for (int g = 0; g < NG; ++g) dots[g][i] = dot(g, x);
+    }
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s + g * s_stride + o, sum16(dots[g]));
+  }
+  for (; o < m; ++o) {
+    __m512 x[V];
+    for (int64_t v = 0; v < V; ++v) x[v] = load16(k + o * stride + 16 * v);
+    for (int g = 0; g < NG; ++g) s[g * s_stride + o] = _mm512_reduce_add_ps(dot(g, x));
+  }
+}
+
+// acc_g += sum over o < m of w_g[o] * v_o (w_g = w + g * w_stride, acc_g = acc + g * kD, v_o = v +
+// o * stride); per query pv_accumulate's operations in its order (even positions into one set of
+// accumulators, odd into another, added at the end), so the bits are the same.
+template <int64_t kD, int NG, typename C>
+inline void pv_group(const float* w, int64_t w_stride, const C* v, int64_t stride, int64_t m, float* acc) {
+  static_assert(kD > 0 && kD % 16 == 0);
+  constexpr int64_t V = kD / 16;
+  __m512 a[NG][V], b[NG][V];
+  for (int g = 0; g < NG; ++g)
+    for (int64_t i = 0; i < V; ++i) {
+      a[g][i] = _mm512_loadu_ps(acc + g * kD + 16 * i);
+      b[g][i] = _mm512_setzero_ps();
+    }
+  auto add_row = [&](int64_t o, __m512 (&into)[NG][V]) {
+    __m512 x[V];
+    for (int64_t i = 0; i < V; ++i) x[i] = load16(v + o * stride + 16 * i);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[g * w_stride + o]);
+      for (int64_t i = 0; i < V; ++i) into[g][i] = _mm512_fmadd_ps(wg, x[i], into[g][i]);
+    }
+  };
+  int64_t o = 0;
+  for (; o + 2 <= m; o += 2) {
+    add_row(o, a);
+    add_row(o + 1, b);
+  }
+  if (o < m) add_row(o, a);
+  for (int g = 0; g < NG; ++g)
+    for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, _mm512_add_ps(a[g][i], b[g][i]));
+}
+
+// f(std::integral_constant<int, g>) for a group of g = 1 .. 3 query heads
+template <typename F>
+inline void with_group_size(int64_t g, F&& f) {
+  if (g == 3) f(std::integral_constant<int, 3>());
+  else if (g == 2) f(std::integral_constant<int, 2>());
+  else f(std::integral_constant<int, 1>());
+}
+
+// Asks for the page an item reads next while it computes on this one: into L2 (_MM_HINT_T1). In the
+// measurement above (pages in order), without it 19-20 ms, into L1 (T0) 24, into L2 17.
+inline void prefetch_page(const void* page, int64_t bytes) {
+  const char* p = static_cast<const char*>(page);
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
+}
+#endif
+
+// The inputs of one attention call, as a work item reads them: T the queries' type, C the cache's
+template <typename T, typename C>
+struct AttendArgs {
+  const T* qkv;
+  int64_t q_stride;
+  const C* kc;
+  const C* vc;
+  const int32_t* pt;
+  int64_t pt_stride;
+  const int32_t* lens;
+  const int32_t* cu;
+  int64_t S, rows, num_pages, page_size, H, Hkv, D;
+  float scale;
+  bool det;
+  bool pool;      // few rows on the spinning pool: where the matmuls around it run there too
+};
+
+// A value a late pool worker may see rewritten under it (see decode_attention): read once, so that
+// what was checked is what is used
+template <typename V> inline V load_once(const V* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
+// One work item: query heads [h0, h0 + nh) of the rows [r0, r0 + kRowBlock) of sequence s that it
+// holds; the output of row r0 + i, head h0 + k at o + i * ld + k * D (converted to O). Returns
+// false, computing nothing, if the inputs do not describe such an item: only a pool worker late
+// for a call the caller already finished can see that (it reads the caller's copies of the small
+// inputs while the next call rewrites them; see decode_attention), and its result is discarded.
+template <typename T, typename C, int64_t kD, typename O>
+bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, int64_t nh, O* o, int64_t ld) {
+  const int64_t D = kD > 0 ? kD : a.D, H = a.H, G = H / a.Hkv, page_size = a.page_size;
+  const int64_t page_elems = page_size * a.Hkv * D;
+#if defined(__AVX512BF16__)
+  // bf16 scores straight from the pages (qk_scores_bf16); the V pages are still widened once each
+  constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && kD > 0 &&
+                            kD % 32 == 0;
+#else
+  constexpr bool kDotBf16 = false;
+#endif
+  if (s < 0 || s >= a.S || h0 < 0 || nh <= 0 || h0 + nh > H) return false;
+  const int64_t begin = load_once(a.cu + s), end = load_once(a.cu + s + 1);
+  if (begin < 0 || r0 < begin || r0 >= end || end > a.rows) return false;
+  const int64_t r1 = std::min<int64_t>(r0 + kRowBlock, end), nq = (r1 - r0) * nh;
+  const int64_t cached = load_once(a.lens + s) - (end - begin);
+  const int64_t width = cached + (r1 - begin);                 // positions the block's last row sees
+  if (cached < 0 || width > a.pt_stride * page_size) return false;
+  // scratch kept per thread across calls (resize only grows it): no allocation per layer
+  thread_local std::vector<float> q, scores, acc, denom, kf, vf;
+  thread_local std::vector<int64_t> vis;
+  thread_local std::vector<int32_t> pages;                     // the sequence's page ids, checked
+  pages.resize((width + page_size - 1) / page_size);
+  for (size_t p = 0; p < pages.size(); ++p) {
+    pages[p] = load_once(a.pt + s * a.pt_stride + p);
+    if (pages[p] < 0 || pages[p] >= a.num_pages) return false;
+  }
+  if constexpr (!std::is_same_v<C, float>) {
+    kf.resize(page_elems);
+    vf.resize(page_elems);
+  }
+  // one page as float: the cache itself for float, else converted once into buf
+  auto page_as_float = [&](const C* cache, int32_t page, int64_t n, std::vector<float>& buf) -> const float* {
+    const C* src = cache + static_cast<int64_t>(page) * page_elems;
+    if constexpr (std::is_same_v<C, float>) {
+      return src;
+    } else {
+      widen(src, n * a.Hkv * D, buf.data());
+      return buf.data();
+    }
+  };
+  auto q_row = [&](int64_t j) { return a.qkv + (r0 + j / nh) * a.q_stride + (h0 + j % nh) * D; };
+  auto kv_head = [&](int64_t j) { return ((h0 + j % nh) / G) * D; };
+  q.resize(nq * D);
+  vis.resize(nq);
+  for (int64_t j = 0; j < nq; ++j) {                        // query j: row r0 + j / nh, head h0 + j % nh
+    vis[j] = cached + (r0 + j / nh - begin) + 1;
+    if constexpr (kDotBf16) continue;                      // read in place instead
+    const T* src = q_row(j);
+    for (int64_t d = 0; d < D; ++d) q[j * D + d] = f32(src[d]) * a.scale;
+  }
+  scores.resize(nq * width);
+#if defined(__AVX512F__)
+  constexpr bool kGrouped = kD > 0 && kD % 16 == 0;
+  const int64_t page_bytes = page_elems * static_cast<int64_t>(sizeof(C)), np = static_cast<int64_t>(pages.size());
+  // (j, g): queries j .. j + g - 1, one row's heads on one kv head, at most 3 (qk_group, pv_group)
+  thread_local std::vector<std::pair<int64_t, int64_t>> groups;
+  groups.clear();
+  for (int64_t j = 0; j < nq;) {
+    int64_t g = 1;
+    while (g < 3 && j + g < nq && (j + g) / nh == j / nh && kv_head(j + g) == kv_head(j)) ++g;
+    groups.emplace_back(j, g);
+    j += g;
+  }
+#else
+  constexpr bool kGrouped = false;
+#endif
+  for (int64_t p0 = 0; p0 < width; p0 += page_size) {
+    const int64_t n = std::min(page_size, width - p0);
+#if defined(__AVX512F__)
+    const int64_t pi = p0 / page_size;
+    if constexpr (kGrouped)
+      prefetch_page(pi + 1 < np ? a.kc + static_cast<int64_t>(pages[pi + 1]) * page_elems   // then the first V page
+                                : a.vc + static_cast<int64_t>(pages[0]) * page_elems, page_bytes);
+    if constexpr (kGrouped && !kDotBf16) {
+      const C* k = a.kc + static_cast<int64_t>(pages[pi]) * page_elems;
+      for (const auto& group : groups)
+        with_group_size(group.second, [&, j = group.first](auto ng) {
+          qk_group<kD, decltype(ng)::value>(q.data() + j * D, k + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0),
+                                            scores.data() + j * width + p0, width);
+        });
+      continue;
+    }
+#endif
+    if constexpr (kDotBf16) {
+#if defined(__AVX512BF16__)
+      const C* k = a.kc + static_cast<int64_t>(pages[p0 / page_size]) * page_elems;
+      for (int64_t j = 0; j < nq; ++j)
+        qk_scores_bf16<kD>(q_row(j), k + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0), a.scale,
+                           scores.data() + j * width + p0);
+#endif
+      continue;
+    }
+    const float* k = page_as_float(a.kc, pages[p0 / page_size], n, kf);
+    for (int64_t j = 0; j < nq; ++j)
+      qk_scores<kD>(q.data() + j * D, k + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0), D,
+                    scores.data() + j * width + p0);
+  }
+  denom.resize(nq);
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = scores.data() + j * width;
+    const float shift = row_max(sj, vis[j]);
+    denom[j] = a.det ? exp_shifted_sum_fixed(sj, vis[j], shift) : exp_shifted_sum(sj, vis[j], shift);
+  }
+  acc.assign(nq * D, 0.f);
+  for (int64_t p0 = 0; p0 < width; p0 += page_size) {
+    const int64_t n = std::min(page_size, width - p0);
+#if defined(__AVX512F__)
+    if constexpr (kGrouped) {
+      const int64_t pi = p0 / page_size;
+      if (pi + 1 < np) prefetch_page(a.vc + static_cast<int64_t>(pages[pi + 1]) * page_elems, page_bytes);
+      const C* v = a.vc + static_cast<int64_t>(pages[pi]) * page_elems;
+      for (const auto& group : groups)
+        with_group_size(group.second, [&, j = group.first](auto ng) {
+          pv_group<kD, decltype(ng)::value>(scores.data() + j * width + p0, width, v + kv_head(j), a.Hkv * D,
+                                            std::min(n, vis[j] - p0), acc.data() + j * D);
+        });
+      continue;
+    }
+#endif
+    const float* v = page_as_float(a.vc, pages[p0 / page_size], n, vf);
+    for (int64_t j = 0; j < nq; ++j)
+      pv_accumulate<kD>(scores.data() + j * width + p0, v + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0), D,
+                        acc.data() + j * D);
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    const float inv = 1.f / denom[j];
+    O* out = o + (j / nh) * ld + (j % nh) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = to<O>(acc[j * D + d] * inv);
+  }
+  if (scores.capacity() > (size_t{1} << 22)) {     // a long context's scores: not kept past 16 MB
+    scores.clear();
+    scores.shrink_to_fit();
+  }
+  return true;
+}
+
+// A decode step's items on the spinning pool (work_pool.h), whose workers take a chunk within a
+// microsecond: at::parallel_for's OpenMP threads, woken for ~60 such calls a step, fought the
+// pool's spinning workers for the cores (a 135M q4_0 model's single-stream step 5 ms -> 11 ms).
+// A worker computes its item into its scratch (float), which commit() converts into place.
+template <typename T, typename C, int64_t kD>
+struct DecodeAttention {
+  AttendArgs<T, C> a;
+  const int64_t* items;      // (s, r0, h0, nh) per item
+  T* out;
+
+  bool compute(int64_t c, std::vector<float>* scratch, work::Live) const {
+    const int64_t s = load_once(items + 4 * c), r0 = load_once(items + 4 * c + 1);
+    const int64_t h0 = load_once(items + 4 * c + 2), nh = load_once(items + 4 * c + 3);
+    const int64_t row = a.H * a.D;
+    if (scratch == nullptr) return attend_block<T, C, kD, T>(a, s, r0, h0, nh, out + r0 * row + h0 * a.D, row);
+    if (nh <= 0 || nh > a.H) return false;
+    scratch->resize(kRowBlock * nh * a.D);
+    return attend_block<T, C, kD, float>(a, s, r0, h0, nh, scratch->data(), nh * a.D);
+  }
+
+  void commit(int64_t c, std::vector<float>* scratch) const {   // the caller is inside run(): inputs intact
+    const int64_t* it = items + 4 * c;
+    const int64_t r0 = it[1], nh = it[3], r1 = std::min<int64_t>(r0 + kRowBlock, a.cu[it[0] + 1]);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* o = out + r * a.H * a.D + it[2] * a.D;
+      const float* src = scratch->data() + (r - r0) * nh * a.D;
+      for (int64_t e = 0; e < nh * a.D; ++e) o[e] = to<T>(src[e]);
+    }
+  }
+};
+
+// items (s, r0, h0, nh) on the pool. A worker whose item the caller took back may still be
+// reading after the caller returned (work_pool.h): the small inputs (queries, page table rows,
+// lengths, the items) are copied into buffers of the calling thread that are only reallocated once
+// no worker is inside a chunk, and attend_block refuses what is out of range; the caches stay
+// allocated (KVCache quiesces the pool before it frees them).
+template <typename T, typename C, int64_t kD>
+void decode_attention(const AttendArgs<T, C>& a, const std::vector<int64_t>& items, T* out) {
+  work::Pool& pool = work::Pool::get();
+  thread_local std::vector<T> qkv_c;
+  thread_local std::vector<int32_t> pt_c, lens_c, cu_c;
+  thread_local std::vector<int64_t> items_c;
+  const size_t n_qkv = a.rows * a.q_stride, n_pt = a.S * a.pt_stride;
+  if (n_qkv > qkv_c.capacity() || n_pt > pt_c.capacity() || static_cast<size_t>(a.S) > lens_c.capacity() ||
+      static_cast<size_t>(a.S + 1) > cu_c.capacity() || items.size() > items_c.capacity())
+    work::Pool::quiesce_all();
+  qkv_c.assign(a.qkv, a.qkv + n_qkv);
+  pt_c.assign(a.pt, a.pt + n_pt);
+  lens_c.assign(a.lens, a.lens + a.S);
+  cu_c.assign(a.cu, a.cu + a.S + 1);
+  items_c.assign(items.begin(), items.end());
+  AttendArgs<T, C> c = a;
+  c.qkv = qkv_c.data();
+  c.q_stride = a.q_stride;
+  c.pt = pt_c.data();
+  c.lens = lens_c.data();
+  c.cu = cu_c.data();
+  pool.run(static_cast<int64_t>(items.size() / 4), DecodeAttention<T, C, kD>{c, items_c.data(), out});
+}
+
+template <typename T, typename C, int64_t kD>
+void paged_attention(const AttendArgs<T, C>& a, T* out) {
+  std::vector<int64_t> block_seq, block_row;
+  for (int64_t s = 0; s < a.S; ++s) {
+    if (!a.det && a.cu[s + 1] - a.cu[s] >= kMatmulRows) continue;  // prefill_attention takes it
+    for (int64_t r = a.cu[s]; r < a.cu[s + 1]; r += kRowBlock) {
+      block_seq.push_back(s);
+      block_row.push_back(r);
+    }
+  }
+  // Fewer blocks than threads (one sequence decoding): each block's query heads split into parts,
+  // an item each, so that every thread has one. An output's arithmetic is the same whichever item,
+  // thread or path computes it.
+  const int64_t threads = at::get_num_threads(), blocks = static_cast<int64_t>(block_seq.size());
+  const int64_t parts = blocks > 0 && blocks < threads ? std::min(a.H, (threads + blocks - 1) / blocks) : 1;
+  const int64_t items = blocks * parts;
+  std::vector<int64_t> item(4 * items);                      // (s, r0, h0, nh)
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t h0 = (it % parts) * a.H / parts, h1 = (it % parts + 1) * a.H / parts;
+    item[4 * it] = block_seq[it / parts];
+    item[4 * it + 1] = block_row[it / parts];
+    item[4 * it + 2] = h0;
+    item[4 * it + 3] = h1 - h0;
+  }
+  if (a.pool && items > 1 && threads > 1 && a.rows < work::kOpenMPRows && !at::in_parallel_region()) {
+    decode_attention<T, C, kD>(a, item, out);
+    return;
+  }
+  const int64_t bins = std::max<int64_t>(1, std::min<int64_t>(threads, items));
+  // kept across calls (no allocation a layer); named through references, which the workers'
+  // lambda below captures (a thread_local named inside it would be the worker's own)
+  thread_local std::vector<int64_t> work_, order_, bin_start_;
+  std::vector<int64_t>&work = work_, &order = order_, &bin_start = bin_start_;
+  work.resize(items);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t s = item[4 * it], r0 = item[4 * it + 1], r1 = std::min<int64_t>(r0 + kRowBlock, a.cu[s + 1]);
+    work[it] = (r1 - r0) * item[4 * it + 3] * (a.lens[s] - (a.cu[s + 1] - r1));   // rows x heads x context
+  }
+  balance(work, bins, order, bin_start);
+  at::parallel_for(0, bins, 1, [&](int64_t bin_begin, int64_t bin_end) {
+    for (int64_t k = bin_start[bin_begin]; k < bin_start[bin_end]; ++k) {
+      const int64_t* it = item.data() + 4 * order[k];
+      attend_block<T, C, kD, T>(a, it[0], it[1], it[2], it[3], out + it[1] * a.H * a.D + it[2] * a.D, a.H * a.D);
+    }
+  });
+}
+
+template <typename T, typename C>
+void attention(const T* qkv, int64_t q_stride, const C* kc, const C* vc, int64_t num_pages, const int32_t* pt,
+               int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H,
+               int64_t Hkv, int64_t D, float scale, T* out, bool det, bool pool) {
+  const AttendArgs<T, C> a{qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, S > 0 ? cu[S] : 0, num_pages,
+                        page_size, H, Hkv, D, scale, det, pool};
+  auto run = [&](auto fixed) { paged_attention<T, C, decltype(fixed)::value>(a, out); };
+  switch (D) {
+    case 8: run(std::integral_constant<int64_t, 8>()); break;
+    case 16: run(std::integral_constant<int64_t, 16>()); break;
+    case 32: run(std::integral_constant<int64_t, 32>()); break;
+    case 64: run(std::integral_constant<int64_t, 64>()); break;
+    case 128: run(std::integral_constant<int64_t, 128>()); break;
+    default: run(std::integral_constant<int64_t, 0>());
+  }
+}
+
+// The sequences with kMatmulRows or more new rows: each one's context gathered from its pages
+// (cache rows `rows`, built once per forward), then causal attention in float with ATen's fused
+// CPU kernel (grouped heads, parallel over heads and query blocks). Query i of n new rows sits at
+// position cached + i and sees 0 .. cached + i.
+struct Chunk {
+  int64_t seq, row0, n, cached;
+  Tensor rows;   // (cached + n,) int64 cache rows (slot numbers) of the sequence's context
+  Tensor mask;   // (n, cached + n) bool when cached > 0, else undefined (plain causal)
+};
+
+std::vector<Chunk> matmul_chunks(const int32_t* pt, int64_t pt_stride, const int32_t* lens, const int32_t* cu,
+                                 int64_t S, int64_t page_size, bool det) {
+  std::vector<Chunk> out;
+  if (det) return out;          // deterministic: every row through the paged kernel, one order per query
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = cu[s + 1] - cu[s];
+    if (n < kMatmulRows) continue;
+    const int64_t width = lens[s], cached = width - n;
+    Tensor rows = at::empty({width}, at::kLong);
+    int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t p = 0; p < width; ++p) r[p] = int64_t{pt[s * pt_stride + p / page_size]} * page_size + p % page_size;
+    Tensor mask;
+    if (cached > 0) mask = at::arange(width).unsqueeze(0) <= at::arange(cached, width).unsqueeze(1);
+    out.push_back({s, cu[s], n, cached, rows, mask});
+  }
+  return out;
+}
+
+void prefill_attention(const std::vector<Chunk>& chunks, const Tensor& qkv, const Tensor& k_layer,
+                       const Tensor& v_layer, int64_t H, int64_t Hkv, int64_t D, double scale, Tensor& attn) {
+  const Tensor kf = k_layer.view({-1, Hkv, D}), vf = v_layer.view({-1, Hkv, D});
+  for (const Chunk& c : chunks) {
+    Tensor q = qkv.narrow(0, c.row0, c.n).narrow(1, 0, H * D).view({c.n, H, D}).transpose(0, 1).to(at::kFloat);
+    // (H, width, D): each kv head repeated for its G query heads. enable_gqa would avoid the copy but
+    // sends the CPU to SDPA's unfused math path (several times slower than its fused kernel).
+    Tensor k = kf.index_select(0, c.rows).to(at::kFloat).repeat_interleave(H / Hkv, 1).transpose(0, 1);
+    Tensor v = vf.index_select(0, c.rows).to(at::kFloat).repeat_interleave(H / Hkv, 1).transpose(0, 1);
+    // 4-D (batch of one): the fused kernel takes nothing else
+    Tensor o = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                                c.mask.defined() ? std::optional<Tensor>(c.mask)
+                                                                 : std::optional<Tensor>(),
+                                                0.0, !c.mask.defined(), scale);
+    attn.narrow(0, c.row0, c.n).view({c.n, H, D}).copy_(o[0].transpose(0, 1));
+  }
+}
