@@ -333,7 +333,13 @@ bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, 
     pages[p] = load_once(a.pt + s * a.pt_stride + p);
     if (pages[p] < 0 || pages[p] >= a.num_pages) return false;
   }
-  if constexpr (!std::is_same_v<C, float>) {
+#if defined(__AVX512F__)
+  // each key / value row read in registers once for up to 3 query heads (qk_group, pv_group)
+  constexpr bool kGrouped = kD > 0 && kD % 16 == 0;
+#else
+  constexpr bool kGrouped = false;
+#endif
+  if constexpr (!std::is_same_v<C, float> && !kGrouped) {      // the per-head path's widened pages
     kf.resize(page_elems);
     vf.resize(page_elems);
   }
@@ -358,21 +364,16 @@ bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, 
     for (int64_t d = 0; d < D; ++d) q[j * D + d] = f32(src[d]) * a.scale;
   }
   scores.resize(nq * width);
-#if defined(__AVX512F__)
-  constexpr bool kGrouped = kD > 0 && kD % 16 == 0;
-  const int64_t page_bytes = page_elems * static_cast<int64_t>(sizeof(C)), np = static_cast<int64_t>(pages.size());
-  // (j, g): queries j .. j + g - 1, one row's heads on one kv head, at most 3 (qk_group, pv_group)
+  [[maybe_unused]] const int64_t page_bytes = page_elems * static_cast<int64_t>(sizeof(C)), np = static_cast<int64_t>(pages.size());
+  // (j, g): queries j .. j + g - 1, one row's heads on one kv head, at most 3
   thread_local std::vector<std::pair<int64_t, int64_t>> groups;
   groups.clear();
-  for (int64_t j = 0; j < nq;) {
+  for (int64_t j = 0; kGrouped && j < nq;) {
     int64_t g = 1;
     while (g < 3 && j + g < nq && (j + g) / nh == j / nh && kv_head(j + g) == kv_head(j)) ++g;
     groups.emplace_back(j, g);
     j += g;
   }
-#else
-  constexpr bool kGrouped = false;
-#endif
   for (int64_t p0 = 0; p0 < width; p0 += page_size) {
     const int64_t n = std::min(page_size, width - p0);
 #if defined(__AVX512F__)
