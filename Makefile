@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PIP) --no-build-isolation -e ".[test]" "$(TORCH_SPEC)"   # the pin again: no extra (lm-eval's) moves torch
 	touch $@
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench docs clean
 install: $(BIN)/.installed
 
 demo: install
@@ -35,5 +35,13 @@ bench: $(BIN)/.bench-installed
 	  --benchmark-json=benchmarks/results/micro-$$(date +%F-%s).json $(PYTEST_ARGS)
 	$(BIN)/python benchmarks/engine_vs_hf.py $(ARGS)
 
+# The manual (docs/, mkdocs.yml) into site/; --strict: a broken link or a page missing from nav fails
+$(BIN)/.docs-installed: $(BIN)/.installed
+	$(PIP) --no-build-isolation -e ".[docs]" "$(TORCH_SPEC)"
+	touch $@
+
+docs: $(BIN)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache site

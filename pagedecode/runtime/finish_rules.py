@@ -1,7 +1,7 @@
 """Whether a selected token ends its request, and why: one pure function, tested directly (and
 the message a request fails with when its row allowed no token at all).
 
-Order (DESIGN.md): EOS before stops, stops before length, length before context; a grammar that
+Order (docs/design.md, "Finish reasons"): EOS before stops, stops before length, length before context; a grammar that
 is complete (its matcher accepted EOS, or allows nothing but EOS next) ends with
 grammar_complete, unless a stop string or id hit on the same token. `token` is
 the t-th selected token, already appended to req.output_ids; `stop` is the stop the output

@@ -1,6 +1,6 @@
 """Request: one generation's state as the runtime keeps it.
 
-Step state (DESIGN.md, "the off-by-one"): with prompt length m and t tokens selected,
+Step state (docs/design.md, "Step state"): with prompt length m and t tokens selected,
     known tokens  = m + t                    (prompt + output)
     num_computed  = tokens whose K/V are in the cache
 Between a selection and the next decode, num_computed == m + t - 1: the newest token is chosen

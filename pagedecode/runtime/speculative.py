@@ -3,7 +3,7 @@ forward pass as everything else, and keep exactly the tokens the engine would ha
 without speculation (exact matching, below), or, for a draft model's sampled drafts, tokens
 with exactly the target's distribution (the rejection rule: spec_rejection.py).
 
-A verify step for a request with m prompt tokens and t selected (DESIGN.md, the off-by-one):
+A verify step for a request with m prompt tokens and t selected (docs/design.md, "Step state"):
 
     known:      prompt (m) | y1 .. yt                     num_computed = m + t - 1
     computed:                   yt  d1  d2 .. dk          positions m+t-1 .. m+t-1+k

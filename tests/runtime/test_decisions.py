@@ -1,4 +1,4 @@
-"""Every row of DESIGN.md's "decisions where the peers disagree" table."""
+"""Every row of docs/design.md's "Decisions" table."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""The two worked cases of DESIGN.md, exactly."""
+"""The two worked cases of docs/design.md ("Worked cases"), exactly."""
 import pagedecode as pd
 
 from .helpers import check_stream, engine, of, run
