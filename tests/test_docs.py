@@ -73,3 +73,30 @@ def test_code_cites_the_design_page_in_the_repository():
              for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".cpp", ".h", ".md", ".sh")
              and outside in p.read_text(errors="replace")]
     assert cited == []
+
+
+def module_map() -> dict[str, set[str]]:
+    """docs/modules.md as {folder: the file names listed under its `## folder/` heading}."""
+    listed: dict[str, set[str]] = {}
+    folder = None
+    for line in (ROOT / "docs" / "modules.md").read_text().splitlines():
+        if line.startswith("## "):
+            folder = line[3:].strip().rstrip("/")
+            listed[folder] = set()
+        elif folder is not None and line.startswith("- `"):
+            listed[folder].add(line[3:line.index("`", 3)])
+    return listed
+
+
+def test_module_map_lists_every_module():
+    """Each module of pagedecode/ and each source of csrc/ has its line under its folder's heading
+    (an empty __init__.py aside): a file that moves or appears must move or appear there too."""
+    listed = module_map()
+    files = [p for p in (ROOT / "pagedecode").rglob("*.py") if p.name != "__init__.py" or p.read_text().strip()]
+    files += [p for p in (ROOT / "csrc").iterdir() if p.suffix in (".cpp", ".h", ".cu")]
+    missing = [str(p.relative_to(ROOT)) for p in files
+               if p.name not in listed.get(p.parent.relative_to(ROOT).as_posix(), set())]
+    assert missing == [], f"not in docs/modules.md: {missing}"
+    gone = [f"{folder}/{name}" for folder, names in listed.items() if (ROOT / folder).is_dir()
+            for name in names if not (ROOT / folder / name).exists()]
+    assert gone == [], f"docs/modules.md lists files that do not exist: {gone}"
