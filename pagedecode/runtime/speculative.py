@@ -80,15 +80,22 @@ class Speculator:
     """The engine's speculation component: extends a plan with drafts, then, after the step's
     first tokens are committed, verifies the drafts one depth at a time."""
 
-    def __init__(self, config: SpeculativeConfig, max_context: int, page_size: int, target: Model,
+    def __init__(self, config: SpeculativeConfig | None, max_context: int, page_size: int, target: Model,
                  capacity_tokens: int, deterministic: bool = False, kv_dtype: torch.dtype | None = None) -> None:
-        self.config = config
+        """config None: speculation is off, except for requests that bring a prediction
+        (Predicted Outputs), which draft from it with the default config's gates."""
+        self.general = config is not None        # every request proposes, not only predicted ones
+        self.config = config = config if config is not None else SpeculativeConfig()
         self.max_context = max_context
         self.page_size = page_size
         self.ngram = NgramProposer(config.min_ngram, config.max_ngram)
         self.draft: DraftModelProposer | None = None
-        if config.method == "draft":
-            model = load_draft(config.draft_model, torch.device(getattr(target, "device", "cpu")), target.dtype)
+        if self.general and config.method == "draft":
+            if config.draft_model is None:
+                raise ValueError("a self-draft (draft_quantization without draft_model) loads the target's "
+                                 "checkpoint: build the engine with Engine.from_pretrained")
+            model = load_draft(config.draft_model, torch.device(getattr(target, "device", "cpu")), target.dtype,
+                               config.draft_quantization)
             # deterministic mode keeps exact matching for every request: a seeded request's tokens
             # must not depend on the verify schedule, which other requests shape
             self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size,
@@ -102,6 +109,8 @@ class Speculator:
     def extend(self, plan: SchedulerOutput, scheduler: Scheduler, budget: int) -> None:
         """Turn decode seqs into verify seqs (1 + k tokens) where a draft is found, pages are free
         and the step's token budget allows; the others stay plain decodes."""
+        if not self.general and not any(s.request.prediction is not None for s in plan.decode):
+            return
         self._step += 1
         if self.draft is not None:
             self.draft.release_ended({id(r) for r in scheduler.running})
@@ -113,7 +122,7 @@ class Speculator:
         wants: list[tuple[ScheduledSeq, int]] = []
         for s in plan.decode:
             k = min(budget, self._room(s.request))
-            if k > 0 and self._open(s.request):
+            if k > 0 and self._open(s.request) and (self.general or s.request.prediction is not None):
                 wants.append((s, k))
                 budget -= k
         drafted = self._propose([(s.request, k) for s, k in wants])
@@ -158,6 +167,19 @@ class Speculator:
         return req.state == RequestState.DECODING and (gate is None or gate.off_until <= self._step)
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
+        """A request with a prediction drafts from it; the others from the n-gram or the draft model."""
+        out: dict[int, Proposal] = {}
+        others = []
+        for i, (req, k) in enumerate(wants):
+            if req.prediction is not None:
+                out[i] = Proposal(req.prediction.propose(req.output_ids, k), None)
+            else:
+                others.append(i)
+        for i, proposal in zip(others, self._propose_general([wants[i] for i in others])):
+            out[i] = proposal
+        return [out[i] for i in range(len(wants))]
+
+    def _propose_general(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
         if self.draft is None:
             return [Proposal(self.ngram.propose_for(req, k), None) for req, k in wants]
         if not wants:
