@@ -228,8 +228,7 @@ class Engine:
                 runs = self.commit.seqs(plan, selection, (now_us() - t0) / 1e6, events)
                 if runs:        # verify seqs: the speculator takes their tokens through the commit
                     assert selection.drafts is not None
-                    self.speculator.verify(plan.verify, runs, selection, selection.drafts, self.commit, events,
-                                           self.commit.after_verify)
+                    self.speculator.verify(plan.verify, runs, selection, selection.drafts, self.commit, events)
             else:
                 self.endings.fail_step(plan, failure, events)
             self.endings.safe_point(events)
