@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1   # the sampler's integer fields (top_k, ids, counts) are int32
 FLOAT32_MAX = 3.4e38    # the sampler computes in float32
 MAX_BIAS = 1e6          # |logit_bias| beyond this only overflows; -inf bans a token
+MAX_PREDICTION = 1 << 20   # Predicted Outputs: characters of text, or token ids
 REPETITION_RANGE = (0.01, 100.0)
 UTF8_POLICIES = ("strict", "replace")
 
@@ -123,6 +124,19 @@ def _cache_salt(name: str, v: Any) -> None:
         raise _bad(name, "must be a string of valid Unicode", v)
 
 
+def _prediction(name: str, v: Any) -> None:
+    if isinstance(v, str):
+        if unicode_error(v):
+            raise _bad(name, "must be a string of valid Unicode", v)
+        if len(v) > MAX_PREDICTION:
+            raise _bad(name, f"at most {MAX_PREDICTION} characters", len(v))
+        return
+    if not isinstance(v, (list, tuple)) or not all(is_int(t) and 0 <= t <= MAX_INT32 for t in v):
+        raise _bad(name, "must be the predicted text (a str) or its token ids", v)
+    if len(v) > MAX_PREDICTION:
+        raise _bad(name, f"at most {MAX_PREDICTION} token ids", len(v))
+
+
 def _utf8_policy(name: str, v: Any) -> None:
     if v not in UTF8_POLICIES:
         raise _bad(name, f"must be one of {UTF8_POLICIES}", v)
@@ -188,6 +202,8 @@ class SamplingParams:
     utf8_errors: str = "strict"          # "strict": an unfinished character fails; "replace"
     cache_salt: str | None = None        # prefix cache: requests with different salts share nothing
     structured_output: StructuredOutput | None = None    # JSON schema / regex / EBNF / choice constraint
+    prediction: str | Sequence[int] | None = None   # Predicted Outputs: text (or ids) the output is expected
+                                                    # to repeat mostly; proposed as drafts, verified exactly
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     stop_id_seqs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
 
@@ -213,7 +229,8 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: every id named must be inside its vocabulary."""
         for name, ids in (("logit_bias", list(self.logit_bias or ())),
-                          ("stop_token_ids", [t for seq in self.stop_id_seqs for t in seq])):
+                          ("stop_token_ids", [t for seq in self.stop_id_seqs for t in seq]),
+                          ("prediction", [] if isinstance(self.prediction, str) else list(self.prediction or ()))):
             out = [t for t in ids if t >= vocab_size]
             if out:
                 raise _bad(name, f"token ids outside the vocabulary of {vocab_size}", out[:5])
@@ -240,6 +257,7 @@ FIELD_CHECKS: dict[str, Check] = {
     "deadline_s": _optional(_reals(0.0, 1e9, lo_open=True)),
     "first_token_timeout_s": _optional(_reals(0.0, 1e9, lo_open=True)),
     "structured_output": _optional(_structured),
+    "prediction": _optional(_prediction),
     "cache_salt": _optional(_cache_salt),
     "utf8_errors": _utf8_policy,
     "include_stop_str_in_output": _flag,

@@ -9,6 +9,7 @@ import torch
 
 from ..kernels._backend import BACKENDS
 from ..model.cpu_forward import default_cpu_matmul, default_cpu_pack_weights
+from ..model.quant import QUANTIZATIONS
 from .trace import TRACE_LEVELS
 
 BACKPRESSURE_POLICIES = ("pause", "fail")
@@ -144,6 +145,9 @@ class SpeculativeConfig:
     min_ngram: int = 2                       # n-gram: the shortest suffix matched ...
     max_ngram: int = 4                       # ... and the longest (tried first)
     draft_model: Any = None                  # "draft": a pd.Model, or a directory / GGUF file to load
+    draft_quantization: str | None = None    # "draft": load the draft quantized ("q8_0", "q4_0", ...); without
+                                             # draft_model, the target's own checkpoint (a self-draft:
+                                             # Engine.from_pretrained passes its path)
     max_batch: int = 8                       # no proposals while more requests than this decode (large
                                              # batches are compute-bound: verifying costs more; and a batch
                                              # lasts as long as its slowest request: 16 concurrent
@@ -162,10 +166,15 @@ class SpeculativeConfig:
             raise ValueError(f"num_tokens must be an integer in [1, 64], got {self.num_tokens!r}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}")
-        if self.method == "draft" and self.draft_model is None:
-            raise ValueError('method="draft" needs draft_model (a pd.Model or a model directory)')
-        if self.method == "ngram" and self.draft_model is not None:
-            raise ValueError('draft_model is only for method="draft"')
+        if self.method == "draft" and self.draft_model is None and self.draft_quantization is None:
+            raise ValueError('method="draft" needs draft_model (a pd.Model or a model directory), or '
+                             'draft_quantization for a self-draft through Engine.from_pretrained')
+        if self.method == "ngram" and (self.draft_model is not None or self.draft_quantization is not None):
+            raise ValueError('draft_model and draft_quantization are only for method="draft"')
+        if self.draft_quantization is not None:
+            if self.draft_quantization not in QUANTIZATIONS:
+                raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                                 f"got {self.draft_quantization!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if not 0.0 <= self.min_acceptance <= 1.0:

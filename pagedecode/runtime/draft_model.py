@@ -46,14 +46,18 @@ class _DraftSeq:
     num_computed: int = 0
 
 
-def load_draft(draft: Any, device: torch.device, dtype: torch.dtype) -> Model:
+def load_draft(draft: Any, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> Model:
     """A pd.Model as given, or one loaded from a directory / GGUF file on the target's device
-    and dtype."""
+    and dtype, its float weights quantized when `quantization` names a format (a self-draft
+    loads the target's own checkpoint so)."""
     if isinstance(draft, Model):
+        if quantization is not None:
+            raise ValueError("draft_quantization quantizes a checkpoint at load: give draft_model as a path "
+                             "(or leave it out under Engine.from_pretrained for a self-draft), not a loaded model")
         return draft
     if isinstance(draft, (str, Path)):
         from ..model.loader import load_model
-        model, _ = load_model(draft, device=str(device), dtype=dtype)
+        model, _ = load_model(draft, device=str(device), dtype=dtype, quantization=quantization)
         return model
     raise TypeError(f"draft_model must be a pd.Model or a model path, got {type(draft).__name__}")
 

@@ -82,9 +82,9 @@ class Engine:
         self.eos_ids = frozenset(mc.eos_token_ids or self.tokenizer.eos_token_ids)
         self.model_name = config.model_name or getattr(mc, "name", None) or mc.model_type
         self.constraints = Constraints.from_config(self.tokenizer, self.vocab_size, self.eos_ids, self.device, config)
-        self.speculator = (None if config.speculative is None else
-                           Speculator(config.speculative, self.max_context, config.page_size, model,
-                                      num_pages * config.page_size, config.deterministic, kv_dtype))
+        # always there: without config.speculative it drafts only for requests with a prediction
+        self.speculator = Speculator(config.speculative, self.max_context, config.page_size, model,
+                                     num_pages * config.page_size, config.deterministic, kv_dtype)
         identity = f"{self.model_name}|{mc.model_type}|{mc.vocab_size}|{mc.num_layers}|{model.dtype}|{id(model)}"
         self.intake = Intake(self.tokenizer, self.vocab_size, self.max_context, self.constraints, config.seed,
                              config.trace, identity)
@@ -186,7 +186,7 @@ class Engine:
         with self._lock:
             return take_snapshot(self.scheduler, self.requests.num_finished, self.steps,
                                  self.admission.prompt_tokens, self.commit.generated_tokens,
-                                 None if self.speculator is None else self.speculator.counters)
+                                 self.speculator.counters)
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: no step wrote a shared or cached page."""
@@ -217,8 +217,7 @@ class Engine:
             if plan.empty:
                 self.pool.flush_events()
                 return events
-            if self.speculator is not None:
-                self.speculator.extend(plan, self.scheduler, self.config.max_tokens_per_step - plan.num_tokens)
+            self.speculator.extend(plan, self.scheduler, self.config.max_tokens_per_step - plan.num_tokens)
             plan.begin(time.perf_counter())
         try:
             selection, failure = self.runner.run(plan), None
@@ -228,9 +227,8 @@ class Engine:
             if selection is not None:
                 runs = self.commit.seqs(plan, selection, (now_us() - t0) / 1e6, events)
                 if runs:        # verify seqs: the speculator takes their tokens through the commit
-                    assert self.speculator is not None and selection.drafts is not None
-                    self.speculator.verify(plan.verify, runs, selection, selection.drafts, self.commit, events,
-                                           self.commit.after_verify)
+                    assert selection.drafts is not None
+                    self.speculator.verify(plan.verify, runs, selection, selection.drafts, self.commit, events)
             else:
                 self.endings.fail_step(plan, failure, events)
             self.endings.safe_point(events)

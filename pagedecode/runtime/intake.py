@@ -15,6 +15,7 @@ from ..params import SamplingParams, unicode_error
 from .grammar import Constraints
 from .grammar_compiler import CompileJob
 from .output import OutputPipeline
+from .prediction import PredictionCursor
 from .prefix_cache import namespace
 from .registry import RequestRegistry
 from .request import Request
@@ -82,7 +83,17 @@ def make_request(prompt: object, params: SamplingParams | None, request_id: str,
                    deadline=None if params.deadline_s is None else now + params.deadline_s,
                    first_token_deadline=None if params.first_token_timeout_s is None
                    else now + params.first_token_timeout_s,
-                   cache_namespace=namespace(cache_identity, params.cache_salt), grammar=grammar)
+                   cache_namespace=namespace(cache_identity, params.cache_salt), grammar=grammar,
+                   prediction=prediction_cursor(params.prediction, tokenizer))
+
+
+def prediction_cursor(prediction: str | Sequence[int] | None, tokenizer: TokenizerLike) -> PredictionCursor | None:
+    """Predicted Outputs: the prediction's tokens (text encoded as output text is, without
+    special tokens), or None when there is none."""
+    if prediction is None:
+        return None
+    ids = tokenizer.encode(prediction, add_special_tokens=False) if isinstance(prediction, str) else list(prediction)
+    return PredictionCursor(ids) if ids else None
 
 
 def paired(prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None

@@ -3,6 +3,7 @@ in this process or over tensor-parallel worker processes; and what an EngineConf
 model it is given."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,6 +25,9 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
     instead of the model's own. tensor_parallel_size N > 1 starts N - 1 worker processes
     (model/parallel.py); the engine and every request stay in this one."""
     from ..model.loader import load_model
+    spec = engine_options.get("speculative")
+    if spec is not None and getattr(spec, "method", None) == "draft" and spec.draft_model is None:
+        engine_options["speculative"] = replace(spec, draft_model=path)     # a self-draft: this checkpoint
     config = EngineConfig(**{"model_name": str(path), **engine_options})
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")

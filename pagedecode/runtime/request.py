@@ -24,6 +24,7 @@ from .delivery import DeliveryRecord
 from .result import Timings
 from .lifecycle import FinishReason, RequestState, check_transition
 from .output import OutputPipeline, TopLogprobs
+from .prediction import PredictionCursor
 from .trace import Trace
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class Request:
     draft_tokens: int = 0                 # speculation: drafts proposed and verified ...
     accepted_draft_tokens: int = 0        # ... and of them, selected
     grammar: GrammarState | None = None   # its matcher's state when the request is constrained
+    prediction: PredictionCursor | None = None   # Predicted Outputs: its drafts' source (prediction.py)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | tuple[int, ...] | None = None
     error: str | None = None

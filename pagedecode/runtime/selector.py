@@ -56,10 +56,26 @@ def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[int, int, int]],
         n = req.params.prompt_logprobs or 0
         tops: list[TopLogprobs] | None = None
         if n:
-            values, ids = part.topk(min(n, part.shape[-1]), dim=-1)
+            values, ids = top_n(part, min(n, part.shape[-1]))
             tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         out[seq] = (first, own, tops)
     return out
+
+
+def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest values of each row of x (R, V) and their ids, ties broken the same way on
+    every path and in every batch: the lower token id first. (torch.topk leaves the order of
+    equal values, and which of them make the cut, to the kernel.)"""
+    values, ids = x.topk(n, dim=-1)                                            # (R, n)
+    at_cut = (x == values[:, -1:]).sum(dim=-1) > (values == values[:, -1:]).sum(dim=-1)
+    if bool(at_cut.any()):          # a tie across the cut: which equal ids are in depends on the kernel
+        rows = at_cut.nonzero()[:, 0]
+        sv, si = torch.sort(x[rows], dim=-1, descending=True, stable=True)    # equal values: id order
+        values[rows], ids[rows] = sv[:, :n], si[:, :n]
+    order = ids.argsort(dim=-1)                                                # by id, then stably by value
+    values, ids = values.gather(1, order), ids.gather(1, order)
+    order = values.argsort(dim=-1, descending=True, stable=True)
+    return values.gather(1, order), ids.gather(1, order)
 
 
 def uses_penalties(p: SamplingParams) -> bool:
@@ -208,7 +224,7 @@ class TokenSelector:
         n = max(wanted, default=0)
         if n == 0:
             return None
-        values, ids = torch.log_softmax(processed, dim=-1).topk(min(n, processed.shape[-1]), dim=-1)
+        values, ids = top_n(torch.log_softmax(processed, dim=-1), min(n, processed.shape[-1]))
         vals, idx = values.tolist(), ids.tolist()
         return [tuple(zip(idx[i][:k], vals[i][:k])) for i, k in enumerate(wanted)]
 

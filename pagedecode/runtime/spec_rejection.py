@@ -42,7 +42,7 @@ from .scheduler import ScheduledSeq
 from .selector import Selection, SlotSettings, uses_penalties
 
 if TYPE_CHECKING:
-    from .speculative import Host
+    from .spec_run import Host, VerifyRun
 
 
 def takes_rejection(req: Request) -> bool:
@@ -71,57 +71,52 @@ def sample_drafts(logits: torch.Tensor, reqs: list[Request], index: list[int], v
     return chosen.tolist(), q, usable.tolist()
 
 
-def verify_sampled(runs: list[tuple[ScheduledSeq, int]], first_logits: torch.Tensor, draft_logits: torch.Tensor,
-                   offset: dict[int, int], record: dict[int, dict | None], host: Host, events: list[Event]
-                   ) -> dict[int, int]:
-    """runs: verify seqs with draft_probs, each with its row r0 in first_logits (the step's
-    choosers' rows); draft_logits (sum of k, V): the rows after each draft, seq s's from offset[id(s)].
-    Chooses and commits each run's tokens (module docstring); returns the drafts kept per id(s)."""
-    accepted = {id(s): 0 for s, _ in runs}
+def verify_sampled(runs: list[VerifyRun], first_logits: torch.Tensor, draft_logits: torch.Tensor, host: Host,
+                   events: list[Event]) -> None:
+    """runs: verify runs with draft_probs, each with its row r0 in first_logits (the step's
+    choosers' rows) and its rows r1..rk in draft_logits (sum of k, V) from its offset.
+    Chooses and commits each run's tokens (module docstring), counting its kept drafts."""
     device, V = draft_logits.device, draft_logits.shape[-1]
     try:
         # every run's rows r0..rk, one after another, as rows of `flat`
         parts: list[torch.Tensor] = []
         reqs: list[Request] = []
         starts: list[int] = []
-        for s, row in runs:
-            k = len(s.drafts)
+        for run in runs:
+            k = len(run.drafts)
             starts.append(len(reqs))
-            parts += [first_logits[row:row + 1], draft_logits[offset[id(s)]:offset[id(s)] + k]]
-            reqs += [s.request] * (1 + k)
+            parts += [first_logits[run.row:run.row + 1], draft_logits[run.offset:run.offset + k]]
+            reqs += [run.request] * (1 + k)
         flat = torch.cat(parts)                                                      # (rows, V)
         p = sampling_probs(flat, SlotSettings.of_requests(reqs, [0] * len(reqs), V, device))   # (rows, V)
         finite = torch.isfinite(flat.float().amax(dim=-1)).tolist()
     except Exception as exc:                     # as a failed step would: these requests fail
-        for s, _ in runs:
-            host.fail(s.request, exc, events)
-        return accepted
+        for run in runs:
+            host.fail(run.request, exc, events)
+        return
     going = []
-    for (s, row), start in zip(runs, starts):
-        if all(finite[start:start + 1 + len(s.drafts)]):
-            going.append((s, start))
+    for run, start in zip(runs, starts):
+        if all(finite[start:start + 1 + len(run.drafts)]):
+            going.append((run, start))
         else:
-            host.fail(s.request, FloatingPointError("the model returned non-finite logits (NaN or inf) for it"),
+            host.fail(run.request, FloatingPointError("the model returned non-finite logits (NaN or inf) for it"),
                       events)
     if not going:
-        return accepted
+        return
     try:
         tokens, kept, logprobs = _rule(going, flat, p, host.selector.backend)
     except Exception as exc:
-        for s, _ in going:
-            host.fail(s.request, exc, events)
-        return accepted
-    for b, (s, _) in enumerate(going):
-        req, rec = s.request, record.get(id(s))
+        for run, _ in going:
+            host.fail(run.request, exc, events)
+        return
+    for b, (run, _) in enumerate(going):
+        req = run.request
         for j in range(kept[b] + 1):
             is_draft = j < kept[b]
             if is_draft:
-                req.accepted_draft_tokens += 1
-                accepted[id(s)] += 1
-                if rec is not None:
-                    rec["accepted"] += 1
-            elif rec is not None:
-                rec["bonus"] = tokens[b][j]        # the token after the kept drafts
+                run.keep_draft()
+            else:
+                run.note_bonus(tokens[b][j])
             try:
                 host.take(req, Selection([tokens[b][j]], [logprobs[b][j]], frozenset()), 0, events)
             except Exception as exc:
@@ -130,27 +125,26 @@ def verify_sampled(runs: list[tuple[ScheduledSeq, int]], first_logits: torch.Ten
             if not is_draft or req.state != RequestState.DECODING:
                 break                              # the run's last token, or an ending cut it here
             host.accept_draft(req)                 # d_{j+1} kept: its K/V is valid
-    return accepted
 
 
-def _rule(going: list[tuple[ScheduledSeq, int]], flat: torch.Tensor, p: torch.Tensor, backend: str
+def _rule(going: list[tuple[VerifyRun, int]], flat: torch.Tensor, p: torch.Tensor, backend: str
           ) -> tuple[list[list[int]], list[int], list[list[float]]]:
     """The rejection rule over the runs (each with its first row in flat / p): each run's tokens
     (kept drafts, then one more), its number of kept drafts, and each token's logprob (the
     log-softmax of the target's logits at it, as the sampler reports one)."""
     device, V = p.device, p.shape[-1]
-    B, K = len(going), max(len(s.drafts) for s, _ in going)
+    B, K = len(going), max(len(run.drafts) for run, _ in going)
     target = torch.zeros(B, K + 1, V, dtype=torch.float32, device=device)     # (B, K + 1, V)
     draft = torch.zeros(B, K, V, dtype=torch.float32, device=device)          # (B, K, V)
     ids = torch.zeros(B, K, dtype=torch.int64)
-    for b, (s, start) in enumerate(going):
-        k = len(s.drafts)
-        assert s.draft_probs is not None
+    for b, (run, start) in enumerate(going):
+        k, probs = len(run.drafts), run.seq.draft_probs
+        assert probs is not None
         target[b, :k + 1] = p[start:start + k + 1]
-        draft[b, :k] = s.draft_probs.to(device)
-        ids[b, :k] = torch.tensor(s.drafts)
-    reqs = [s.request for s, _ in going]
-    meta = torch.tensor([[len(s.drafts) for s, _ in going], [seed_to_int64(r.seed) for r in reqs],
+        draft[b, :k] = probs.to(device)
+        ids[b, :k] = torch.tensor(run.drafts)
+    reqs = [run.request for run, _ in going]
+    meta = torch.tensor([[len(run.drafts) for run, _ in going], [seed_to_int64(r.seed) for r in reqs],
                          [len(r.output_ids) for r in reqs]], dtype=torch.int64).to(device)
     out = rejection_sample(target, draft, ids.to(device), meta[0].to(torch.int32), meta[1], meta[2], backend=backend)
     tokens, kept = out.tokens.tolist(), out.num_accepted.tolist()

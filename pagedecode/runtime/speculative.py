@@ -36,7 +36,6 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Protocol
 
 import torch
 
@@ -51,22 +50,9 @@ from .selector import SampleRows, Selection, TokenSelector, uses_penalties
 from .ngram import NgramProposer
 from .spec_gates import CostGate, Gate
 from .spec_rejection import verify_sampled
+from .spec_run import Host, VerifyRun
 
 log = logging.getLogger("pagedecode")
-
-
-class Host(Protocol):
-    """What the verification loop needs from the engine: its own selection and commit (commit.py)."""
-
-    selector: TokenSelector
-
-    def select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection: ...
-
-    def take(self, req: Request, sel: Selection, i: int, events: list[Event]) -> None: ...
-
-    def fail(self, req: Request, exc: BaseException, events: list[Event]) -> None: ...
-
-    def accept_draft(self, req: Request) -> None: ...
 
 
 @dataclass
@@ -80,15 +66,22 @@ class Speculator:
     """The engine's speculation component: extends a plan with drafts, then, after the step's
     first tokens are committed, verifies the drafts one depth at a time."""
 
-    def __init__(self, config: SpeculativeConfig, max_context: int, page_size: int, target: Model,
+    def __init__(self, config: SpeculativeConfig | None, max_context: int, page_size: int, target: Model,
                  capacity_tokens: int, deterministic: bool = False, kv_dtype: torch.dtype | None = None) -> None:
-        self.config = config
+        """config None: speculation is off, except for requests that bring a prediction
+        (Predicted Outputs), which draft from it with the default config's gates."""
+        self.general = config is not None        # every request proposes, not only predicted ones
+        self.config = config = config if config is not None else SpeculativeConfig()
         self.max_context = max_context
         self.page_size = page_size
         self.ngram = NgramProposer(config.min_ngram, config.max_ngram)
         self.draft: DraftModelProposer | None = None
-        if config.method == "draft":
-            model = load_draft(config.draft_model, torch.device(getattr(target, "device", "cpu")), target.dtype)
+        if self.general and config.method == "draft":
+            if config.draft_model is None:
+                raise ValueError("a self-draft (draft_quantization without draft_model) loads the target's "
+                                 "checkpoint: build the engine with Engine.from_pretrained")
+            model = load_draft(config.draft_model, torch.device(getattr(target, "device", "cpu")), target.dtype,
+                               config.draft_quantization)
             # deterministic mode keeps exact matching for every request: a seeded request's tokens
             # must not depend on the verify schedule, which other requests shape
             self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size,
@@ -102,6 +95,8 @@ class Speculator:
     def extend(self, plan: SchedulerOutput, scheduler: Scheduler, budget: int) -> None:
         """Turn decode seqs into verify seqs (1 + k tokens) where a draft is found, pages are free
         and the step's token budget allows; the others stay plain decodes."""
+        if not self.general and not any(s.request.prediction is not None for s in plan.decode):
+            return
         self._step += 1
         if self.draft is not None:
             self.draft.release_ended({id(r) for r in scheduler.running})
@@ -113,7 +108,7 @@ class Speculator:
         wants: list[tuple[ScheduledSeq, int]] = []
         for s in plan.decode:
             k = min(budget, self._room(s.request))
-            if k > 0 and self._open(s.request):
+            if k > 0 and self._open(s.request) and (self.general or s.request.prediction is not None):
                 wants.append((s, k))
                 budget -= k
         drafted = self._propose([(s.request, k) for s, k in wants])
@@ -158,6 +153,19 @@ class Speculator:
         return req.state == RequestState.DECODING and (gate is None or gate.off_until <= self._step)
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
+        """A request with a prediction drafts from it; the others from the n-gram or the draft model."""
+        out: dict[int, Proposal] = {}
+        others = []
+        for i, (req, k) in enumerate(wants):
+            if req.prediction is not None:
+                out[i] = Proposal(req.prediction.propose(req.output_ids, k), None)
+            else:
+                others.append(i)
+        for i, proposal in zip(others, self._propose_general([wants[i] for i in others])):
+            out[i] = proposal
+        return [out[i] for i in range(len(wants))]
+
+    def _propose_general(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
         if self.draft is None:
             return [Proposal(self.ngram.propose_for(req, k), None) for req, k in wants]
         if not wants:
@@ -170,109 +178,107 @@ class Speculator:
 
     # -- at the commit ------------------------------------------------------------------------------
     def verify(self, planned: list[ScheduledSeq], runs: list[tuple[ScheduledSeq, int]], first: Selection,
-               logits: torch.Tensor, host: Host, events: list[Event], after: Callable[[Request], None]) -> None:
+               logits: torch.Tensor, host: Host, events: list[Event]) -> None:
         """planned: the step's verify seqs, in row order; logits (sum of their k, V): the rows
         after each draft. runs: those still to commit (not cancelled while the step ran), each
         with its row in `first`, the selection of row r0. Runs whose drafts were sampled
         (draft_probs) take the rejection rule (spec_rejection.py, which reads row r0 from
         first.chooser_logits); the others exact match (_match)."""
-        offset, n, record = {}, 0, {}
-        for s in planned:
-            offset[id(s)] = n
-            n += len(s.drafts)
-        for s, _ in runs:
-            s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
-            record[id(s)] = self._trace(s)
-        sampled = [(s, row) for s, row in runs if s.draft_probs is not None]
-        accepted: dict[int, int] = {}
+        verify_runs, left, offset = [], iter(runs), 0
+        nxt = next(left, None)
+        for s in planned:                            # runs keep the plan's order (commit.seqs)
+            if nxt is not None and nxt[0] is s:
+                s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
+                verify_runs.append(VerifyRun(s, nxt[1], offset, self._trace(s)))
+                nxt = next(left, None)
+            offset += len(s.drafts)
+        assert nxt is None, "verify runs out of the plan's order"
+        sampled = [run for run in verify_runs if run.seq.draft_probs is not None]
         if sampled:
             assert first.chooser_logits is not None
-            accepted.update(verify_sampled(sampled, first.chooser_logits, logits, offset, record, host, events))
-        self._match([(s, row) for s, row in runs if s.draft_probs is None], first, logits, offset,
-                    record, accepted, host, events)
-        for s, _ in runs:
-            self._record(s, accepted.get(id(s), 0))
-            after(s.request)
+            verify_sampled(sampled, first.chooser_logits, logits, host, events)
+        self._match([run for run in verify_runs if run.seq.draft_probs is None], first, logits, host, events)
+        for run in verify_runs:
+            self._record(run.seq, run.accepted)
+            host.after_verify(run.request)
 
-    def _match(self, runs: list[tuple[ScheduledSeq, int]], first: Selection,
-               logits: torch.Tensor, offset: dict[int, int], record: dict[int, dict | None],
-               accepted: dict[int, int], host: Host, events: list[Event]) -> None:
+    def _match(self, runs: list[VerifyRun], first: Selection, logits: torch.Tensor, host: Host,
+               events: list[Event]) -> None:
         """Takes each run's tokens one depth at a time, as plain decoding would, until a token
-        differs from its draft or ends the request; counts the kept drafts in `accepted`.
+        differs from its draft or ends the request.
 
         Row r_j of a run chooses y_{t+1+j} from the history prompt + y1..yt + d1..dj, which is
-        the request's history exactly when d1..dj are accepted, the only case it is read. So
-        for a request whose selection depends on nothing else (no penalties, whose state counts
-        the tokens taken so far, no grammar, whose matcher does, min_tokens already met) every
-        row is chosen up front in one selector call, each at its own output index (its Philox
-        position); the others choose one depth at a time after the tokens before are taken."""
-        at_once = [s for s, _ in runs if self._at_once(s.request)]
-        upfront: Selection | None = None
-        base: dict[int, int] = {}
-        if at_once:
-            picks: list[int] = []
-            slots: list[int | None] = []
-            index: list[int] = []
-            reqs: list[Request] = []
-            for s in at_once:
-                req, k = s.request, len(s.drafts)
-                base[id(s)] = len(picks)
-                picks.extend(range(offset[id(s)], offset[id(s)] + k))
-                slots.extend([req.seq.slot] * k)
-                t = len(req.output_ids) + 1            # y_{t+1} is row r0's
-                index.extend(range(t, t + k))
-                reqs.extend([req] * k)
-            try:
-                rows = torch.tensor([picks, slots, index], dtype=torch.int64).to(logits.device)
-                upfront = host.selector.select(logits.index_select(0, rows[0]), reqs, None,
-                                               SampleRows(rows[1], rows[2]))
-            except Exception as exc:                   # as a failed step would: these requests fail
-                failed = {id(s) for s in at_once}
-                for s in at_once:
-                    host.fail(s.request, exc, events)
-                runs = [(s, row) for s, row in runs if id(s) not in failed]
-        accepted.update({id(s): 0 for s, _ in runs})
-        pending = [(s, first, row) for s, row in runs]
+        the request's history exactly when d1..dj are accepted, the only case it is read. So a
+        run whose selection depends on nothing else (_at_once) has every row chosen up front
+        in one selector call (_choose_upfront); the others choose one depth at a time after
+        the tokens before are taken."""
+        runs = self._choose_upfront(runs, logits, host, events)
+        pending = [(run, first, run.row) for run in runs]
         depth = 0
         while pending:
-            went_on = []
-            for s, sel, row in pending:
-                req = s.request
-                hit = (depth < len(s.drafts) and row not in sel.bad and row not in sel.empty
-                       and sel.tokens[row] == s.drafts[depth])
-                rec = record[id(s)]
-                if hit:
-                    req.accepted_draft_tokens += 1
-                    accepted[id(s)] += 1
-                    if rec is not None:
-                        rec["accepted"] += 1
-                elif rec is not None and row not in sel.bad and row not in sel.empty:
-                    rec["bonus"] = sel.tokens[row]      # the token after the accepted drafts
-                try:
-                    host.take(req, sel, row, events)
-                except Exception as exc:
-                    host.fail(req, exc, events)
-                if hit and req.state == RequestState.DECODING:
-                    went_on.append(s)
+            went_on = [run for run, sel, row in pending if self._take(run, sel, row, depth, host, events)]
             depth += 1
-            for s in went_on:                        # its draft was selected: that K/V is valid
-                host.accept_draft(s.request)
-            pending = []
-            later = []
-            for s in went_on:
-                if upfront is not None and id(s) in base:
-                    pending.append((s, upfront, base[id(s)] + depth - 1))
-                else:
-                    later.append(s)
+            for run in went_on:                      # its draft was selected: that K/V is valid
+                host.accept_draft(run.request)
+            pending = [(run, run.upfront, run.upfront_row + depth - 1) for run in went_on
+                       if run.upfront is not None]
+            later = [run for run in went_on if run.upfront is None]
             if later:
-                rows = torch.tensor([offset[id(s)] + depth - 1 for s in later], device=logits.device)
+                rows = torch.tensor([run.offset + depth - 1 for run in later], device=logits.device)
                 try:
-                    sel = host.select(logits.index_select(0, rows), [s.request for s in later])
+                    sel = host.select(logits.index_select(0, rows), [run.request for run in later])
                 except Exception as exc:            # as a failed step would: these requests fail
-                    for s in later:
-                        host.fail(s.request, exc, events)
+                    for run in later:
+                        host.fail(run.request, exc, events)
                 else:
-                    pending += [(s, sel, row) for row, s in enumerate(later)]
+                    pending += [(run, sel, row) for row, run in enumerate(later)]
+
+    @staticmethod
+    def _take(run: VerifyRun, sel: Selection, row: int, depth: int, host: Host, events: list[Event]) -> bool:
+        """Commits the run's token at this depth; True when it was the draft and the request
+        decodes on (its next row is then read)."""
+        usable = row not in sel.bad and row not in sel.empty
+        hit = usable and depth < len(run.drafts) and sel.tokens[row] == run.drafts[depth]
+        if hit:
+            run.keep_draft()
+        elif usable:
+            run.note_bonus(sel.tokens[row])
+        try:
+            host.take(run.request, sel, row, events)
+        except Exception as exc:
+            host.fail(run.request, exc, events)
+        return hit and run.request.state == RequestState.DECODING
+
+    def _choose_upfront(self, runs: list[VerifyRun], logits: torch.Tensor, host: Host,
+                        events: list[Event]) -> list[VerifyRun]:
+        """Chooses rows r1..rk of every _at_once run in one selector call, each at its own
+        output index (its Philox position). Returns the runs still to take (a failed selection
+        fails its requests, as a failed step would)."""
+        at_once = [run for run in runs if self._at_once(run.request)]
+        if not at_once:
+            return runs
+        picks: list[int] = []
+        slots: list[int | None] = []
+        index: list[int] = []
+        reqs: list[Request] = []
+        for run in at_once:
+            req, k = run.request, len(run.drafts)
+            run.upfront_row = len(picks)
+            picks.extend(range(run.offset, run.offset + k))
+            slots.extend([req.seq.slot] * k)
+            t = len(req.output_ids) + 1            # y_{t+1} is row r0's
+            index.extend(range(t, t + k))
+            reqs.extend([req] * k)
+        try:
+            rows = torch.tensor([picks, slots, index], dtype=torch.int64).to(logits.device)
+            upfront = host.selector.select(logits.index_select(0, rows[0]), reqs, None, SampleRows(rows[1], rows[2]))
+        except Exception as exc:
+            for run in at_once:
+                host.fail(run.request, exc, events)
+            return [run for run in runs if run not in at_once]
+        for run in at_once:
+            run.upfront = upfront
+        return runs
 
     @staticmethod
     def _at_once(req: Request) -> bool:

@@ -129,23 +129,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    """--speculative-method, --num-speculative-tokens, --draft-model (generate, demo and serve)."""
+    """--speculative-method, --num-speculative-tokens, --draft-model, --speculative-draft-quantization
+    (generate, demo and serve)."""
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: ngram (prompt lookup in each request's own tokens) or "
                         "draft (a smaller model, --draft-model); off by default")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed per step")
     p.add_argument("--draft-model", default=None, help="the draft model's directory (--speculative-method draft)")
+    p.add_argument("--speculative-draft-quantization", default=None,
+                   help="--speculative-method draft: load the draft quantized (q8_0, q4_0, ...); without "
+                        "--draft-model the model's own weights so (a self-draft)")
 
 
 def speculative_config(args: argparse.Namespace) -> Any:
     """The SpeculativeConfig the flags ask for, or None; bad values raise ValueError."""
     from ..runtime.config import SpeculativeConfig
     if args.speculative_method is None:
-        if args.draft_model is not None:
-            raise ValueError("--draft-model needs --speculative-method draft")
+        if args.draft_model is not None or args.speculative_draft_quantization is not None:
+            raise ValueError("--draft-model and --speculative-draft-quantization need --speculative-method draft")
         return None
     return SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
-                             draft_model=args.draft_model)
+                             draft_model=args.draft_model, draft_quantization=args.speculative_draft_quantization)
 
 
 def _bool(text: str) -> bool:

@@ -315,6 +315,26 @@ def test_prompt_byte_run_is_not_streamed_again_by_a_bare_byte_fallback_decoder(k
         assert d.prompt_text == " "
 
 
+def test_a_bare_byte_fallback_run_is_held_whole_because_a_later_byte_can_void_it(kinds):
+    """Why the stream of prompt <0x20>, output <0x20><0xC3><0xA9> sends " é" at the third token
+    and not " " at the first (the minimal hold-back asked for): a bare ByteFallback decoder
+    decodes a run of byte tokens as one unit, and a run that does not end as valid UTF-8 becomes
+    one U+FFFD per byte, the space included. Output <0x20><0xC3> then a plain token decodes to
+    U+FFFD U+FFFD + the token's text: a space sent early would contradict the full decode."""
+    tok = kinds["bytefallback"]
+    byte = {b: tok._tok.token_to_id(f"<0x{b:02X}>") for b in (0x20, 0xC3)}
+    plain = next(i for i in range(tok.vocab_size) if tok.byte_fallback_value(i) is None and
+                 tok.decode([i]).isalpha())
+    word = tok.decode([plain])
+    full = tok.decode([byte[0x20], byte[0x20], byte[0xC3], plain])
+    assert full == "\ufffd" * 3 + word          # the output's space is voided with the run
+    for make in streams_for(tok):
+        d = make([byte[0x20]], True)
+        assert d.add(byte[0x20]) == ""           # held: the run may still be voided
+        out = d.add(byte[0xC3]) + d.add(plain) + d.flush()
+        assert d.prompt_text + out == full
+
+
 def test_byte_level_prompt_ending_inside_a_character_then_a_new_one(real):
     """Reproduction: a byte-level prompt whose last token ends inside a character, then an output
     that starts a new one: the output started with U+FFFD. The U+FFFD is the prompt's (its

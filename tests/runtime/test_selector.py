@@ -127,3 +127,27 @@ def test_greedy_rows_pick_what_torch_max_picks():
             assert got == want or (math.isnan(got) and math.isnan(want))
     assert greedy_rows(x)[0][1:6] == [7, 13, 500, 0, 3]
     assert greedy_rows(x[:0]) == ([], [])
+
+
+def test_top_n_breaks_ties_by_the_lower_id_whatever_the_batch():
+    """Top logprobs at equal values (a bfloat16 model has many): the lower token id first, and
+    the same ids for a row alone or among others, on either side of the cut."""
+    from pagedecode.runtime.selector import top_n
+    g = torch.Generator().manual_seed(7)
+    row = torch.full((1, 600), -9.0)
+    row[0, [408, 442, 17, 599]] = -3.277          # four-way tie
+    row[0, 5] = -1.0
+    want_v, want_i = top_n(row, 3)
+    assert want_i.tolist() == [[5, 17, 408]]
+    for _ in range(20):
+        others = torch.randint(-20, 0, (5, 600), generator=g).float() / 4      # ties everywhere
+        batch = torch.cat([others[:2], row, others[2:]])
+        v, i = top_n(batch, 3)
+        assert i[2].tolist() == [5, 17, 408] and torch.equal(v[2], want_v[0])
+        for r in range(batch.shape[0]):          # every row: values descending, equal values by id
+            pairs = list(zip((-v[r]).tolist(), i[r].tolist()))
+            assert pairs == sorted(pairs)
+            cut, got = v[r, -1], i[r].tolist()
+            assert set(got) >= set((batch[r] > cut).nonzero()[:, 0].tolist())     # every larger one
+            at_cut = (batch[r] == cut).nonzero()[:, 0].tolist()                  # ascending ids
+            assert [j for j in got if j in at_cut] == at_cut[:sum(j in at_cut for j in got)]
