@@ -1,0 +1,204 @@
+"""Speculation on a real model (SmolLM2-135M-Instruct): where each draft source pays, in one run,
+off and on interleaved, outputs checked identical.
+
+    .venv/bin/python benchmarks/speculative_real.py [--quick] [--concurrency 1,4,16] [--out FILE]
+
+Workloads, each a chat rendered through the model's own template:
+  grounded   20 input-grounded prompts (repeat, fix typos, extend a list, extract, reformat,
+             quote, edit code) with n-gram speculation (prompt lookup) against none
+  chat       20 free chat prompts with the quantized self-draft (the model's own weights in
+             q4_0, SpeculativeConfig(method="draft", draft_quantization="q4_0")) against none
+  code-edit  a ~100-line file and a small change asked, the file given as the prediction
+             (Predicted Outputs) against no prediction
+each greedy and seeded sampling (temperature 0.7), single stream and batches (--concurrency).
+The target is the model in float32 (its Q4_1 file dequantized once into a cached F32 GGUF,
+benchmarks/real_model.py), or --dtype bfloat16. JSON under benchmarks/results/ and a PNG beside
+it; progress on stderr with the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+import pagedecode as pd
+from common import plot, result_path, write_json
+from real_model import smollm2_chat, smollm2_f32_gguf
+
+PARAGRAPHS = [
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
+    "polished the great lens and wrote the weather in a leather book. Ships passed far out at sea, "
+    "and none of them ever knew his name.",
+    "Our town library opens at nine and closes at six. Children may borrow five books at a time, "
+    "adults ten. Returns go in the slot beside the door, and late books cost ten cents a day.",
+    "To make bread, mix flour, water, salt and yeast. Knead the dough for ten minutes, let it rise "
+    "for an hour, shape it into a loaf and bake it at two hundred degrees for forty minutes.",
+    "Maria planted tomatoes, beans and sunflowers in the spring. By July the sunflowers were taller "
+    "than the fence, the beans climbed every pole, and the tomatoes turned red one by one.",
+    "The train left the station at seven. It crossed the river, passed the old mill and stopped in "
+    "three small villages before it reached the city just after noon.",
+]
+TYPOS = [("evening", "evning"), ("weather", "wether"), ("borrow", "borow"), ("minutes", "minuts"),
+         ("planted", "plantd"), ("station", "staton"), ("villages", "vilages")]
+CODE = "\n".join(
+    [f"def area_{i}(width, height):\n    \"\"\"Area of rectangle number {i}.\"\"\"\n    return width * height\n"
+     for i in range(12)] +
+    ["class Inventory:\n    def __init__(self):\n        self.items = {}\n",
+     "    def add(self, name, count):\n        self.items[name] = self.items.get(name, 0) + count\n",
+     "    def remove(self, name, count):\n        self.items[name] = max(0, self.items.get(name, 0) - count)\n",
+     "    def total(self):\n        return sum(self.items.values())\n"])
+CHAT = ["What is the capital of France?", "Give me three tips for sleeping better.",
+        "Explain what a rainbow is to a child.", "Write a short poem about the sea.",
+        "What are the benefits of drinking water?", "How do I boil an egg?",
+        "Why is the sky blue?", "Suggest a name for a pet cat.", "What is photosynthesis?",
+        "Tell me a fun fact about elephants.", "How can I learn to play the guitar?",
+        "What should I pack for a weekend trip?", "Describe a sunset in two sentences.",
+        "What is the difference between a virus and a bacterium?", "How do airplanes fly?",
+        "Give me a simple recipe for pancakes.", "What is the tallest mountain in the world?",
+        "How do I stay motivated when studying?", "Write a haiku about autumn.",
+        "What are three things to do on a rainy day?"]
+
+
+def grounded_prompts() -> list[str]:
+    out = []
+    for i, p in enumerate(PARAGRAPHS):
+        typo = p
+        for right, wrong in TYPOS:
+            typo = typo.replace(right, wrong)
+        out += [f"Repeat the following paragraph exactly:\n\n{p}",
+                f"Fix the spelling mistakes in this paragraph and give it back:\n\n{typo}",
+                f"Copy this paragraph, then add one sentence at its end:\n\n{p}",
+                f"Quote the first two sentences of this text word for word:\n\n{p}"]
+    out[-1] = f"In this code, rename the method `total` to `count_all` and give back the whole code:\n\n{CODE[-300:]}"
+    return out[:20]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+
+
+def run(engine: pd.Engine, prompts: list[str], params: list[pd.SamplingParams], concurrent: int) -> dict:
+    before = engine.snapshot()
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(prompts), concurrent):
+        outs += engine.generate(prompts[i:i + concurrent], params[i:i + concurrent])
+    wall = time.perf_counter() - t0
+    after = engine.snapshot()
+    tokens = sum(len(o.token_ids) for o in outs)
+    proposed = sum(o.usage.draft_tokens for o in outs)
+    accepted = sum(o.usage.accepted_draft_tokens for o in outs)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": after.steps - before.steps,
+            "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance": accepted / proposed if proposed else None, "outputs": [o.token_ids for o in outs]}
+
+
+def case(name: str, engines: dict[str, pd.Engine], prompts: list[str], params: dict[str, list[pd.SamplingParams]],
+         concurrent: int, repeat: int) -> dict:
+    """engines / params: "off" and "on" (the same engine twice where only the params differ)."""
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for rep in range(repeat):
+        for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+            la = os.getloadavg()[0]
+            r = run(engines[mode], prompts, params[mode], concurrent)
+            r["load"] = la
+            runs[mode].append(r)
+            log(f"{name} x{concurrent} {mode} run {rep + 1}: {r['tokens_per_s']:.1f} tok/s")
+    same = all(r["outputs"] == runs["off"][0]["outputs"] for r in runs["off"] + runs["on"])
+    for rs in runs.values():
+        for r in rs:
+            del r["outputs"]
+    med = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in runs.items()}
+    c = {"case": name, "concurrent": concurrent, "identical_outputs": same, "off_tokens_per_s": med["off"],
+         "on_tokens_per_s": med["on"], "speedup": med["on"] / med["off"],
+         "acceptance": runs["on"][-1]["acceptance"], "load": [r["load"] for rs in runs.values() for r in rs],
+         "runs": runs}
+    log(f"{name} x{concurrent}: {c['speedup']:.2f}x, acceptance {c['acceptance']}, identical {same}")
+    return c
+
+
+def bench(args: argparse.Namespace) -> dict:
+    dtype = getattr(torch, args.dtype)
+    model = smollm2_f32_gguf()
+    chat = smollm2_chat(model)
+    n = 5 if args.quick else 20
+    sampling = {"greedy": pd.SamplingParams(max_tokens=args.max_tokens),
+                "seeded": pd.SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=11)}
+    if args.quick:
+        sampling.pop("seeded")
+    plain = pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16)
+    engines = {
+        "grounded": pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16,
+                                              speculative=pd.SpeculativeConfig(method="ngram", num_tokens=args.k)),
+        "chat": pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16, speculative=pd.SpeculativeConfig(
+            method="draft", draft_quantization=args.draft_quantization, num_tokens=args.k)),
+    }
+    workloads = {"grounded": [chat(p) for p in grounded_prompts()[:n]], "chat": [chat(p) for p in CHAT[:n]]}
+    for eng in [plain, *engines.values()]:                      # first-call costs out of the timing
+        eng.generate([workloads["chat"][0]], pd.SamplingParams(max_tokens=4))
+    cases = []
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    for name, prompts in workloads.items():
+        for label, p in sampling.items():
+            for conc in concurrency:
+                cases.append(case(f"{name}-{label}", {"off": plain, "on": engines[name]}, prompts,
+                                  {"off": [p] * len(prompts), "on": [p] * len(prompts)}, conc, args.repeat))
+    edit = [chat(f"Rename the function `area_{i}` to `rectangle_area_{i}` in this file and give back the whole "
+                 f"file, nothing else:\n\n{CODE}") for i in (3, 7, 10)]
+    for label, p in sampling.items():
+        edit_params = replace(p, max_tokens=args.edit_tokens)
+        cases.append(case(f"code-edit-{label}", {"off": plain, "on": plain}, edit,
+                          {"off": [edit_params] * 3, "on": [replace(edit_params, prediction=CODE)] * 3}, 1, args.repeat))
+    return {"benchmark": "speculative-real", "date": time.strftime("%Y-%m-%d %H:%M"), "model": "SmolLM2-135M-Instruct",
+            "dtype": args.dtype, "k": args.k, "draft_quantization": args.draft_quantization,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "torch_threads": torch.get_num_threads()}, "cases": cases}
+
+
+def draw(result: dict):
+    def inner(axes):
+        cases = result["cases"]
+        x = range(len(cases))
+        axes.bar(list(x), [c["speedup"] for c in cases])
+        axes.axhline(1.0, color="gray", lw=0.8)
+        axes.set_xticks(list(x), [f"{c['case']} x{c['concurrent']}" for c in cases], rotation=60, ha="right",
+                        fontsize=7)
+        axes.set_ylabel("tokens/s on / off")
+        axes.set_title(f"speculation on SmolLM2-135M-Instruct ({result['dtype']}, k = {result['k']})")
+    return inner
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5 prompts a set, greedy only")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--edit-tokens", type=int, default=700)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--draft-quantization", default="q4_0")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    result = bench(args)
+    path = result_path("speculative-real", args.out)
+    write_json(path, result)
+    plot(path, draw(result), size=(12, 5))
+    print(f"{'case':22} {'conc':>4} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7} {'same':>5} load")
+    for c in result["cases"]:
+        acc = f"{c['acceptance']:.2f}" if c["acceptance"] is not None else "-"
+        print(f"{c['case']:22} {c['concurrent']:4} {c['off_tokens_per_s']:10.1f} {c['on_tokens_per_s']:10.1f} "
+              f"{c['speedup']:6.2f} {acc:>7} {str(c['identical_outputs']):>5} "
+              f"{min(c['load']):.1f}-{max(c['load']):.1f}")
+    print(f"written {path}")
+    return 0 if all(c["identical_outputs"] for c in result["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
