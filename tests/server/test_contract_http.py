@@ -161,6 +161,31 @@ def test_trace_endpoint_is_chrome_json_on_the_wall_clock(server):
     assert httpx.get(f"{server.url}/v1/requests/nope/trace", headers=AUTH).status_code == 404
 
 
+def test_a_keyerror_bug_in_the_engine_path_is_a_500_not_a_request_gone(server, monkeypatch):
+    """Only the engine's UnknownRequestError (ForgottenRequestError among them) means "no such
+    request" (404): a plain KeyError raised on the way is a bug, answered 500."""
+    import pagedecode as pd
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, json={"prompt": "Once", "max_tokens": 2})
+    rid = r.headers["x-request-id"]
+
+    def raising(error):
+        def call(*args, **kwargs):
+            raise error
+        return call
+    monkeypatch.setattr(server.engine, "trace", raising(KeyError("a bug, not a missing request")))
+    t = httpx.get(f"{server.url}/v1/requests/{rid}/trace", headers=AUTH)
+    assert t.status_code == 500 and t.json()["error"]["code"] == "internal_error", t.text
+    monkeypatch.setattr(server.engine, "pin", raising(KeyError("a bug, not a missing request")))
+    e = httpx.get(f"{server.url}/v1/requests/{rid}/events", headers=AUTH)
+    assert e.status_code == 500 and e.json()["error"]["code"] == "internal_error", e.text
+    gone = pd.ForgottenRequestError(f"request {rid!r} finished and was forgotten")
+    monkeypatch.setattr(server.engine, "trace", raising(gone))
+    monkeypatch.setattr(server.engine, "pin", raising(gone))
+    for path in ("trace", "events"):
+        g = httpx.get(f"{server.url}/v1/requests/{rid}/{path}", headers=AUTH)
+        assert g.status_code == 404 and g.json()["error"]["code"] == "request_not_found", g.text
+
+
 def test_serve_command_drains_on_sigterm(tmp_path, stories_path):
     p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "serve", "--model", str(stories_path),
                           "--port", "0", "--grace-seconds", "5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
