@@ -82,7 +82,8 @@ class RequestRegistry:
             self._forgotten.popitem(last=False)
 
     def pin(self, rid: str) -> None:
-        """Keep the request readable until unpin (live or kept; UnknownRequestError, a KeyError, when it is not)."""
+        """Keep the request readable until unpin (live or kept; UnknownRequestError, a KeyError,
+        when it is not)."""
         self.get(rid)
         self._pins[rid] = self._pins.get(rid, 0) + 1
 
