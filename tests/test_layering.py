@@ -172,3 +172,11 @@ def test_the_state_check_sees_what_it_forbids():
 
 def test_the_server_state_is_small():
     assert len((SERVER / "state.py").read_text().splitlines()) <= 150
+
+
+def test_only_a_track_counts_its_clients():
+    """track.attach() / track.detach() (called by the Reader), never a bare `attached -= 1`."""
+    found = [f"server/{p.name}:{node.lineno}" for p in sorted(SERVER.glob("*.py")) if p.name != "tracks.py"
+             for node in ast.walk(ast.parse(p.read_text(), str(p)))
+             if isinstance(node, (ast.AugAssign, ast.Assign)) and "attached" in ast.unparse(node).split("=")[0]]
+    assert not found, "count clients with Track.attach / Track.detach:\n" + "\n".join(found)
