@@ -130,6 +130,9 @@ def test_streaming_disconnect_cancels_with_transport_error(server):
     out = server.engine.result(rid)
     assert out.state.value == "cancelled" and out.finish_reason.value == "transport_error"
     assert server.engine.pool.free_pages == server.engine.pool.num_pages
+    end = time.time() + 5                # metered by the watcher on the server's loop, just after the end
+    while not server.state.tracks[rid].metered and time.time() < end:
+        time.sleep(0.01)
     assert server.state.tracks[rid].metered
 
 
