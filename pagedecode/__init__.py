@@ -5,8 +5,8 @@ under a small runtime that owns the page table, batch slots, continuous batching
 cancellation and the step-state invariants.
 """
 from . import testing
-from .errors import (DoubleReleaseError, IllegalTransitionError, InvalidRequestError, ModelLoadError,
-                     PageDecodeError)
+from .errors import (DoubleReleaseError, ForgottenRequestError, IllegalTransitionError, InvalidRequestError,
+                     ModelLoadError, ModelUnavailableError, PageDecodeError, UnknownRequestError)
 from .model.batch import ForwardBatch
 from .model.config import ModelConfig
 from .model.kv_cache import KVCache
@@ -23,7 +23,6 @@ from .runtime.heap import freeze_heap
 from .runtime.events import DeltaEvent, StartEvent, TerminalEvent, Usage
 from .runtime.result import STOP_RULE_VERSION, RequestOutput, Timings
 from .runtime.lifecycle import ALLOWED, FinishReason, RequestState
-from .runtime.registry import ForgottenRequestError
 from .runtime.snapshot import EngineSnapshot
 from .runtime.trace import to_chrome, to_jsonl
 
@@ -32,8 +31,8 @@ __all__ = [
     "ALLOWED", "AsyncEngine", "DeltaEvent", "DoubleReleaseError", "Engine", "EngineConfig", "EngineSnapshot",
     "FinishReason", "ForgottenRequestError", "StructuredOutput", "TokenizerLike", "as_tokenizer",
     "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "Model",
-    "ModelConfig", "ModelLoadError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
-    "SpeculativeConfig", "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "Usage", "load_model",
+    "ModelConfig", "ModelLoadError", "ModelUnavailableError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
+    "SpeculativeConfig", "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "UnknownRequestError", "Usage", "load_model",
     "freeze_heap", "testing", "to_chrome", "to_jsonl",
 ]
 __version__ = "0.1.0"

@@ -29,3 +29,19 @@ class DoubleReleaseError(PageDecodeError, RuntimeError):
 
 class ModelLoadError(PageDecodeError, ValueError):
     """A checkpoint directory that cannot be loaded (missing file, unsupported architecture)."""
+
+
+class UnknownRequestError(PageDecodeError, KeyError):
+    """No request by that id: never added, or (ForgottenRequestError) finished and forgotten. A
+    KeyError too, so a caller looking a request up reads it as one."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ForgottenRequestError(UnknownRequestError):
+    """The request finished and its record was dropped to bound memory."""
+
+
+class ModelUnavailableError(PageDecodeError, RuntimeError):
+    """A model that can serve no more requests (a tensor-parallel rank failed, or it was closed)."""

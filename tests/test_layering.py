@@ -138,3 +138,45 @@ def test_imports_for_annotations_only_are_not_edges(tmp_path):
 def test_the_cycle_finder_finds_circles():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -- the server: one owner per HTTP exchange ----------------------------------------------------
+SERVER = PACKAGE / "server"
+STATE_OWNERS = {"admission.py", "reader.py"}     # the two modules that work on the server state
+
+
+def takes_state_first(tree):
+    """Functions whose first argument (after self / cls) is the server state: named `state`, or
+    annotated ServerState."""
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        args = node.args.posonlyargs + node.args.args
+        if args and args[0].arg in ("self", "cls"):
+            args = args[1:]
+        if args and (args[0].arg == "state" or "ServerState" in ast.unparse(args[0].annotation or ast.Constant(""))):
+            yield node.lineno, node.name
+
+
+def test_only_admission_and_the_reader_take_the_server_state_first():
+    found = [f"server/{p.name}:{line}: {name}" for p in sorted(SERVER.glob("*.py")) if p.name not in STATE_OWNERS
+             for line, name in takes_state_first(ast.parse(p.read_text(), str(p)))]
+    assert not found, "a renderer or handler takes what it needs, not the state:\n" + "\n".join(found)
+
+
+def test_the_state_check_sees_what_it_forbids():
+    src = ("def a(state, x): pass\nasync def b(s: ServerState): pass\nclass C:\n    def m(self, state): pass\n"
+           "def ok(request, state): pass\ndef fine(track: Track): pass\n")
+    assert [name for _, name in takes_state_first(ast.parse(src))] == ["a", "b", "m"]
+
+
+def test_the_server_state_is_small():
+    assert len((SERVER / "state.py").read_text().splitlines()) <= 150
+
+
+def test_only_a_track_counts_its_clients():
+    """track.attach() / track.detach() (called by the Reader), never a bare `attached -= 1`."""
+    found = [f"server/{p.name}:{node.lineno}" for p in sorted(SERVER.glob("*.py")) if p.name != "tracks.py"
+             for node in ast.walk(ast.parse(p.read_text(), str(p)))
+             if isinstance(node, (ast.AugAssign, ast.Assign)) and "attached" in ast.unparse(node).split("=")[0]]
+    assert not found, "count clients with Track.attach / Track.detach:\n" + "\n".join(found)

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ..errors import PageDecodeError
+from ..errors import ModelUnavailableError
 from .batch import ForwardBatch
 from .kv_cache import KVCache
 from .shard import ShardedLlama, check_divisible, load_shard
@@ -39,10 +39,6 @@ from .shard import ShardedLlama, check_divisible, load_shard
 OP_FORWARD, OP_STOP = 1, 2
 STOP_WAIT_S = 2.0     # a worker told to stop leaves its group and exits in well under this
 HEADER = 10      # op, T, S, max_pages, n_logits, num_decode, max_new, num_pages, page_size, deterministic
-
-
-class ModelUnavailableError(PageDecodeError, RuntimeError):
-    """A tensor-parallel group lost a rank: the engine serves nothing more."""
 
 
 @contextlib.contextmanager

@@ -96,16 +96,20 @@ class Router:
 
     def prompt_keys(self, body: Any, chat: bool) -> list[bytes]:
         """The chained page keys of the prompt's full pages (the first prompt of a batch), as the
-        prefix cache keys them; [] when the prompt cannot be read (the replica will say why)."""
+        prefix cache keys them; [] when the prompt cannot be read (the replica will say why). A
+        chat is encoded as the server encodes it (chat.encode_chat: special-token text in content
+        escaped, unless the replicas allow it), so the key is the replica's own."""
         if not isinstance(body, dict) or self.routing_info is None:
             return []
         info = self.routing_info
         tok, ps = info["tokenizer"], info["page_size"]
         try:
             if chat:
+                from ..server.chat import encode_chat
                 if self.template is None or not isinstance(body.get("messages"), list):
                     return []
-                ids = list(tok.encode(self.template.render(body["messages"]), add_special_tokens=False))
+                ids = encode_chat(tok, self.template, body["messages"],
+                                  bool(info.get("allow_special_tokens_in_content")))
             else:
                 prompt = body.get("prompt")
                 if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Sequence
 
+from ..errors import ModelUnavailableError
 from ..params import SamplingParams
 from ..protocols import Model
 from .delivery import Attachment, Delivery
@@ -40,7 +41,6 @@ class Admission:
         for outside the lock (the step loop goes on), then the request is made and queued."""
         failure = getattr(self.model, "failure", None)
         if failure is not None:
-            from ..model.parallel import ModelUnavailableError
             raise ModelUnavailableError(f"the engine serves no more requests: {failure}")
         job = self.intake.parsed_grammar(params)
         with self._lock:

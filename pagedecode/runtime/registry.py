@@ -8,19 +8,12 @@ import secrets
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidRequestError
+from ..errors import ForgottenRequestError, InvalidRequestError, UnknownRequestError
 
 if TYPE_CHECKING:
     from .request import Request
 
 FORGOTTEN_IDS_KEPT = 100_000      # ids of forgotten requests, so a lookup can say what happened
-
-
-class ForgottenRequestError(KeyError):
-    """The request finished and its record was dropped to bound memory."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class RequestRegistry:
@@ -89,7 +82,8 @@ class RequestRegistry:
             self._forgotten.popitem(last=False)
 
     def pin(self, rid: str) -> None:
-        """Keep the request readable until unpin (live or kept; KeyError when it is not)."""
+        """Keep the request readable until unpin (live or kept; UnknownRequestError, a KeyError,
+        when it is not)."""
         self.get(rid)
         self._pins[rid] = self._pins.get(rid, 0) + 1
 
@@ -125,4 +119,4 @@ class RequestRegistry:
             raise ForgottenRequestError(f"request {rid!r} finished and was forgotten to bound memory "
                                         "(max_finished_kept / max_finished_bytes): its result, events "
                                         "and trace are no longer kept")
-        raise KeyError(f"unknown request id {rid!r}")
+        raise UnknownRequestError(f"unknown request id {rid!r}")

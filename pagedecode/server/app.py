@@ -1,8 +1,9 @@
 """The ASGI app: OpenAI-compatible completions and chat (completions.py, sse.py) and the
 Responses API (responses_api.py) over an AsyncEngine, keeping the request contract over HTTP:
 ordered events with their sequence numbers as SSE ids, one terminal event, usage for every
-ending, resumable streams, idempotent retries, two timeouts, admission control. Per-request
-bookkeeping is in state.py and tracks.py; response shapes in responses.py.
+ending, resumable streams, idempotent retries, two timeouts, admission control. A request is
+let in by admission.py and read by reader.py; the server's state is state.py, each request's
+record tracks.py; response shapes in responses.py.
 
 Every handler is a module-level function that finds the server's state in `request.app.state`
 (state_of) and raises ApiError for what it will not serve: the app answers it with OpenAI's
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import UnknownRequestError
 from ..runtime.async_engine import AsyncEngine
 from ..runtime.trace import to_chrome
 from .chat import ChatTemplate
@@ -26,8 +28,9 @@ from .completions import chat_completions, completions
 from .errors import ApiError
 from .guard import RequestGuard
 from .responses import now
+from .reader import Reader
 from .responses_api import ROUTES as RESPONSES_ROUTES
-from .sse import check_resume, last_event_id, one_sse, pin
+from .sse import check_resume, last_event_id, one_sse
 from .state import ServerOptions, ServerState, state_of
 
 
@@ -57,10 +60,11 @@ async def events(request: Request) -> Response:
     rid = request.path_params["request_id"]
     track = state.owned(state.tenants.check(request), rid)
     after = last_event_id(request)
-    pin(state, [track], code="request_not_found", status=404)
-    check_resume(state, track, after)
+    reader = Reader.pinning(state, [track], lambda e: ApiError(404, str(e), param="request_id",
+                                                               code="request_not_found"))
+    check_resume(reader, track, after)
     track.resumes += 1
-    return StreamingResponse(one_sse(state, track, after), media_type="text/event-stream",
+    return StreamingResponse(one_sse(reader, track, after), media_type="text/event-stream",
                              headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
 
 
@@ -70,8 +74,8 @@ async def trace(request: Request) -> Response:
     state.owned(state.tenants.check(request), rid)
     try:
         records = state.engine.trace(rid)
-    except KeyError as e:
-        raise ApiError(404, str(e.args[0]), param="request_id", code="request_not_found") from None
+    except UnknownRequestError as e:
+        raise ApiError(404, str(e), param="request_id", code="request_not_found") from None
     return JSONResponse(to_chrome({rid: records}, wall_offset_us=state.engine.wall_offset_us))
 
 

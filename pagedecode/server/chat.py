@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
+from ..model.tokenizer import EscapesSpecialTokens
 from .errors import ApiError
 
 
@@ -80,6 +81,16 @@ class ChatTemplate:
         except Exception as e:        # the template met a value it cannot handle (content: null + "...")
             raise ApiError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                            param="messages") from None
+
+
+def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
+                allow_special_tokens_in_content: bool = False) -> list[int]:
+    """The prompt ids a chat's messages become: the server's prompt and the Ray router's prefix
+    key both come from here, so they agree. Special-token text typed in content ("</s>") stays
+    plain text, unless allow_special_tokens_in_content (or a tokenizer that cannot escape)."""
+    if allow_special_tokens_in_content or not isinstance(tokenizer, EscapesSpecialTokens):
+        return list(tokenizer.encode(template.render(messages), add_special_tokens=False))
+    return list(tokenizer.encode_escaped(template.render(messages, escape=tokenizer.escape_specials)))
 
 
 def _escaped(value: Any, escape: Callable[[str], str]) -> Any:

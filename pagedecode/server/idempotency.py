@@ -30,6 +30,12 @@ class IdempotencyKeys:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def lookup(self, header: str | None, tenant: str, endpoint: str, raw: bytes
+               ) -> tuple[Key | None, IdempotencyEntry | None]:
+        """A request's key (None: no Idempotency-Key header) and the entry a retry attaches to."""
+        key = key_of(header, tenant, endpoint)
+        return key, self.find(key, raw)
+
     def find(self, key: Key | None, raw: bytes) -> IdempotencyEntry | None:
         """The entry a retry attaches to; 409 for the same key with another body."""
         if key is None:

@@ -8,79 +8,77 @@ record (the finished-request budget). Its object and its event stream: responses
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import UnknownRequestError
+from ..runtime.result import RequestOutput
+from .admission import Endpoint, Parsing, admit
 from .errors import ApiError, bad
+from .reader import Reader
 from .responses_input import parse_body, renamed
 from .responses_output import response_body, response_sse, status_of
-from .state import ServerState, state_of
+from .state import ServerOptions, ServerState, state_of
 from .tracks import Track
+
+
+def parse(request: Request, body: Any, options: ServerOptions) -> Parsing:
+    parsed, meta = parse_body(body, options.generation_defaults, options.limits)
+    return Parsing(parsed, "response_format", response=meta)
+
+
+# no Idempotency-Key (OpenAI's Responses API has none); the response id is ours, made here
+RESPONSES = Endpoint("responses", chat=True, parse=parse, idempotent=False,
+                     new_id=lambda options: options.response_id_prefix + secrets.token_hex(16))
 
 
 def not_found(rid: str) -> ApiError:
     return ApiError(404, f"no response with id {rid!r}", param="response_id", code="response_not_found")
 
 
-def stored(state: ServerState, request: Request) -> Track:
+def stored(request: Request) -> tuple[ServerState, Track]:
     """The tenant's stored response named in the path; 404 for another tenant's, one made with
     store: false, a deleted one, or one the engine no longer keeps."""
+    state = state_of(request)
     rid = request.path_params["response_id"]
     track = state.tracks.get(rid)
     if track is None or track.tenant != state.tenants.check(request) or track.response is None \
             or not track.response.store or track.response.deleted:
         raise not_found(rid)
-    return track
+    return state, track
 
 
-def pinned(state: ServerState, track: Track) -> None:
-    try:
-        state.engine.pin(track.request_id)
-    except KeyError:
-        raise not_found(track.request_id) from None
-
-
-def _answer(state: ServerState, track: Track, headers: dict[str, str] | None = None) -> JSONResponse:
-    out = state.engine.result(track.request_id)
-    return JSONResponse(response_body(state, track, status_of(out), out), headers=headers)
-
-
-async def _started(state: ServerState, request: Request) -> tuple[Track, bool]:
-    """The new response's Track (pinned) and whether to stream it; errors name Responses fields."""
-    try:
-        tenant = state.tenants.check(request)
-        body, _ = await state.read_body(request)
-        state.check_model(body)
-        parsed, meta = parse_body(body, state.options.generation_defaults, state.options.limits)
-        await state.prepare_grammar(parsed, {"response_format": True})
-        state.admit()
-        [track] = state.start(state.prompts_of(parsed), parsed, True, tenant,
-                              request_id=state.options.response_id_prefix + secrets.token_hex(16), response=meta)
-    except ApiError as e:
-        raise renamed(e) from None
-    return track, parsed.sse
+def answer(track: Track, out: RequestOutput, model_name: str, headers: dict[str, str] | None = None
+           ) -> JSONResponse:
+    return JSONResponse(response_body(track, model_name, status_of(out), out), headers=headers)
 
 
 async def create(request: Request) -> Response:
-    state = state_of(request)
-    track, sse = await _started(state, request)
-    assert track.response is not None
-    rid = track.request_id
-    headers = {"X-Request-Id": rid}
-    if track.response.background:
-        state.engine.detach_stream(rid)       # nobody has to read it for it to run on
-        state.watch(track)                    # metered when it ends
-    if sse:
-        return StreamingResponse(response_sse(state, track, None), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})
     try:
-        if not track.response.background and not await state.wait_all(request, [track]):
+        admitted = await admit(state_of(request), request, RESPONSES)
+    except ApiError as e:
+        raise renamed(e) from None              # errors name the Responses fields
+    reader = admitted.reader
+    [track] = reader.tracks
+    assert track.response is not None
+    headers = {"X-Request-Id": track.request_id}
+    if track.response.background:
+        reader.let_run(track)                   # nobody has to read it for it to run on
+    if admitted.parsing.parsed.sse:
+        return StreamingResponse(response_sse(reader, track, None), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+    if track.response.background:               # answered at once, queued or in progress
+        try:
+            return answer(track, reader.result(track), reader.model_name, headers)
+        finally:
+            reader.release()
+    async with reader:
+        if not await reader.wait_all(request):
             return Response(status_code=499)
-        return _answer(state, track, headers)
-    finally:
-        state.engine.unpin(rid)
+        return answer(track, reader.result(track), reader.model_name, headers)
 
 
 def starting_after(request: Request) -> int | None:
@@ -98,41 +96,34 @@ def starting_after(request: Request) -> int | None:
 
 
 async def retrieve(request: Request) -> Response:
-    state = state_of(request)
-    track = stored(state, request)
+    state, track = stored(request)
     if request.query_params.get("stream", "false").lower() not in ("true", "1"):
         try:
-            return _answer(state, track)
-        except KeyError:
+            return answer(track, state.engine.result(track.request_id), state.options.model_name)
+        except UnknownRequestError:
             raise not_found(track.request_id) from None
     after = starting_after(request)
-    pinned(state, track)
+    reader = Reader.pinning(state, [track], lambda _: not_found(track.request_id))
     track.resumes += 1
-    return StreamingResponse(response_sse(state, track, after), media_type="text/event-stream",
+    return StreamingResponse(response_sse(reader, track, after), media_type="text/event-stream",
                              headers={"X-Request-Id": track.request_id, "Cache-Control": "no-cache"})
 
 
 async def cancel(request: Request) -> Response:
-    state = state_of(request)
-    track = stored(state, request)
+    state, track = stored(request)
     assert track.response is not None
     if not track.response.background:
         raise ApiError(400, "only responses created with background: true can be cancelled",
                        param="response_id", code="invalid_value")
-    pinned(state, track)
-    rid = track.request_id
-    try:
-        state.engine.cancel(rid)
-        async for _ in state.async_engine.follow(rid, -1):     # to its terminal event: the cancel is effective
+    async with Reader.pinning(state, [track], lambda _: not_found(track.request_id)) as reader:
+        state.engine.cancel(track.request_id)
+        async for _ in reader.events(track):     # to its terminal event: the cancel is effective
             pass
-        return _answer(state, track)
-    finally:
-        state.engine.unpin(rid)
+        return answer(track, reader.result(track), reader.model_name)
 
 
 async def delete(request: Request) -> Response:
-    state = state_of(request)
-    track = stored(state, request)
+    state, track = stored(request)
     assert track.response is not None
     track.response.deleted = True
     state.engine.cancel(track.request_id)            # a running one stops

@@ -10,7 +10,8 @@ events:
 
 so a stream resumed after sequence number N (GET ?stream=true&starting_after=N) recomputes the
 list from the request's history and sends what follows N, then follows it live: no gap, no
-duplicate, whether the response is running or finished.
+duplicate, whether the response is running or finished. The builders are pure functions of the
+track, its events and its result; response_sse reads the request through its Reader.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..runtime.events import DeltaEvent, Event, TerminalEvent
 from ..runtime.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
 from .responses import reason_name
-from .state import ServerState
+from .reader import Reader
 from .tracks import Track
 
 INCOMPLETE = {FinishReason.MAX_OUTPUT_TOKENS: "max_output_tokens", FinishReason.CONTEXT_LIMIT: "max_output_tokens"}
@@ -56,7 +57,7 @@ def item_status(status: str) -> str:
     return {"completed": "completed", "queued": "in_progress", "in_progress": "in_progress"}.get(status, "incomplete")
 
 
-def response_body(state: ServerState, track: Track, status: str, out: RequestOutput | None) -> dict[str, Any]:
+def response_body(track: Track, model_name: str, status: str, out: RequestOutput | None) -> dict[str, Any]:
     """The response object: a snapshot without output (out None: the stream's opening events),
     or as the request stands (terminal: final, with usage)."""
     meta = track.response
@@ -68,7 +69,7 @@ def response_body(state: ServerState, track: Track, status: str, out: RequestOut
     return {"id": rid, "object": "response", "created_at": track.created, "status": status,
             "background": meta.background, "error": _error(status, out), "incomplete_details": _incomplete(status, out),
             "instructions": meta.instructions, "max_output_tokens": meta.max_output_tokens,
-            "metadata": meta.metadata, "model": state.options.model_name, "output": output,
+            "metadata": meta.metadata, "model": model_name, "output": output,
             "parallel_tool_calls": False, "previous_response_id": None, "reasoning": None, "store": meta.store,
             "temperature": meta.temperature, "text": meta.text, "tool_choice": meta.tool_choice, "tools": [],
             "top_p": meta.top_p, "truncation": "disabled",
@@ -96,46 +97,39 @@ def _incomplete(status: str, out: RequestOutput | None) -> dict[str, Any] | None
             else reason_name(out.finish_reason)}
 
 
-class StreamEvents:
-    """The response events one engine event makes (see the module doc), without their numbers."""
+def stream_events(track: Track, model_name: str, ev: Event, out: RequestOutput | None) -> list[dict[str, Any]]:
+    """The response events one engine event makes (see the module doc), without their numbers;
+    out is the request's result, for its terminal event."""
+    item_id = "msg_" + track.request_id.removeprefix("resp_")
+    events = _opening(track, model_name, item_id) if ev.seq == 0 else []     # seq 0: the start event
+    if isinstance(ev, DeltaEvent) and ev.text:
+        events.append({"type": "response.output_text.delta", "item_id": item_id, "output_index": 0,
+                       "content_index": 0, "delta": ev.text, "logprobs": []})
+    elif isinstance(ev, TerminalEvent):
+        assert out is not None
+        events += _closing(track, model_name, item_id, out)
+    return events
 
-    def __init__(self, state: ServerState, track: Track) -> None:
-        self.state, self.track = state, track
-        self.opened = False
-        self.item_id = "msg_" + track.request_id.removeprefix("resp_")
 
-    def of(self, ev: Event) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        if not self.opened:
-            self.opened = True
-            events += self.opening()
-        if isinstance(ev, DeltaEvent) and ev.text:
-            events.append({"type": "response.output_text.delta", "item_id": self.item_id, "output_index": 0,
-                           "content_index": 0, "delta": ev.text, "logprobs": []})
-        elif isinstance(ev, TerminalEvent):
-            events += self.closing()
-        return events
+def _opening(track: Track, model_name: str, item_id: str) -> list[dict[str, Any]]:
+    first = "queued" if track.response is not None and track.response.background else "in_progress"
+    return [{"type": "response.created", "response": response_body(track, model_name, first, None)},
+            {"type": "response.in_progress", "response": response_body(track, model_name, "in_progress", None)},
+            {"type": "response.output_item.added", "output_index": 0,
+             "item": {**message_item(track.request_id, "", "in_progress"), "content": []}},
+            {"type": "response.content_part.added", "item_id": item_id, "output_index": 0,
+             "content_index": 0, "part": output_text("")}]
 
-    def opening(self) -> list[dict[str, Any]]:
-        first = "queued" if self.track.response is not None and self.track.response.background else "in_progress"
-        return [{"type": "response.created", "response": response_body(self.state, self.track, first, None)},
-                {"type": "response.in_progress",
-                 "response": response_body(self.state, self.track, "in_progress", None)},
-                {"type": "response.output_item.added", "output_index": 0,
-                 "item": {**message_item(self.track.request_id, "", "in_progress"), "content": []}},
-                {"type": "response.content_part.added", "item_id": self.item_id, "output_index": 0,
-                 "content_index": 0, "part": output_text("")}]
 
-    def closing(self) -> list[dict[str, Any]]:
-        out = self.state.engine.result(self.track.request_id)       # terminal: it no longer changes
-        status = status_of(out)
-        final = response_body(self.state, self.track, status, out)
-        return [{"type": "response.output_text.done", "item_id": self.item_id, "output_index": 0,
-                 "content_index": 0, "text": out.text, "logprobs": []},
-                {"type": "response.content_part.done", "item_id": self.item_id, "output_index": 0,
-                 "content_index": 0, "part": output_text(out.text)},
-                {"type": "response.output_item.done", "output_index": 0, "item": final["output"][0]},
-                {"type": f"response.{status}", "response": final}]
+def _closing(track: Track, model_name: str, item_id: str, out: RequestOutput) -> list[dict[str, Any]]:
+    status = status_of(out)
+    final = response_body(track, model_name, status, out)
+    return [{"type": "response.output_text.done", "item_id": item_id, "output_index": 0,
+             "content_index": 0, "text": out.text, "logprobs": []},
+            {"type": "response.content_part.done", "item_id": item_id, "output_index": 0,
+             "content_index": 0, "part": output_text(out.text)},
+            {"type": "response.output_item.done", "output_index": 0, "item": final["output"][0]},
+            {"type": f"response.{status}", "response": final}]
 
 
 def frame(event: dict[str, Any], seq: int) -> str:
@@ -143,27 +137,21 @@ def frame(event: dict[str, Any], seq: int) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def response_sse(state: ServerState, track: Track, after: int | None) -> AsyncIterator[str]:
-    """The response's events numbered after `after` (None: all), live to the end. Holds a pin
-    (taken by the caller) until it ends; a client that goes away is a disconnect (its policy)."""
-    rid = track.request_id
-    track.attach()
-    ended = False
+async def response_sse(reader: Reader, track: Track, after: int | None) -> AsyncIterator[str]:
+    """The response's events numbered after `after` (None: all), live to the end."""
+    def made(ev: Event) -> list[dict[str, Any]]:
+        return stream_events(track, reader.model_name, ev, reader.result(track) if isinstance(ev, TerminalEvent)
+                             else None)
     seen = -1 if after is None else after          # the last number the client has
-    try:
-        events, n = StreamEvents(state, track), 0
-        async for ev in state.async_engine.follow(rid, -1):
-            items = events.of(ev)
-            if n + len(items) - 1 > seen:       # some of them are new to this client
-                state.seen(track, ev)
-            for item in items:
+    async with reader:
+        n, cursor = 0, -1
+        for ev in reader.history(track):           # what the client has all of: numbered again, not sent
+            items = made(ev)
+            if n + len(items) - 1 > seen:
+                break
+            n, cursor = n + len(items), ev.seq
+        async for ev in reader.events(track, cursor):
+            for item in made(ev):
                 if n > seen:
                     yield frame(item, n)
                 n += 1
-            state.engine.ack(rid, ev.seq)          # sent: the request may run on (backpressure)
-            ended = isinstance(ev, TerminalEvent)
-    finally:
-        track.attached -= 1
-        if not ended:
-            state.detached(track)
-        state.engine.unpin(rid)

@@ -5,28 +5,29 @@ GET /v1/requests/{id}/events) gets what follows, byte-identical: the chat role c
 its start event's seq (0), content chunks their delta's seq, the finish (or error) chunk the
 terminal event's seq T, the usage chunk (include_usage) T + 1; so a resume after T sends the
 usage chunk and [DONE], after T + 1 only [DONE]. Chunks are built from what the request kept
-(`created` is the request's).
+(`created` is the request's): the chunk builders are pure functions of the track, its events
+and its result.
 
 Several choices (a batch of prompts, n > 1, or both) share one stream without ids (their events
 have no one order to resume after): `choices_sse`.
 
-A client that goes away is a disconnect (its policy). Each generator holds the pins its caller
-took and releases them when it ends.
+Each stream reads its requests through the Reader it is given (reader.py), which holds them
+until the stream ends and applies the disconnect policy to a client that goes away.
 """
 from __future__ import annotations
 
-import asyncio
 from contextlib import aclosing
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 
-from ..runtime.events import DeltaEvent, Event, TerminalEvent
+from ..runtime.engine import Engine
+from ..runtime.events import DeltaEvent, TerminalEvent
 from ..runtime.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
 from .errors import ApiError
 from .responses import chunk_body, finish_fields, logprobs_body, reason_name, sse, sum_usage, usage_body
-from .state import ServerState
+from .reader import Reader
 from .tracks import Track
 
 FAILURES = (FinishReason.MODEL_ERROR, FinishReason.CONTENT_INTERRUPTED, FinishReason.TRANSPORT_ERROR)
@@ -59,33 +60,22 @@ def last_event_id(request: Request) -> int | None:
     return None if after == -1 else after
 
 
-def sse_ids(state: ServerState, track: Track) -> tuple[int, int | None]:
+def sse_ids(engine: Engine, track: Track) -> tuple[int, int | None]:
     """The newest SSE id the request's stream has so far, and its terminal event's seq (None
     while live). Ids are event seqs; the usage chunk, after the terminal event, is terminal + 1."""
-    newest, ended = state.engine.newest_event(track.request_id)
+    newest, ended = engine.newest_event(track.request_id)
     if not ended:
         return newest, None
     return newest + (1 if track.reply.include_usage else 0), newest
 
 
-def check_resume(state: ServerState, track: Track, after: int | None) -> None:
-    """An id no chunk has carried yet cannot have been seen: 400, and the pin taken is released."""
-    last, _ = sse_ids(state, track)
+def check_resume(reader: Reader, track: Track, after: int | None) -> None:
+    """An id no chunk has carried yet cannot have been seen: 400 (the reader's pins released)."""
+    last, _ = sse_ids(reader.engine, track)
     if after is not None and after > last:
-        state.engine.unpin(track.request_id)
+        reader.release()
         raise ApiError(400, f"Last-Event-ID {after} is beyond the last event of request {track.request_id!r} "
                             f"(id {last})", param="Last-Event-ID", code="event_id_out_of_range")
-
-
-def pin(state: ServerState, tracks: list[Track], code: str, status: int = 409) -> None:
-    """Pin each request for the handler about to read it (released when it ends)."""
-    for i, t in enumerate(tracks):
-        try:
-            state.engine.pin(t.request_id)
-        except KeyError as e:
-            for held in tracks[:i]:
-                state.engine.unpin(held.request_id)
-            raise ApiError(status, str(e.args[0]), param="request_id", code=code) from None
 
 
 # -- chunks ---------------------------------------------------------------------------------------
@@ -108,18 +98,18 @@ def finish_chunk(out: RequestOutput, head: dict[str, Any], chat: bool, index: in
     return sse({**head, "choices": [fin]}, seq)
 
 
-def head_of(state: ServerState, track: Track) -> dict[str, Any]:
+def head_of(track: Track, model_name: str) -> dict[str, Any]:
     """The fields every chunk of a request's stream opens with."""
     return {"id": track.request_id, "object": "chat.completion.chunk" if track.chat else "text_completion",
-            "created": track.created, "model": state.options.model_name}
+            "created": track.created, "model": model_name}
 
 
-def delta_chunk(state: ServerState, head: dict[str, Any], track: Track, ev: DeltaEvent, index: int,
+def delta_chunk(tokenizer: Any, head: dict[str, Any], track: Track, ev: DeltaEvent, index: int,
                 sent_chars: int) -> dict[str, Any]:
     chunk = chunk_body(head["id"], head["object"], head["created"], head["model"], track.chat, ev.text, index)
     if ev.logprobs is not None:
-        chunk["choices"][0]["logprobs"] = logprobs_body(state.engine.tokenizer, ev, track.chat,
-                                                        track.reply.top_logprobs, sent_chars)
+        chunk["choices"][0]["logprobs"] = logprobs_body(tokenizer, ev, track.chat, track.reply.top_logprobs,
+                                                        sent_chars)
     return chunk
 
 
@@ -129,121 +119,56 @@ def role_chunk(head: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 # -- one choice -----------------------------------------------------------------------------------
-async def one_sse(state: ServerState, track: Track, after: int | None) -> AsyncIterator[str]:
-    """SSE from the request's events after SSE id `after` (None: all), then [DONE]."""
-    try:
-        async for frame in _one_frames(state, track, after):
-            yield frame
-    finally:
-        state.engine.unpin(track.request_id)
-
-
-def _sent_chars(state: ServerState, track: Track, after: int | None) -> int:
+def sent_chars_before(reader: Reader, track: Track, after: int | None) -> int:
     """The text a resumed completions stream with logprobs has sent (its text_offset goes on)."""
     if after is None or track.chat or not track.reply.logprobs:
         return 0
-    return sum(len(e.text) for e in state.engine.replay(track.request_id, -1)
-               if isinstance(e, DeltaEvent) and e.seq <= after)
+    return sum(len(e.text) for e in reader.history(track) if isinstance(e, DeltaEvent) and e.seq <= after)
 
 
-async def _one_frames(state: ServerState, track: Track, after: int | None) -> AsyncIterator[str]:
-    rid, head = track.request_id, head_of(state, track)
-    _, terminal = sse_ids(state, track)
-    sent_chars = _sent_chars(state, track, after)
-    track.attach()
-    try:
+async def one_sse(reader: Reader, track: Track, after: int | None) -> AsyncIterator[str]:
+    """SSE from the request's events after SSE id `after` (None: all), then [DONE]."""
+    async with reader:
+        head = head_of(track, reader.model_name)
+        sent_chars = sent_chars_before(reader, track, after)
         if track.chat and after is None:
             yield sse(role_chunk(head, 0), 0)
-        if terminal is None or before(after, terminal):
-            async for ev in state.async_engine.follow(rid, cursor(after)):
-                state.seen(track, ev)
-                if isinstance(ev, DeltaEvent):
-                    yield sse(delta_chunk(state, head, track, ev, 0, sent_chars), ev.seq)
-                    sent_chars += len(ev.text)
-                elif isinstance(ev, TerminalEvent):
-                    terminal = ev.seq
-                state.engine.ack(rid, ev.seq)          # sent: the request may run on (backpressure)
-    finally:
-        track.attached -= 1
-        if terminal is None:
-            state.detached(track)
-    assert terminal is not None
-    out = state.engine.result(rid)
-    if before(after, terminal):
-        yield finish_chunk(out, head, track.chat, 0, terminal)
-    if track.reply.include_usage and before(after, terminal + 1):
-        yield sse({**head, "choices": [], "usage": usage_body(out.usage)}, terminal + 1)
-    yield DONE
+        async for ev in reader.events(track, cursor(after)):
+            if isinstance(ev, DeltaEvent):
+                yield sse(delta_chunk(reader.tokenizer, head, track, ev, 0, sent_chars), ev.seq)
+                sent_chars += len(ev.text)
+        _, terminal = sse_ids(reader.engine, track)
+        assert terminal is not None
+        out = reader.result(track)
+        if before(after, terminal):
+            yield finish_chunk(out, head, track.chat, 0, terminal)
+        if track.reply.include_usage and before(after, terminal + 1):
+            yield sse({**head, "choices": [], "usage": usage_body(out.usage)}, terminal + 1)
+        yield DONE
 
 
 # -- several choices ------------------------------------------------------------------------------
-async def choices_sse(state: ServerState, tracks: list[Track], n: int) -> AsyncIterator[str]:
-    """One SSE stream of several choices, prompt-major: prompt i, sample j is choice i * n + j.
+async def choices_sse(reader: Reader, n: int) -> AsyncIterator[str]:
+    """One SSE stream of the reader's choices, prompt-major: prompt i, sample j is choice i * n + j.
     Each choice's chunks go out as its events come, carrying its index (chat: every choice's
     role chunk first); each choice's finish (or error) chunk when it ends; then one usage chunk
     summed over them (include_usage) and [DONE]. A retry with the same Idempotency-Key replays
     it from the start; each choice's own request stays readable at /v1/requests/{id}/events."""
-    try:
-        async for frame in _choice_frames(state, tracks, n):
-            yield frame
-    finally:
-        for t in tracks:
-            state.engine.unpin(t.request_id)
-
-
-async def _merged(state: ServerState, tracks: list[Track]) -> AsyncGenerator[tuple[int, Event], None]:
-    """Every choice's events as they come, tagged with the choice's index."""
-    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
-
-    async def follow(i: int, track: Track) -> None:
-        try:
-            async for ev in state.async_engine.follow(track.request_id, -1):
-                queue.put_nowait((i, ev))
-        finally:
-            queue.put_nowait((i, None))          # this choice has no more events
-    tasks = [asyncio.ensure_future(follow(i, t)) for i, t in enumerate(tracks)]
-    try:
-        left = len(tracks)
-        while left:
-            i, ev = await queue.get()
-            if ev is None:
-                left -= 1
-            else:
-                yield i, ev
-        for task in tasks:
-            task.result()                        # a follower's failure is this stream's
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _choice_frames(state: ServerState, tracks: list[Track], n: int) -> AsyncIterator[str]:
-    head = head_of(state, tracks[0])
-    ended = [False] * len(tracks)
-    sent_chars = [0] * len(tracks)
-    for t in tracks:
-        t.attach()
-    try:
+    tracks = reader.tracks
+    async with reader:
+        head = head_of(tracks[0], reader.model_name)
+        sent_chars = [0] * len(tracks)
         if tracks[0].chat:
             for i in range(len(tracks)):
                 yield sse(role_chunk(head, i))
-        async with aclosing(_merged(state, tracks)) as events:      # closed at once: its followers stop
+        async with aclosing(reader.merged()) as events:      # closed at once: its followers stop
             async for i, ev in events:
                 track = tracks[i]
-                state.seen(track, ev)
                 if isinstance(ev, DeltaEvent):
-                    yield sse(delta_chunk(state, head, track, ev, i, sent_chars[i]))
+                    yield sse(delta_chunk(reader.tokenizer, head, track, ev, i, sent_chars[i]))
                     sent_chars[i] += len(ev.text)
                 elif isinstance(ev, TerminalEvent):
-                    ended[i] = True
-                    yield finish_chunk(state.engine.result(track.request_id), head, track.chat, i, None)
-                state.engine.ack(track.request_id, ev.seq)       # sent: the request may run on (backpressure)
-    finally:
-        for t, done in zip(tracks, ended):
-            t.attached -= 1
-            if not done:
-                state.detached(t)
-    if tracks[0].reply.include_usage:
-        outs = [state.engine.result(t.request_id) for t in tracks]
-        yield sse({**head, "choices": [], "usage": sum_usage(outs, n)})
-    yield DONE
+                    yield finish_chunk(reader.result(track), head, track.chat, i, None)
+        if tracks[0].reply.include_usage:
+            yield sse({**head, "choices": [], "usage": sum_usage([reader.result(t) for t in tracks], n)})
+        yield DONE

@@ -4,7 +4,8 @@ resumes, the clients reading it now) and what answering it needs from its body (
 Every request the server starts has a Track, kept with the engine's record of the request (its
 attachment) and dropped with it: ServerState.tracks maps ids to Tracks weakly, so the server
 keeps a Track exactly as long as the engine keeps the request (within max_finished_kept /
-max_finished_bytes, which count it), and never the request's body or messages.
+max_finished_bytes, which count it), and never the request's body or messages. Only a Reader
+(reader.py) attaches and detaches a client.
 """
 from __future__ import annotations
 
@@ -68,3 +69,7 @@ class Track:
         if self.grace_task is not None:
             self.grace_task.cancel()
             self.grace_task = None
+
+    def detach(self) -> None:
+        """That client reads it no more (reader.py then decides what its going away means)."""
+        self.attached -= 1

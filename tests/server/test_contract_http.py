@@ -130,6 +130,9 @@ def test_streaming_disconnect_cancels_with_transport_error(server):
     out = server.engine.result(rid)
     assert out.state.value == "cancelled" and out.finish_reason.value == "transport_error"
     assert server.engine.pool.free_pages == server.engine.pool.num_pages
+    end = time.time() + 5                # metered by the watcher on the server's loop, just after the end
+    while not server.state.tracks[rid].metered and time.time() < end:
+        time.sleep(0.01)
     assert server.state.tracks[rid].metered
 
 
@@ -159,6 +162,31 @@ def test_trace_endpoint_is_chrome_json_on_the_wall_clock(server):
     assert evs and all({"name", "ph", "ts", "pid", "tid"} <= set(e) for e in evs)
     assert all(abs(e["ts"] / 1e6 - time.time()) < 600 for e in evs)       # wall-clock microseconds
     assert httpx.get(f"{server.url}/v1/requests/nope/trace", headers=AUTH).status_code == 404
+
+
+def test_a_keyerror_bug_in_the_engine_path_is_a_500_not_a_request_gone(server, monkeypatch):
+    """Only the engine's UnknownRequestError (ForgottenRequestError among them) means "no such
+    request" (404): a plain KeyError raised on the way is a bug, answered 500."""
+    import pagedecode as pd
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, json={"prompt": "Once", "max_tokens": 2})
+    rid = r.headers["x-request-id"]
+
+    def raising(error):
+        def call(*args, **kwargs):
+            raise error
+        return call
+    monkeypatch.setattr(server.engine, "trace", raising(KeyError("a bug, not a missing request")))
+    t = httpx.get(f"{server.url}/v1/requests/{rid}/trace", headers=AUTH)
+    assert t.status_code == 500 and t.json()["error"]["code"] == "internal_error", t.text
+    monkeypatch.setattr(server.engine, "pin", raising(KeyError("a bug, not a missing request")))
+    e = httpx.get(f"{server.url}/v1/requests/{rid}/events", headers=AUTH)
+    assert e.status_code == 500 and e.json()["error"]["code"] == "internal_error", e.text
+    gone = pd.ForgottenRequestError(f"request {rid!r} finished and was forgotten")
+    monkeypatch.setattr(server.engine, "trace", raising(gone))
+    monkeypatch.setattr(server.engine, "pin", raising(gone))
+    for path in ("trace", "events"):
+        g = httpx.get(f"{server.url}/v1/requests/{rid}/{path}", headers=AUTH)
+        assert g.status_code == 404 and g.json()["error"]["code"] == "request_not_found", g.text
 
 
 def test_serve_command_drains_on_sigterm(tmp_path, stories_path):
