@@ -19,6 +19,8 @@ class Usage:
     cached_tokens: int = 0       # prompt tokens whose K/V came from the prefix cache
     draft_tokens: int = 0        # speculative decoding: tokens proposed for it and verified
     accepted_draft_tokens: int = 0   # ... of them selected (each is also one of selected_tokens)
+    accepted_prediction_tokens: int = 0   # Predicted Outputs: the prediction's drafts selected ...
+    rejected_prediction_tokens: int = 0   # ... and verified but not selected
 
 
 @dataclass(frozen=True)

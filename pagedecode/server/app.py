@@ -27,7 +27,7 @@ from .chat import ChatTemplate
 from .completions import chat_completions, completions
 from .errors import ApiError
 from .guard import RequestGuard
-from .responses import now
+from .responses import id_headers, now
 from .reader import Reader
 from .responses_api import ROUTES as RESPONSES_ROUTES
 from .sse import check_resume, last_event_id, one_sse
@@ -65,7 +65,7 @@ async def events(request: Request) -> Response:
     check_resume(reader, track, after)
     track.resumes += 1
     return StreamingResponse(one_sse(reader, track, after), media_type="text/event-stream",
-                             headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
+                             headers={**id_headers(rid), "Cache-Control": "no-cache"})
 
 
 async def trace(request: Request) -> Response:

@@ -13,7 +13,7 @@ from .admission import Endpoint, Parsing, admit
 from .errors import ApiError
 from .protocol import parse_request
 from .reader import Reader
-from .responses import (chat_choice, completion_choice, echo_logprobs_body, logprobs_body, prompt_logprobs_body,
+from .responses import (chat_choice, completion_choice, id_headers, echo_logprobs_body, logprobs_body, prompt_logprobs_body,
                         sum_usage)
 from .sse import check_resume, choices_sse, last_event_id, one_sse
 from .state import ServerOptions, state_of
@@ -56,7 +56,7 @@ async def generate(request: Request, endpoint: Endpoint) -> Response:
     admitted = await admit(state_of(request), request, endpoint)
     reader, parsed = admitted.reader, admitted.parsing.parsed
     tracks = reader.tracks
-    headers = {"X-Request-Id": tracks[0].request_id}
+    headers = id_headers(tracks[0].request_id)
     if parsed.sse:
         after = admitted.parsing.after if admitted.retried else None   # a new request: nothing of it was seen
         frames = one_sse(reader, tracks[0], after) if len(tracks) == 1 else choices_sse(reader, parsed.n)

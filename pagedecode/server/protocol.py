@@ -242,6 +242,19 @@ def _chat_top_logprobs(value: Any, d: Draft) -> None:
     d.top_logprobs = value           # checked with logprobs (_logprobs)
 
 
+def _prediction(value: Any, d: Draft) -> None:
+    """OpenAI's Predicted Outputs: {"type": "content", "content": text, or a list of text parts}."""
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise bad("prediction", 'must be {"type": "content", "content": ...}')
+    content = value.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad("prediction.content", "must be a string or a list of text parts")
+    sampled("prediction", "prediction.content")(content, d)
+
+
 def _stream(value: Any, d: Draft) -> None:
     d.sse = boolean({"stream": value}, "stream")
 
@@ -280,6 +293,7 @@ FIELDS: tuple[Field, ...] = (
     Field("logprobs", _chat_logprobs, CHAT),
     Field("top_logprobs", _chat_top_logprobs, CHAT),
     Field("logprobs", _completions_logprobs, COMPLETIONS),
+    Field("prediction", _prediction, CHAT),
     Field("stream_options", _stream_options),
     Field("stream", _stream),
     Field("timeout", sampled("deadline_s", "timeout")),

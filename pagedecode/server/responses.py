@@ -50,11 +50,25 @@ def chat_choice(index: int, out: RequestOutput, text: str, logprobs: Any) -> dic
             **finish_fields(out)}
 
 
+def id_headers(request_id: str) -> dict[str, str]:
+    """The request id as every reply carries it: X-Request-Id, and X-Pagedecode-Request-Id, which a
+    proxy in front (Ray Serve's replaces X-Request-Id with its own) leaves alone."""
+    return {"X-Request-Id": request_id, "X-Pagedecode-Request-Id": request_id}
+
+
 def usage_body(u: Usage) -> dict[str, Any]:
+    """OpenAI's usage, plus the engine's counts: tokens selected and processed, and speculation's
+    drafts verified and accepted."""
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.returned_tokens,
             "total_tokens": u.prompt_tokens + u.returned_tokens, "selected_tokens": u.selected_tokens,
             "processed_tokens": u.processed_tokens,
-            "prompt_tokens_details": {"cached_tokens": getattr(u, "cached_tokens", 0)}}
+            "draft_tokens": u.draft_tokens, "accepted_draft_tokens": u.accepted_draft_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": u.accepted_prediction_tokens,
+                                          "rejected_prediction_tokens": u.rejected_prediction_tokens}}
+
+
+SUMMED = ("completion_tokens", "selected_tokens", "processed_tokens", "draft_tokens", "accepted_draft_tokens")
 
 
 def now() -> int:
@@ -72,8 +86,10 @@ def sum_usage(outs: list[RequestOutput], n: int = 1) -> dict[str, Any]:
     total = usage_body(outs[0].usage)
     for i, o in enumerate(outs[1:], start=1):
         u = usage_body(o.usage)
-        for k in ("completion_tokens", "selected_tokens", "processed_tokens"):
+        for k in SUMMED:
             total[k] += u[k]
+        for k, v in u["completion_tokens_details"].items():
+            total["completion_tokens_details"][k] += v
         if i % n == 0:                     # the first choice of another prompt
             total["prompt_tokens"] += u["prompt_tokens"]
             total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]

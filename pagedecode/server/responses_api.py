@@ -19,6 +19,7 @@ from ..runtime.result import RequestOutput
 from .admission import Endpoint, Parsing, admit
 from .errors import ApiError, bad
 from .reader import Reader
+from .responses import id_headers
 from .responses_input import parse_body, renamed
 from .responses_output import response_body, response_sse, status_of
 from .state import ServerOptions, ServerState, state_of
@@ -64,7 +65,7 @@ async def create(request: Request) -> Response:
     reader = admitted.reader
     [track] = reader.tracks
     assert track.response is not None
-    headers = {"X-Request-Id": track.request_id}
+    headers = id_headers(track.request_id)
     if track.response.background:
         reader.let_run(track)                   # nobody has to read it for it to run on
     if admitted.parsing.parsed.sse:
@@ -106,7 +107,7 @@ async def retrieve(request: Request) -> Response:
     reader = Reader.pinning(state, [track], lambda _: not_found(track.request_id))
     track.resumes += 1
     return StreamingResponse(response_sse(reader, track, after), media_type="text/event-stream",
-                             headers={"X-Request-Id": track.request_id, "Cache-Control": "no-cache"})
+                             headers={**id_headers(track.request_id), "Cache-Control": "no-cache"})
 
 
 async def cancel(request: Request) -> Response:

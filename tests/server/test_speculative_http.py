@@ -1,5 +1,7 @@
 """Speculative decoding through the server and the command line: the same text as without it,
 the draft counts in the usage the engine reports, and vLLM's spec_decode counters on /metrics."""
+import json
+
 import httpx
 
 import pagedecode as pd
@@ -50,3 +52,50 @@ def test_flags_on_generate_demo_and_serve(stories_path, capsys):
     assert "num_tokens" in capsys.readouterr().err
     assert cli.main(argv + ["--draft-model", str(stories_path)]) == 2
     assert "--speculative-method draft" in capsys.readouterr().err
+
+
+def chat_text(url, extra, stream=False):
+    body = {"model": "stories260k", "messages": [{"role": "user", "content": "Once upon a time"}],
+            "max_tokens": 40, "temperature": 0, **extra}
+    if not stream:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["usage"], r.headers
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    text, usage = "", None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+                usage = chunk.get("usage") or usage
+        return text, usage, r.headers
+
+
+def test_predicted_outputs_over_chat_completions(stories_path):
+    """OpenAI's `prediction`: the same text as without it, streamed or not; the prediction's
+    accepted and rejected tokens in usage.completion_tokens_details, the drafts in the usage."""
+    s = start_server(stories_path)
+    try:
+        plain, usage, headers = chat_text(s.url, {})
+        assert usage["draft_tokens"] == usage["accepted_draft_tokens"] == 0
+        assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+        assert headers["x-pagedecode-request-id"] == headers["x-request-id"]
+        edited = plain.replace(" the ", " a ", 1)
+        for prediction in (plain, [{"type": "text", "text": edited[:20]}, {"type": "text", "text": edited[20:]}]):
+            for stream in (False, True):
+                text, usage, headers = chat_text(s.url, {"prediction": {"type": "content", "content": prediction}},
+                                                 stream)
+                assert text == plain
+                details = usage["completion_tokens_details"]
+                assert details["accepted_prediction_tokens"] == usage["accepted_draft_tokens"] > 10
+                assert details["rejected_prediction_tokens"] == usage["draft_tokens"] - usage["accepted_draft_tokens"]
+                assert headers["x-pagedecode-request-id"] == headers["x-request-id"]
+        for bad, field in (({"type": "text", "content": "x"}, "prediction"), ({"type": "content"}, "prediction.content"),
+                           ({"type": "content", "content": [{"type": "image"}]}, "prediction.content"), ("x", "prediction")):
+            r = httpx.post(s.url + "/v1/chat/completions", timeout=30, json={
+                "model": "stories260k", "messages": [{"role": "user", "content": "Hi"}], "prediction": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    finally:
+        stop_server(s)
