@@ -1,6 +1,7 @@
 """Load a GGUF file (llama.cpp's format): hyperparameters, weights and tokenizer from one file.
 
-Read with the `gguf` package's GGUFReader. Tensor types: F32, F16, BF16 as float tensors; Q8_0
+Read with model/gguf_reader.py (every count bounded by the file's size; the `gguf` package
+names the tensor types). Tensor types: F32, F16, BF16 as float tensors; Q8_0
 and Q4_0 kept in their blocks (model/quant.py); Q4_K and Q6_K (the Q4_K_M mix) dequantized at
 load to bfloat16, with a warning; any other type fails to load naming it.
 
@@ -19,6 +20,7 @@ import torch
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
+from .gguf_reader import GGUFContents, read_file
 from .quant import QuantizedWeight, Weight
 
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -41,20 +43,18 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _reader(path: Path) -> Any:
+def read_contents(path: Path) -> GGUFContents:
+    """The file's metadata and tensor table (model/gguf_reader.py), every count bounded by its size."""
     try:
-        import gguf
+        import gguf  # noqa: F401  (the tensor types' names and block sizes)
     except ImportError:  # pragma: no cover - a core dependency
         raise ModelLoadError("loading a GGUF file needs the `gguf` package (pip install gguf)") from None
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise ModelLoadError(f"{path} cannot be read as GGUF: {e}") from None
+    return read_file(path)
 
 
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """Every key-value field but the file's own header, as Python values."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+def read_metadata(path: Path) -> dict[str, Any]:
+    """Every metadata key-value of a GGUF file, as Python values (numeric arrays as numpy arrays)."""
+    return read_contents(path).metadata
 
 
 def hf_name(name: str) -> str | None:
@@ -101,9 +101,8 @@ def _unpermute(w: Weight, n_head: int) -> Weight:
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
     """(config, weights under Hugging Face names, metadata) of a GGUF file."""
-    reader = _reader(path)
-    meta = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    contents = read_contents(path)
+    meta, tensors = contents.metadata, contents.tensors
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor")
     rope_factors = None
@@ -136,7 +135,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any
 
 def chat_template(path: Path) -> tuple[str | None, dict[str, Any]]:
     """(tokenizer.chat_template or None, the special tokens' strings) of a GGUF file."""
-    meta = read_metadata(_reader(path))
+    meta = read_metadata(path)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     specials: dict[str, Any] = {}
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
