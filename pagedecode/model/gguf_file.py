@@ -22,6 +22,7 @@ from ..errors import ModelLoadError
 from .config import ModelConfig
 from .gguf_reader import GGUFContents, read_file
 from .quant import QuantizedWeight, Weight
+from .shapes import check_shape, check_weights
 
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -33,6 +34,7 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 DEQUANTIZED_TYPES = ("Q4_K", "Q6_K")
+ROPE_FACTORS_MOST = 1 << 11                          # half the largest head_dim ModelConfig accepts
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -107,9 +109,16 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any
         raise ModelLoadError(f"{path}: no token_embd.weight tensor")
     rope_factors = None
     if "rope_freqs.weight" in tensors:
-        rope_factors = np.array(tensors["rope_freqs.weight"].data, dtype=np.float64).tolist()
-    vocab = int(tensors["token_embd.weight"].shape[1])
-    config = ModelConfig.from_gguf(meta, vocab_size=vocab, rope_factors=rope_factors)
+        factors = tensors["rope_freqs.weight"].data
+        if factors.size > ROPE_FACTORS_MOST:           # one per frequency: head_dim / 2 of them
+            raise ModelLoadError(f"{path}: rope_freqs.weight holds {factors.size} values, more than any head_dim has")
+        rope_factors = np.array(factors, dtype=np.float64).tolist()
+    embedding_shape = tensors["token_embd.weight"].shape
+    if len(embedding_shape) != 2:
+        raise ModelLoadError(f"{path}: token_embd.weight has shape {list(embedding_shape)}, not (hidden, vocab)")
+    config = ModelConfig.from_gguf(meta, vocab_size=int(embedding_shape[1]), rope_factors=rope_factors)
+    if rope_factors is not None:
+        check_shape("rope_freqs.weight", (config.head_dim // 2,), (len(rope_factors),))
     dequantized: list[str] = []
     weights: dict[str, Weight] = {}
     for name, t in tensors.items():
@@ -120,6 +129,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any
         warnings.warn(f"{path.name}: {len(dequantized)} tensors ({', '.join(dequantized[:3])}, ...) are "
                       "dequantized to bfloat16 at load: pagedecode runs Q8_0 / Q4_0 blocks natively, not these",
                       stacklevel=3)
+    check_weights(config, weights, path)         # before the un-permute, which reads the shapes as given
     if meta.get("general.architecture") in PERMUTED_ARCHITECTURES:
         for i in range(config.num_layers):
             for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):

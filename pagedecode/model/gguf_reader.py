@@ -9,8 +9,8 @@ The layout (little-endian), as llama.cpp's gguf.h writes it:
 
 A string is a u64 byte length and that many UTF-8 bytes; an array an item type u32, a count u64
 and the items. Every count and length is checked against the bytes left before anything is
-allocated or looped over, so a hostile file fails at once in one line ("truncated at byte N",
-"declares N items, more than ... can hold") instead of reading, allocating or looping for what
+allocated or looped over, so a hostile or cut-short file fails at once in one line ("truncated at
+byte N: ... declares N items, which need ...") instead of reading, allocating or looping for what
 the file does not hold. The file is memory-mapped: a numeric array or a tensor's data is a view,
 read when used; string arrays are decoded in one tight loop (a tokenizer's vocabulary is one).
 """
@@ -75,10 +75,9 @@ class _Cursor:
 
     def count(self, n: int, item_bytes: int, what: str) -> int:
         """A declared count, refused when its items could not fit in the bytes left."""
-        left = self.size - self.pos
-        if n * item_bytes > left:
-            raise ModelLoadError(f"{self.path}: {what} declares {n} items, more than the {left} bytes left in "
-                                 f"the file can hold (corrupt or hostile file)")
+        if n * item_bytes > self.size - self.pos:
+            raise ModelLoadError(f"{self.path} is truncated at byte {self.size}: {what} declares {n} items, which "
+                                 f"need at least {n * item_bytes} bytes from byte {self.pos}")
         return n
 
     def u32(self, what: str) -> int:
