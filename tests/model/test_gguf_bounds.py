@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pagedecode as pd
 from pagedecode.errors import ModelLoadError
+from pagedecode.model.batch import ForwardBatch
 from pagedecode.model.gguf_tokenizer import spm_merges
 
 from .gguf_files import bytelevel_tokenizer_meta, gguf, random_llama, write_gguf
@@ -109,28 +111,41 @@ def test_context_length_of_2_24_loads_small(tiny):
     assert_bounded(big, "loaded")
 
 
-def test_rope_tables_grow_to_the_positions_used(tiny):
-    """Past the first table, a forward at a far position computes as a model built with the
-    whole table would (the tables are the same function of the position)."""
-    from pagedecode.model.llama import ROPE_FIRST_POSITIONS
-    from pagedecode.testing import prefill_batch
-    folder, cfg, weights, meta, path = tiny
-    model, _ = pd.load_model(path, attention_backend="torch")
-    assert model.cos.shape[0] == min(cfg["max_position_embeddings"], ROPE_FIRST_POSITIONS)
+def far_batch(first: int, n: int, page: int) -> ForwardBatch:
+    """n tokens at positions first.. of one sequence whose earlier cache (zeros) fills its pages."""
+    seq = first + n
+    pages = list(range(-(-seq // page)))
+    positions = torch.arange(first, seq)
+    return ForwardBatch(torch.arange(5, 5 + n), positions, positions.clone(), torch.tensor([pages], dtype=torch.int32),
+                        torch.tensor([seq], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+                        torch.arange(n), num_decode=0, max_new=n)
+
+
+def test_rope_tables_grow_to_the_positions_used(tiny, monkeypatch):
+    """A model declaring 2^24 positions starts with ROPE_FIRST_POSITIONS rows; a batch past them
+    grows the tables, and both forwards (compiled and torch) compute as a model built with the
+    whole table from the start."""
+    from pagedecode.model import llama
+    folder, cfg, weights, meta, _ = tiny
     big = folder / "context-forward.gguf"
     write_gguf(big, cfg, weights, meta, overrides={"llama.context_length": (2 ** 24, U32)})
-    far, _ = pd.load_model(big)
-    assert far.cos.shape[0] == ROPE_FIRST_POSITIONS
-    page = 16
-    pages = list(range(ROPE_FIRST_POSITIONS // page + 2))
-    c = far.config
-    kv = pd.KVCache(c.num_layers, len(pages), page, c.num_kv_heads, c.head_dim, far.dtype)
-    batch = prefill_batch(list(range(5, 9)), pages=pages, page_size=page)
-    assert far.forward(batch, kv).isfinite().all()
-    assert far.cos.shape[0] == 2 * ROPE_FIRST_POSITIONS          # doubled to cover the table's pages
-    from pagedecode.kernels.rope import rope_cos_sin
-    cos, _ = rope_cos_sin(far._rope_inv, 2 * ROPE_FIRST_POSITIONS)
-    assert far.cos.equal(cos)
+    first = llama.ROPE_FIRST_POSITIONS
+    grown, _ = pd.load_model(big)
+    grown_torch, _ = pd.load_model(big, attention_backend="torch")
+    assert grown.cos.shape[0] == first
+    monkeypatch.setattr(llama, "ROPE_FIRST_POSITIONS", 4 * first)
+    whole, _ = pd.load_model(big, attention_backend="torch")
+    batch, page = far_batch(first + 100, 3, 16), 16
+    c = whole.config
+
+    def logits(model: llama.LlamaModel) -> torch.Tensor:
+        kv = pd.KVCache(c.num_layers, batch.page_table.shape[1], page, c.num_kv_heads, c.head_dim, model.dtype)
+        return model.forward(batch, kv)
+
+    expected = logits(whole)
+    torch.testing.assert_close(logits(grown_torch), expected, atol=0, rtol=0)
+    torch.testing.assert_close(logits(grown), expected, atol=1e-4, rtol=1e-4)
+    assert grown.cos.shape[0] == 2 * first and grown.cos.equal(whole.cos[:2 * first])
 
 
 def spm_meta(pieces: list[str]) -> dict:
