@@ -22,7 +22,7 @@ from ..errors import ModelLoadError
 from .config import ModelConfig
 from .gguf_reader import GGUFContents, read_file
 from .quant import QuantizedWeight, Weight
-from .shapes import check_shape, check_weights
+from .shapes import Declared, check_shape, check_weights
 
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -119,17 +119,16 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any
     config = ModelConfig.from_gguf(meta, vocab_size=int(embedding_shape[1]), rope_factors=rope_factors)
     if rope_factors is not None:
         check_shape("rope_freqs.weight", (config.head_dim // 2,), (len(rope_factors),))
+    # shapes checked from the table, before any data is read (the un-permute reads them as given too)
+    targets = {name: target for name, target in ((n, hf_name(n)) for n in tensors) if target is not None}
+    check_weights(config, {target: Declared(tuple(reversed(tensors[name].shape))) for name, target in targets.items()},
+                  path)
     dequantized: list[str] = []
-    weights: dict[str, Weight] = {}
-    for name, t in tensors.items():
-        target = hf_name(name)
-        if target is not None:
-            weights[target] = read_tensor(t, dequantized)
+    weights: dict[str, Weight] = {target: read_tensor(tensors[name], dequantized) for name, target in targets.items()}
     if dequantized:
         warnings.warn(f"{path.name}: {len(dequantized)} tensors ({', '.join(dequantized[:3])}, ...) are "
                       "dequantized to bfloat16 at load: pagedecode runs Q8_0 / Q4_0 blocks natively, not these",
                       stacklevel=3)
-    check_weights(config, weights, path)         # before the un-permute, which reads the shapes as given
     if meta.get("general.architecture") in PERMUTED_ARCHITECTURES:
         for i in range(config.num_layers):
             for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):

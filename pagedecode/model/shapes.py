@@ -8,13 +8,23 @@ q_proj.weight), which the GGUF loader maps its tensors to; shapes are torch's (r
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
-from .quant import Weight
 
 LAYER_PREFIX = "model.layers."
+
+
+class Shaped(Protocol):
+    """A tensor, a QuantizedWeight (its logical shape), or a shape a file declares (Declared)."""
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
+class Declared(NamedTuple):
+    """A tensor's shape as a file's table gives it, checked before its data is read."""
+    shape: tuple[int, ...]
 
 
 def check_shape(name: str, expected: Sequence[int], found: Sequence[int]) -> None:
@@ -47,7 +57,7 @@ def expected_shapes(c: ModelConfig, layer: int | None = None) -> Iterator[tuple[
     yield p + "self_attn.k_norm.weight", (c.head_dim,), c.qk_norm
 
 
-def check_weights(config: ModelConfig, weights: Mapping[str, Weight], source: object) -> None:
+def check_weights(config: ModelConfig, weights: Mapping[str, Shaped], source: object) -> None:
     """Every tensor the forward reads is present with the shape `config` gives it; else one
     ModelLoadError naming it. The layer count is checked against the layers the checkpoint holds
     first, so a hostile count (2^31) costs nothing."""
