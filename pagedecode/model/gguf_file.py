@@ -1,6 +1,7 @@
 """Load a GGUF file (llama.cpp's format): hyperparameters, weights and tokenizer from one file.
 
-Read with the `gguf` package's GGUFReader. Tensor types: F32, F16, BF16 as float tensors; Q8_0
+Read with model/gguf_reader.py (every count bounded by the file's size; the `gguf` package
+names the tensor types). Tensor types: F32, F16, BF16 as float tensors; Q8_0
 and Q4_0 kept in their blocks (model/quant.py); Q4_K and Q6_K (the Q4_K_M mix) dequantized at
 load to bfloat16, with a warning; any other type fails to load naming it.
 
@@ -19,7 +20,9 @@ import torch
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
+from .gguf_reader import GGUFContents, read_file
 from .quant import QuantizedWeight, Weight
+from .shapes import Declared, check_shape, check_weights
 
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -31,6 +34,7 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 DEQUANTIZED_TYPES = ("Q4_K", "Q6_K")
+ROPE_FACTORS_MOST = 1 << 11                          # half the largest head_dim ModelConfig accepts
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -41,20 +45,18 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _reader(path: Path) -> Any:
+def read_contents(path: Path) -> GGUFContents:
+    """The file's metadata and tensor table (model/gguf_reader.py), every count bounded by its size."""
     try:
-        import gguf
+        import gguf  # noqa: F401  (the tensor types' names and block sizes)
     except ImportError:  # pragma: no cover - a core dependency
         raise ModelLoadError("loading a GGUF file needs the `gguf` package (pip install gguf)") from None
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise ModelLoadError(f"{path} cannot be read as GGUF: {e}") from None
+    return read_file(path)
 
 
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """Every key-value field but the file's own header, as Python values."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+def read_metadata(path: Path) -> dict[str, Any]:
+    """Every metadata key-value of a GGUF file, as Python values (numeric arrays as numpy arrays)."""
+    return read_contents(path).metadata
 
 
 def hf_name(name: str) -> str | None:
@@ -101,22 +103,28 @@ def _unpermute(w: Weight, n_head: int) -> Weight:
 
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any]]:
     """(config, weights under Hugging Face names, metadata) of a GGUF file."""
-    reader = _reader(path)
-    meta = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    contents = read_contents(path)
+    meta, tensors = contents.metadata, contents.tensors
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor")
     rope_factors = None
     if "rope_freqs.weight" in tensors:
-        rope_factors = np.array(tensors["rope_freqs.weight"].data, dtype=np.float64).tolist()
-    vocab = int(tensors["token_embd.weight"].shape[1])
-    config = ModelConfig.from_gguf(meta, vocab_size=vocab, rope_factors=rope_factors)
+        factors = tensors["rope_freqs.weight"].data
+        if factors.size > ROPE_FACTORS_MOST:           # one per frequency: head_dim / 2 of them
+            raise ModelLoadError(f"{path}: rope_freqs.weight holds {factors.size} values, more than any head_dim has")
+        rope_factors = np.array(factors, dtype=np.float64).tolist()
+    embedding_shape = tensors["token_embd.weight"].shape
+    if len(embedding_shape) != 2:
+        raise ModelLoadError(f"{path}: token_embd.weight has shape {list(embedding_shape)}, not (hidden, vocab)")
+    config = ModelConfig.from_gguf(meta, vocab_size=int(embedding_shape[1]), rope_factors=rope_factors)
+    if rope_factors is not None:
+        check_shape("rope_freqs.weight", (config.head_dim // 2,), (len(rope_factors),))
+    # shapes checked from the table, before any data is read (the un-permute reads them as given too)
+    targets = {name: target for name, target in ((n, hf_name(n)) for n in tensors) if target is not None}
+    check_weights(config, {target: Declared(tuple(reversed(tensors[name].shape))) for name, target in targets.items()},
+                  path)
     dequantized: list[str] = []
-    weights: dict[str, Weight] = {}
-    for name, t in tensors.items():
-        target = hf_name(name)
-        if target is not None:
-            weights[target] = read_tensor(t, dequantized)
+    weights: dict[str, Weight] = {target: read_tensor(tensors[name], dequantized) for name, target in targets.items()}
     if dequantized:
         warnings.warn(f"{path.name}: {len(dequantized)} tensors ({', '.join(dequantized[:3])}, ...) are "
                       "dequantized to bfloat16 at load: pagedecode runs Q8_0 / Q4_0 blocks natively, not these",
@@ -136,7 +144,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any
 
 def chat_template(path: Path) -> tuple[str | None, dict[str, Any]]:
     """(tokenizer.chat_template or None, the special tokens' strings) of a GGUF file."""
-    meta = read_metadata(_reader(path))
+    meta = read_metadata(path)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     specials: dict[str, Any] = {}
     for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):

@@ -42,13 +42,24 @@ def _token_id(meta: Mapping[str, Any], key: str) -> int | None:
 
 def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """Merges for a SentencePiece vocabulary: each normal piece cut in two known pieces, best
-    score first (ties: lower id first), as llama.cpp's tokenizer prefers them."""
+    score first (ties: lower id first), as llama.cpp's tokenizer prefers them.
+
+    Only cuts whose two sides have lengths some piece has are tried: a piece of n characters
+    costs at most min(n, distinct lengths) lookups, so the Python work is linear in the
+    vocabulary's characters (trying every cut made one long piece quadratic)."""
     ids = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    lengths = sorted({len(t) for t in ids})
+    known = set(lengths)
     ranked = []
     for i, piece in enumerate(tokens):
-        if types[i] != NORMAL or len(piece) < 2:
+        n = len(piece)
+        if types[i] != NORMAL or n < 2:
             continue
-        for cut in range(1, len(piece)):
+        for cut in lengths:
+            if cut >= n:
+                break
+            if n - cut not in known:
+                continue
             left, right = piece[:cut], piece[cut:]
             if left in ids and right in ids:
                 ranked.append((-scores[i], i, ids[left], left, right))
@@ -56,21 +67,33 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
     return [(left, right) for *_, left, right in ranked]
 
 
+def _list(meta: Mapping[str, Any], key: str) -> list[Any] | None:
+    """An array of the metadata as a list (numeric arrays are read as numpy arrays); None if absent."""
+    value = meta.get(f"tokenizer.ggml.{key}")
+    if value is None:
+        return None
+    return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
 def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
     """pd.Tokenizer from a GGUF's metadata; ModelLoadError for a tokenizer model it cannot build."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFTokenizer
     model = meta.get("tokenizer.ggml.model")
-    tokens = [str(t) for t in meta.get("tokenizer.ggml.tokens") or []]
+    tokens = [str(t) for t in _list(meta, "tokens") or []]
     if not tokens:
         raise ModelLoadError("the GGUF holds no tokenizer (tokenizer.ggml.tokens); pass tokenizer=DIR")
-    types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)]
-    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
-    stored = meta.get("tokenizer.ggml.merges")
+    types = _list(meta, "token_type") or [NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelLoadError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))     # a repeated token: its first id
+    stored = _list(meta, "merges")
     merges = [tuple(m.split(" ", 1)) for m in stored] if stored else None
     unk = _token_id(meta, "unknown_token_id")
     if model == "llama":
-        scores = [float(s) for s in meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+        scores = [float(s) for s in _list(meta, "scores") or [0.0] * len(tokens)]
+        if len(scores) != len(tokens):
+            raise ModelLoadError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
         bpe = models.BPE(vocab=vocab, merges=merges or spm_merges(tokens, scores, types),
                          unk_token=tokens[unk] if unk is not None else None, fuse_unk=True, byte_fallback=True)
         tok = HFTokenizer(bpe)

@@ -32,6 +32,8 @@ from .quant import BLOCK, QuantizedWeight, Weight, cat_rows, embedding_rows, lin
 from . import cpu_forward as compiled
 from .cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 
+ROPE_FIRST_POSITIONS = 4096          # the RoPE tables' rows at construction; forward grows them
+
 
 @dataclass
 class _Layer:
@@ -108,13 +110,11 @@ class LlamaModel:
                 gate_up_w=stack(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down_w=stack(p + "mlp.down_proj.weight")))
         scaling = c.rope_scaling
-        inv = rope_inv_freq(c.head_dim, c.rope_theta, scaling)
-        factor = 1.0
-        if scaling and scaling.get("attention_factor"):
-            factor = float(scaling["attention_factor"])
-        cos, sin = rope_cos_sin(inv, c.max_position_embeddings, factor)
-        self.cos = cos.to(self.device, dtype)
-        self.sin = sin.to(self.device, dtype)
+        self._rope_inv = rope_inv_freq(c.head_dim, c.rope_theta, scaling)
+        self._rope_factor = float(scaling["attention_factor"]) if scaling and scaling.get("attention_factor") else 1.0
+        # the RoPE tables cover the positions batches reach (grown in forward), not the declared
+        # context: a checkpoint may declare 2^24 positions (gigabytes of table) and use a few thousand
+        cos, sin = self._rope_tables(min(c.max_position_embeddings, ROPE_FIRST_POSITIONS))
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
@@ -132,6 +132,22 @@ class LlamaModel:
                                                       cos, sin, dtype, self.scale, self.quantized)
             self.configure_cpu(default_cpu_matmul() if cpu_matmul is None else cpu_matmul,
                                default_cpu_pack_weights() if cpu_pack_weights is None else cpu_pack_weights)
+
+    def _rope_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sets cos / sin (positions, head_dim) in the model's dtype; returns them in float32."""
+        cos, sin = rope_cos_sin(self._rope_inv, positions, self._rope_factor)
+        self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        return cos, sin
+
+    def _cover_positions(self, batch: ForwardBatch, kv: KVCache) -> None:
+        """Grow the RoPE tables (doubling, up to the declared context) to every position the
+        batch's page table can address; host-side shapes only, no device sync."""
+        need = min(batch.page_table.shape[1] * kv.page_size, self.config.max_position_embeddings)
+        have = self.cos.shape[0]
+        if need > have:
+            cos, sin = self._rope_tables(min(max(need, 2 * have), self.config.max_position_embeddings))
+            if self._compiled is not None:
+                self._compiled.cos32, self._compiled.sin32 = cos.contiguous(), sin.contiguous()
 
     def configure_cpu(self, matmul: str = "onednn", pack_weights: bool = True) -> None:
         """How the compiled CPU forward multiplies (EngineConfig.cpu_matmul / cpu_pack_weights;
@@ -188,6 +204,7 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         c = self.config
+        self._cover_positions(batch, kv)
         if self._compiled is not None and self.attention_backend == "auto" and self._compiled.runs(kv):
             return self._compiled.forward(batch, kv)
         if self.deterministic and not use_triton(batch.input_ids, self.attention_backend):

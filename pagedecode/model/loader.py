@@ -12,6 +12,7 @@ from .config import ModelConfig
 from .gguf_file import is_gguf, read_gguf
 from .gguf_tokenizer import build_tokenizer
 from .llama import LlamaModel
+from .shapes import check_weights
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -73,6 +74,7 @@ def load_config(path: Path) -> ModelConfig:
         config.eos_token_ids = tuple(dict.fromkeys([*extra, *config.eos_token_ids]))
         if config.bos_token_id is None:
             config.bos_token_id = gen.get("bos_token_id")
+        config.check_token_ids()
     return config
 
 
@@ -103,8 +105,11 @@ def load_model(path, device="cpu", dtype=None, attention_backend="auto", quantiz
         tok = Tokenizer.from_dir(path, eos_token_ids=config.eos_token_ids, bos_token_id=config.bos_token_id)
     if not config.eos_token_ids:
         config.eos_token_ids = tok.eos_token_ids
+    if weights is None:
+        weights = load_weights(path)
+        check_weights(config, weights, path)
     try:
-        model = LlamaModel(config, load_weights(path) if weights is None else weights, device=device,
+        model = LlamaModel(config, weights, device=device,
                            dtype=torch_dtype, attention_backend=attention_backend, quantization=quantization,
                            cpu_matmul=cpu_matmul, cpu_pack_weights=cpu_pack_weights)
     except KeyError as e:

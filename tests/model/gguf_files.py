@@ -61,8 +61,10 @@ def encode_tensor(w: np.ndarray, qtype, rng: np.random.Generator) -> tuple[np.nd
 
 
 def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tokenizer_meta: dict,
-               qtype=Q.F32, arch: str = "llama", seed: int = 0) -> dict[str, torch.Tensor]:
-    """Write the model; return the weights (HF names and layout) as the file's values give them."""
+               qtype=Q.F32, arch: str = "llama", seed: int = 0,
+               overrides: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+    """Write the model; return the weights (HF names and layout) as the file's values give them.
+    `overrides`: key -> (value, gguf.GGUFValueType) written over what cfg gives (hostile files)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg["max_position_embeddings"])
@@ -78,6 +80,8 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tokenize
         w.add_value_length(cfg["head_dim"])
     for key, value in tokenizer_meta.items():
         getattr(w, "add_" + key)(value)
+    for key, (value, vtype) in (overrides or {}).items():
+        w.add_key_value(key, value, vtype)
     expected = {}
     for name, t in weights.items():
         arr = t.float().numpy()
