@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat content's special-token strings ('</s>') become the real tokens (unsafe)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name, or the GGUF file's without .gguf)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument("--chat-template-timeout", type=float, default=1.0,
+                   help="seconds one chat template render may take (400 beyond)")
+    p.add_argument("--chat-template-max-chars", type=positive, default=4 << 20,
+                   help="characters a chat template render may produce, and any one value it builds (400 beyond)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="prompts one completions request may batch (400 beyond); its choices, prompts x n, are at "
