@@ -90,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=None,
                    help="open connections at once; at the cap a new one closes the longest-idle one, or gets 503 "
                         "when every connection has a request running (default: 2048, less to fit the open-file limit)")
+    p.add_argument("--max-connections-per-client", type=positive, default=None,
+                   help="open connections from one client address; beyond, its own slow-body or idle connection "
+                        "makes room, or it gets 429 (default: half of --max-connections; a proxy's clients share one)")
+    p.add_argument("--min-body-rate", type=float, default=1024.0,
+                   help="bytes/s: at the connection cap, a request body arriving slower is closed first (0: never)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds from connecting (or a kept-alive connection's next byte) to complete request headers")
     p.add_argument("--body-timeout", type=float, default=20.0,

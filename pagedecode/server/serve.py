@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     try:
         limits = ConnectionLimits(max_connections=args.max_connections or default_max_connections(),
                                   header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                                  keep_alive_timeout_s=args.keep_alive_timeout)
+                                  keep_alive_timeout_s=args.keep_alive_timeout, min_body_rate=args.min_body_rate,
+                                  max_connections_per_client=args.max_connections_per_client)
         keys = api_keys(args)          # a bad key file fails before the model loads
         speculative = speculative_config(args)
         options = engine_options(args)
