@@ -114,9 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(vllm:num_requests_waiting, ...), so llm-d / KServe can route to this server")
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish the prefix cache's changes in vLLM's KV-event format on this ZeroMQ endpoint "
-                        "(tcp://*:5557 binds, tcp://host:port connects; pagedecode[ray])")
+                        "(tcp://*:5557 binds every interface, tcp://host:port connects; pagedecode[ray]). The events "
+                        "carry every tenant's prompt token ids: bind a wildcard only on a trusted network")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
-                   help="the KV events' replay socket (default: the publisher's port + 1 when it binds a port)")
+                   help="the KV events' replay socket (default: loopback at the publisher's port + 1 when it binds "
+                        "a port)")
     p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events")
     p.add_argument("--ray", action="store_true",
                    help="serve replicas on Ray Serve (pagedecode[ray]): a local Ray cluster, or --ray-address's")
