@@ -22,7 +22,23 @@ or DEALER socket and gets [seq, payload] for each kept batch from there, then [-
 
 Endpoints follow vLLM's convention: one with a wildcard (`tcp://*:5557`), ipc:// or inproc:// is
 bound, any other (`tcp://indexer:5557`, the llm-d way) is connected to. The replay endpoint is
-always bound; by default the publisher's port + 1 when it binds a numeric port.
+always bound; by default on loopback, at the publisher's port + 1 when it binds a numeric port.
+
+Who may listen: the events carry every tenant's prompt token ids (BlockStored's token_ids), and
+neither socket asks who is there. A wildcard (`tcp://*:5557`: every interface) exposes them to
+whoever reaches the port: use it only on a trusted network (it is logged); the replay socket,
+which answers requests, binds loopback unless --kv-events-replay names another address.
+
+What a listener costs (none of it touches publishing, or the engine):
+- the kept batches for replay are at most `buffer_bytes` (and `buffer_batches`);
+- one replay request is answered with at most `replay_max_bytes` of batches, and at most
+  `replay_peer_hwm` - 1 of them (then the end marker; the subscriber asks again from the next
+  seq), by a thread of its own, so replay requests never delay the live stream;
+- a peer that does not read its replies holds at most `replay_peer_hwm` queued messages (its
+  replies are cut, not queued, beyond) and a kernel send buffer of `SEND_BUFFER_BYTES`;
+- a subscriber that does not read holds at most `hwm` queued batches and SEND_BUFFER_BYTES.
+A batch is one engine step's cache changes: a few KB (a prefill chunk's pages, or a step's
+evictions at 32 bytes a page).
 """
 from __future__ import annotations
 
@@ -37,6 +53,7 @@ from .runtime.page_pool import CacheEvent
 
 log = logging.getLogger("pagedecode.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SEND_BUFFER_BYTES = 256 << 10     # the kernel's send buffer per connection (autotuned: up to 4 MB)
 
 
 def binds(endpoint: str) -> bool:
@@ -45,11 +62,12 @@ def binds(endpoint: str) -> bool:
 
 
 def default_replay(endpoint: str) -> str | None:
-    """The replay endpoint beside a bound tcp endpoint: its port + 1 (vLLM's 5557 / 5558)."""
+    """The replay endpoint beside a bound tcp endpoint: its port + 1 (vLLM's 5557 / 5558), on
+    loopback (it answers whoever asks; a wider one is asked for by name)."""
     if not endpoint.startswith("tcp://") or not binds(endpoint):
         return None
-    host, _, port = endpoint.rpartition(":")
-    return f"{host}:{int(port) + 1}" if port.isdigit() else None
+    _, _, port = endpoint.rpartition(":")
+    return f"tcp://127.0.0.1:{int(port) + 1}" if port.isdigit() else None
 
 
 def offset_port(endpoint: str, n: int) -> str:
@@ -88,20 +106,27 @@ def to_vllm(events: list[CacheEvent], block_size: int, medium: str) -> list[list
 
 class KVEventPublisher:
     """One engine's prefix-cache events on a ZeroMQ PUB socket, with a ROUTER socket replaying
-    the last `buffer_batches` batches. The sockets are made here (a bad endpoint fails at once)
-    and used only by the publisher's thread; attach() starts it on an engine."""
+    the last batches (see the module doc for the bounds). The sockets are made here (a bad
+    endpoint fails at once); the PUB is used only by the publishing thread, the ROUTER only by
+    the replay thread; attach() starts both on an engine."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, block_size: int,
                  medium: str = "CPU", topic: str = "", data_parallel_rank: int = 0,
-                 buffer_batches: int = 10_000, hwm: int = 100_000) -> None:
+                 buffer_batches: int = 10_000, buffer_bytes: int = 16 << 20, hwm: int = 1000,
+                 replay_max_bytes: int = 1 << 20, replay_peer_hwm: int = 256) -> None:
         import msgpack
         import zmq
+        if replay_peer_hwm < 2:
+            raise ValueError(f"replay_peer_hwm must be >= 2, got {replay_peer_hwm}")
         self._pack = msgpack.Packer(use_bin_type=True)
         self.block_size, self.medium, self.rank = block_size, medium, data_parallel_rank
         self.topic = topic.encode()
+        self.buffer_bytes, self.replay_max_bytes = buffer_bytes, replay_max_bytes
+        self.replay_max_batches = replay_peer_hwm - 1      # an answer and its end marker fit a fresh peer's queue
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
+        self._pub.setsockopt(zmq.SNDBUF, SEND_BUFFER_BYTES)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: Any = None
         try:
@@ -110,6 +135,9 @@ class KVEventPublisher:
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.SNDHWM, replay_peer_hwm)
+                self._replay.setsockopt(zmq.SNDBUF, SEND_BUFFER_BYTES)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)     # a full peer: EAGAIN, not a silent drop
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -117,11 +145,20 @@ class KVEventPublisher:
         # the replay socket's real address (a `tcp://127.0.0.1:*` endpoint takes any free port)
         self.replay_address: str | None = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
                                            if self._replay is not None else None)
+        for where in (endpoint, replay_endpoint or ""):
+            if where.startswith("tcp://*") or where.startswith("tcp://0.0.0.0") or where.startswith("tcp://[::]"):
+                log.warning("KV events: %s listens on every interface; the events carry every tenant's prompt "
+                            "token ids", where)
         self._queue: queue.Queue[list[list[Any]] | None] = queue.Queue()
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._kept_bytes = 0
+        self._kept_lock = threading.Lock()     # the publishing thread appends, the replay thread reads
         self._seq = 0
         self._thread: threading.Thread | None = None
+        self._replay_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._engine: Any = None
+        self.replies_cut = 0                   # replay answers cut short: the peer was not reading
 
     def attach(self, engine: Any) -> "KVEventPublisher":
         """Publish engine's cache changes from now on; the first batch clears the subscriber."""
@@ -130,6 +167,10 @@ class KVEventPublisher:
         engine.publish_cache_events(self.submit)
         self._thread = threading.Thread(target=self._run, name="pagedecode-kv-events", daemon=True)
         self._thread.start()
+        if self._replay is not None:
+            self._replay_thread = threading.Thread(target=self._serve_replay, name="pagedecode-kv-replay",
+                                                   daemon=True)
+            self._replay_thread.start()
         return self
 
     def submit(self, events: list[CacheEvent]) -> None:
@@ -145,6 +186,10 @@ class KVEventPublisher:
             self._queue.put(None)
             self._thread.join(timeout_s)
             self._thread = None
+        self._stopping.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout_s)
+            self._replay_thread = None
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -155,13 +200,7 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         while True:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._answer_replay()
-            try:
-                batch = self._queue.get(timeout=0.02)
-            except queue.Empty:
-                continue
+            batch = self._queue.get()
             if batch is None:
                 return
             payload = self._pack.pack([time.time(), batch, self.rank])
@@ -170,17 +209,52 @@ class KVEventPublisher:
                 self._pub.send_multipart([self.topic, seq, payload])
             except Exception:        # a PUB socket drops at its high-water mark; anything else is logged
                 log.exception("KV events: publishing batch %d failed", self._seq)
-            self._kept.append((self._seq, payload))
+            self._keep(self._seq, payload)
             self._seq += 1
 
+    def _keep(self, seq: int, payload: bytes) -> None:
+        with self._kept_lock:
+            if len(self._kept) == self._kept.maxlen:
+                self._kept_bytes -= len(self._kept[0][1])
+            self._kept.append((seq, payload))
+            self._kept_bytes += len(payload)
+            while self._kept_bytes > self.buffer_bytes and len(self._kept) > 1:
+                self._kept_bytes -= len(self._kept.popleft()[1])
+
+    def replayed(self, first: int) -> list[tuple[int, bytes]]:
+        """The kept batches from seq `first`: at most replay_max_batches, and replay_max_bytes
+        of them (at least one)."""
+        out: list[tuple[int, bytes]] = []
+        size = 0
+        with self._kept_lock:
+            if not self._kept or first > self._kept[-1][0]:
+                return out
+            skip = max(0, first - self._kept[0][0])          # seqs are consecutive in the deque
+            for i in range(skip, len(self._kept)):
+                seq, payload = self._kept[i]
+                size += len(payload)
+                if out and (size > self.replay_max_bytes or len(out) == self.replay_max_batches):
+                    break
+                out.append((seq, payload))
+        return out
+
+    def _serve_replay(self) -> None:
+        while not self._stopping.is_set():
+            if self._replay.poll(100):
+                self._answer_replay()
+
     def _answer_replay(self) -> None:
+        import zmq
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("KV events: a replay request of %d frames ignored", len(frames))
             return
         who, _, start = frames
-        first = int.from_bytes(start, "big")
-        for seq, payload in list(self._kept):
-            if seq >= first:
-                self._replay.send_multipart([who, b"", seq.to_bytes(8, "big"), payload])
-        self._replay.send_multipart([who, b"", END_SEQ, b""])
+        try:
+            for seq, payload in self.replayed(int.from_bytes(start, "big")):
+                self._replay.send_multipart([who, b"", seq.to_bytes(8, "big"), payload], flags=zmq.DONTWAIT)
+            self._replay.send_multipart([who, b"", END_SEQ, b""], flags=zmq.DONTWAIT)
+        except zmq.Again:             # the peer's queue is full: it does not read, its answer is cut
+            self.replies_cut += 1
+        except zmq.ZMQError as e:     # EHOSTUNREACH: the peer has gone
+            log.debug("KV events: a replay answer dropped: %s", e)

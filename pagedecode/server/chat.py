@@ -1,6 +1,8 @@
 """Chat templates: tokenizer_config.json's `chat_template` (or chat_template.jinja, or a GGUF's
-tokenizer.chat_template), rendered in jinja2's ImmutableSandboxedEnvironment with the variables
-transformers provides. A template never comes from a request."""
+tokenizer.chat_template), rendered with the variables transformers provides in a jinja2 sandbox
+whose renders are bounded in time, steps and size (template_sandbox.py): the template comes from
+the model file, never from a request, but a model file may be hostile. A render is CPU work of
+up to TemplateLimits.time_s: run it off the event loop."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,7 @@ from typing import Any, Callable
 
 from ..model.tokenizer import EscapesSpecialTokens
 from .errors import ApiError
+from .template_sandbox import BoundedEnvironment, TemplateLimitError, TemplateLimits, render_bounded
 
 
 def load_template(model_dir: str | Path | None, override: str | Path | None = None) -> tuple[str | None, dict[str, Any]]:
@@ -39,9 +42,10 @@ def load_template(model_dir: str | Path | None, override: str | Path | None = No
 
 
 class ChatTemplate:
-    def __init__(self, source: str, specials: dict[str, Any]) -> None:
+    """A compiled template (jinja2.TemplateSyntaxError here, at start) and its render limits."""
+
+    def __init__(self, source: str, specials: dict[str, Any], limits: TemplateLimits = TemplateLimits()) -> None:
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
@@ -49,11 +53,11 @@ class ChatTemplate:
         def strftime_now(fmt: str) -> str:
             return datetime.now().strftime(fmt)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True)      # its tojson is transformers'
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
         self._template = env.from_string(source)
+        self.limits = limits
         self._specials = {k: (v or "") for k, v in specials.items()}
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -74,8 +78,11 @@ class ChatTemplate:
             message = {**m, "content": content}
             msgs.append(message if escape is None else _escaped(message, escape))
         try:
-            return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                         **self._specials, **(extra or {}))
+            return render_bounded(self._template, self.limits, {
+                "messages": msgs, "add_generation_prompt": add_generation_prompt, **self._specials, **(extra or {})})
+        except TemplateLimitError as e:
+            raise ApiError(400, f"the chat template exceeded its limits: {e}", param="messages",
+                           code="chat_template_limit") from None
         except TemplateError as e:
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
         except Exception as e:        # the template met a value it cannot handle (content: null + "...")

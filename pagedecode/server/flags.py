@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat content's special-token strings ('</s>') become the real tokens (unsafe)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name, or the GGUF file's without .gguf)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument("--chat-template-timeout", type=float, default=1.0,
+                   help="seconds one chat template render may take (400 beyond)")
+    p.add_argument("--chat-template-max-chars", type=positive, default=4 << 20,
+                   help="characters a chat template render may produce, and any one value it builds (400 beyond)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
     p.add_argument("--max-prompts-per-request", type=int, default=64,
                    help="prompts one completions request may batch (400 beyond); its choices, prompts x n, are at "
@@ -86,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=None,
                    help="open connections at once; at the cap a new one closes the longest-idle one, or gets 503 "
                         "when every connection has a request running (default: 2048, less to fit the open-file limit)")
+    p.add_argument("--max-connections-per-client", type=positive, default=None,
+                   help="open connections from one client address; beyond, its own slow-body or idle connection "
+                        "makes room, or it gets 429 (default: half of --max-connections; a proxy's clients share one)")
+    p.add_argument("--min-body-rate", type=float, default=1024.0,
+                   help="bytes/s: at the connection cap, a request body arriving slower is closed first (0: never)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds from connecting (or a kept-alive connection's next byte) to complete request headers")
     p.add_argument("--body-timeout", type=float, default=20.0,
@@ -105,9 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(vllm:num_requests_waiting, ...), so llm-d / KServe can route to this server")
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish the prefix cache's changes in vLLM's KV-event format on this ZeroMQ endpoint "
-                        "(tcp://*:5557 binds, tcp://host:port connects; pagedecode[ray])")
+                        "(tcp://*:5557 binds every interface, tcp://host:port connects; pagedecode[ray]). The events "
+                        "carry every tenant's prompt token ids: bind a wildcard only on a trusted network")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
-                   help="the KV events' replay socket (default: the publisher's port + 1 when it binds a port)")
+                   help="the KV events' replay socket (default: loopback at the publisher's port + 1 when it binds "
+                        "a port)")
     p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events")
     p.add_argument("--ray", action="store_true",
                    help="serve replicas on Ray Serve (pagedecode[ray]): a local Ray cluster, or --ray-address's")

@@ -2,7 +2,9 @@
 
 - Cross-site request forgery: a page may send a `text/plain` (or form) POST to any address
   without asking first; a POST whose Content-Type is not `application/json` is refused (415),
-  so only requests a browser preflights (and we never allow) carry a body we read.
+  so only requests a browser preflights (and we never allow) carry a body we read. A POST
+  without a body (cancelling a response) needs no Content-Type: it names its target only by
+  the random id in its path, which a page cannot know.
 - DNS rebinding: a page whose name the attacker points at 127.0.0.1 reads the answers as its
   own origin; its requests carry the attacker's name in Host. The Host header must name the
   address the connection arrived on (an IP literal), `localhost` on a loopback connection, or
@@ -47,6 +49,12 @@ def _loopback(address: str) -> bool:
         return False
 
 
+def _has_body(headers: dict[str, str]) -> bool:
+    """Whether the request says a body follows: a bodiless POST (POST /v1/responses/{id}/cancel)
+    has no media type to name, and a route that wants a body answers 400 for the empty one."""
+    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() != "0"
+
+
 class RequestGuard:
     """ASGI middleware: the Host and Content-Type checks above, before any route runs."""
 
@@ -66,7 +74,7 @@ class RequestGuard:
     def check(self, scope: Scope) -> None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
         self.check_host(headers.get("host"), scope.get("server"))
-        if scope.get("method") == "POST":
+        if scope.get("method") == "POST" and _has_body(headers):
             media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media_type != "application/json":
                 raise ApiError(415, f"Content-Type must be application/json, got {media_type or 'none'!r}",

@@ -18,6 +18,7 @@ from ..errors import InvalidFieldError, InvalidRequestError
 from ..params import MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, check_field, int_error, is_int, is_real, show
 from .constraints import structured_output
 from .errors import ApiError, bad
+from .integers import parse_decimal
 
 MAX_N = 16              # n's own cap; a batch's choices (prompts x n) are at most max(MAX_N, max_prompts)
 COMPLETIONS_LOGPROBS = 5     # /v1/completions' logprobs: at most 5 alternatives (OpenAI's bound)
@@ -187,7 +188,8 @@ def _max_tokens(name: str) -> Reader:
             return
         cap = d.limits.max_tokens
         if not (1 if not d.echo else 0) <= _checked(name, "max_tokens", value) <= cap:
-            raise bad(name, f"must be in [1, {cap}] ([0, ...] with echo: true), got {value}")
+            echo = "" if d.chat else " ([0, ...] with echo: true)"      # echo is /v1/completions' alone
+            raise bad(name, f"must be in [1, {cap}]{echo}, got {value}")
         d.max_name = name
         sampled("max_tokens", name)(value, d)
     return read
@@ -216,10 +218,10 @@ def _logit_bias(value: Any, d: Draft) -> None:
         raise bad("logit_bias", f"must be an object of at most {most} token ids")
     bias = {}
     for k, v in value.items():
-        try:
-            bias[int(k)] = v
-        except (TypeError, ValueError):
-            raise bad("logit_bias", f"key {k!r} is not a token id") from None
+        token = parse_decimal(k)
+        if token is None:
+            raise bad("logit_bias", f"key {k!r} is not a token id (ASCII decimal digits)")
+        bias[token] = v
     _checked("logit_bias", "logit_bias", bias)
     for k, v in value.items():
         if not -BIAS_RANGE <= v <= BIAS_RANGE:

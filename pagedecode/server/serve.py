@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     try:
         limits = ConnectionLimits(max_connections=args.max_connections or default_max_connections(),
                                   header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                                  keep_alive_timeout_s=args.keep_alive_timeout)
+                                  keep_alive_timeout_s=args.keep_alive_timeout, min_body_rate=args.min_body_rate,
+                                  max_connections_per_client=args.max_connections_per_client)
         keys = api_keys(args)          # a bad key file fails before the model loads
         speculative = speculative_config(args)
         options = engine_options(args)
@@ -76,7 +77,11 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
                 print(f"pagedecode serve: --kv-events: {e}", file=sys.stderr)
                 return 2
         ae = pd.AsyncEngine(engine)
-        app = server_app(args, ae, model_dir, keys)
+        try:
+            app = server_app(args, ae, model_dir, keys)
+        except ValueError as e:                          # the chat template, or its limits
+            print(f"pagedecode serve: {e}", file=sys.stderr)
+            return 2
         pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         capacity = engine.snapshot().pages_total * engine.config.page_size
@@ -97,9 +102,16 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
 def server_app(args: argparse.Namespace, ae: AsyncEngine, model_dir: Path, keys: tuple[str, ...]) -> Starlette:
     """The app over `ae` as the command line configures it (its lifespan starts and drains `ae`)."""
     from .app import build_app
+    from jinja2 import TemplateSyntaxError
+
     from .chat import ChatTemplate, load_template
+    from .template_sandbox import TemplateLimits
     source, specials = load_template(model_dir, args.chat_template)
-    template = ChatTemplate(source, specials) if source else None
+    try:
+        limits = TemplateLimits(time_s=args.chat_template_timeout, max_chars=args.chat_template_max_chars)
+        template = ChatTemplate(source, specials, limits) if source else None
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
     app = build_app(ae, model_name=ae.engine.model_name, chat_template=template, **server_options(args, keys),
                     generation_defaults=generation_defaults(model_dir))
     app.router.lifespan_context = lifespan(ae, app, args.grace_seconds)

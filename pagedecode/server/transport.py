@@ -11,10 +11,16 @@ file-descriptor limit):
                      so a slow client never holds a model slot)
     keep-alive       uvicorn's timeout_keep_alive: idle between requests
     closed           nothing is written to a connection once it is closing (see _Transport)
-    max connections  at the cap a new connection closes the connection idle the longest (no
-                     request running: waiting for headers or kept alive); when every connection
-                     has a request running, the new one gets a 503 (OpenAI error body,
-                     Connection: close) at once and is closed
+    max connections  at the cap a new connection closes a connection that holds a place without
+                     using it: first one whose body arrives slower than min_body_rate (measured
+                     after BODY_RATE_GRACE_S; it gets a 408, and its handler a disconnect), the
+                     slowest; else the connection idle the longest (no request running: waiting
+                     for headers or kept alive). When every connection has a request running,
+                     the new one gets a 503 (OpenAI error body, Connection: close) at once and
+                     is closed
+    per client       one address holds at most max_connections_per_client (default: half the
+                     cap): beyond, its own slow-body or idle connection makes room, else the new
+                     one gets a 429 the same way. (Clients behind one proxy share its address.)
 
 Shutdown: see DrainingServer.
 """
@@ -35,6 +41,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 MAX_CONNECTIONS_CEILING = 2048
 BACKLOG = 128        # the listen queue, and the most connections asyncio accepts before any is seen
 FD_RESERVE = 64      # descriptors for the process itself (~30 after loading: model files, pipes, torch)
+BODY_RATE_GRACE_S = 1.0   # a body's rate is judged only after this long (its first bytes may lag the headers)
 
 
 def default_max_connections() -> int:
@@ -52,10 +59,20 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0                    # connect (or next request's first byte) -> headers
     body_timeout_s: float = 20.0                      # headers -> the body's last byte
     keep_alive_timeout_s: float = 5.0                 # idle between two requests on one connection
+    min_body_rate: float = 1024.0                     # bytes/s: at the cap, a body slower is closed first (0: never)
+    max_connections_per_client: int | None = None     # one client address's connections (None: half the cap)
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if not self.min_body_rate >= 0:
+            raise ValueError(f"min_body_rate must be >= 0, got {self.min_body_rate}")
+        if self.max_connections_per_client is not None and self.max_connections_per_client < 1:
+            raise ValueError(f"max_connections_per_client must be >= 1, got {self.max_connections_per_client}")
+
+    @property
+    def per_client(self) -> int:
+        return self.max_connections_per_client or max(1, self.max_connections // 2)
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -104,11 +121,23 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._timer: asyncio.TimerHandle | None = None
         self._body_cycle: Any = None          # the request whose body the body timer is for
+        self._body_started = 0.0              # loop time the body began, and its bytes since
+        self._body_bytes = 0
         self._refused = False
         self.idle_since = next(_went_idle)
         super().connection_made(cast(asyncio.Transport, _Transport(transport)))
-        if len(self.connections) > self.limits.max_connections and not self._make_room():
-            self._refuse()
+        others = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)]
+        address = self.client[0] if self.client else None
+        mine = [c for c in others if c.client and c.client[0] == address] if address is not None else []
+        share = self.limits.per_client                  # (a share of the whole cap is the cap's 503 below)
+        if len(mine) >= share and share < self.limits.max_connections and not self._make_room(mine):
+            self._refuse("429 Too Many Requests", f"this address has {share} connections with requests running "
+                         f"(--max-connections-per-client {share}); retry later", "too_many_connections_from_client")
+            return
+        if len(self.connections) > self.limits.max_connections and not self._make_room(others):
+            n = self.limits.max_connections
+            self._refuse("503 Service Unavailable", f"the server has {n} connections with requests running "
+                         f"(--max-connections {n}); retry later", "too_many_connections")
             return
         self._arm(self.limits.header_timeout_s, self._headers_late)
 
@@ -116,24 +145,37 @@ class GuardedH11Protocol(H11Protocol):
         """A request of this connection is in the app."""
         return self.cycle is not None and not self.cycle.response_complete
 
-    def _make_room(self) -> bool:
-        idle = [c for c in self.connections
-                if c is not self and isinstance(c, GuardedH11Protocol) and not c._busy()]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda c: c.idle_since)
-        victim.transport.close()
+    def _slow_body_rate(self, now: float) -> float | None:
+        """The body's bytes per second, when it has arrived for BODY_RATE_GRACE_S at less than
+        min_body_rate; else None."""
+        if not (self._busy() and self.cycle.more_body and self._body_cycle is self.cycle):
+            return None
+        elapsed = now - self._body_started
+        rate = self._body_bytes / elapsed if elapsed > 0 else 0.0
+        return rate if elapsed >= BODY_RATE_GRACE_S and rate < self.limits.min_body_rate else None
+
+    def _make_room(self, candidates: list["GuardedH11Protocol"]) -> bool:
+        """Close one of `candidates` that holds a place without using it: the slowest body
+        below min_body_rate, else the longest idle. False when there is none."""
+        now = self.loop.time()
+        slow = [(rate, c) for c in candidates if (rate := c._slow_body_rate(now)) is not None]
+        if slow:
+            victim = min(slow, key=lambda rc: rc[0])[1]
+            victim._cut_body(f"request body arriving at under {self.limits.min_body_rate:g} bytes/s "
+                             "while the server is at its connection cap", "body_too_slow")
+        else:
+            idle = [c for c in candidates if not c._busy()]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda c: c.idle_since)
+            victim.transport.close()
         self.connections.discard(victim)      # its connection_lost comes later; the count is now
         return True
 
-    def _refuse(self) -> None:
+    def _refuse(self, status: str, message: str, code: str) -> None:
         self._refused = True
         self.connections.discard(self)
-        n = self.limits.max_connections
-        self.transport.write(_plain_response(
-            "503 Service Unavailable",
-            f"the server has {n} connections with requests running (--max-connections {n}); retry later",
-            "too_many_connections"))
+        self.transport.write(_plain_response(status, message, code))
         # closed when its request arrives (read first, so the close is no reset that could
         # destroy the 503 before the client reads it), or after a second at the latest
         self._arm(1.0, self.transport.close)
@@ -153,6 +195,8 @@ class GuardedH11Protocol(H11Protocol):
             return
         if not self._busy() and self._timer is None:       # a kept-alive connection's next request
             self._arm(self.limits.header_timeout_s, self._headers_late)
+        if self._body_cycle is not None and self._body_cycle is self.cycle:
+            self._body_bytes += len(data)
         super().data_received(data)
         self._follow_cycle()
 
@@ -167,6 +211,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle.more_body:
             if self._body_cycle is not self.cycle:
                 self._body_cycle = self.cycle
+                self._body_started, self._body_bytes = self.loop.time(), 0
                 self._arm(self.limits.body_timeout_s, self._body_late)
         else:
             self._disarm()
@@ -185,9 +230,14 @@ class GuardedH11Protocol(H11Protocol):
         cycle = self.cycle
         if cycle is None or not cycle.more_body or self.transport.is_closing():
             return
+        self._cut_body(f"request body not complete within {self.limits.body_timeout_s:g} s", "body_timeout")
+
+    def _cut_body(self, why: str, code: str) -> None:
+        """408 (unless a response began) and close, while the request's body is still arriving."""
+        self._disarm()
+        cycle = self.cycle
         if not cycle.response_started:
-            self.transport.write(_plain_response("408 Request Timeout", f"request body not complete within "
-                                                 f"{self.limits.body_timeout_s:g} s", "body_timeout"))
+            self.transport.write(_plain_response("408 Request Timeout", why, code))
         cycle.disconnected = True             # the handler's receive() answers http.disconnect
         cycle.message_event.set()
         self.transport.close()

@@ -57,21 +57,28 @@ def _apply(cached, tokens_of, batch):
 
 def _replay(ctx, address, start):
     """Ask the replay socket for the batches from seq `start` (a DEALER: one request, many
-    replies, each [empty delimiter, seq, payload]; [-1, b""] ends them)."""
+    replies, each [empty delimiter, seq, payload]; [-1, b""] ends them), asking again from the
+    next seq while an answer (bounded in batches and bytes) brings any."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(address)
-    dealer.send_multipart([b"", start.to_bytes(8, "big")])
     out = []
     try:
         while True:
-            assert dealer.poll(10_000), "no replay answer"
-            empty, seq, payload = dealer.recv_multipart()
-            assert empty == b""
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                assert payload == b""
+            dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            answer = []
+            while True:
+                assert dealer.poll(10_000), "no replay answer"
+                empty, seq, payload = dealer.recv_multipart()
+                assert empty == b""
+                if int.from_bytes(seq, "big", signed=True) == -1:
+                    assert payload == b""
+                    break
+                answer.append((int.from_bytes(seq, "big"), payload))
+            if not answer:
                 return out
-            out.append((int.from_bytes(seq, "big"), payload))
+            out += answer
+            start = answer[-1][0] + 1
     finally:
         dealer.close(0)
 

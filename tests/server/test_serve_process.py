@@ -178,7 +178,8 @@ def test_idle_and_slow_connections_are_closed_and_never_reach_the_engine(serve):
 def test_beyond_max_connections_idle_ones_make_room_then_503(serve):
     """At the cap a new client closes the longest-idle connection; when every connection has a
     request running (here: bodies still arriving), a new one gets a clear 503 at once."""
-    s = serve("--max-connections", "4", "--header-timeout", "30", "--body-timeout", "30")
+    s = serve("--max-connections", "4", "--header-timeout", "30", "--body-timeout", "30",
+              "--max-connections-per-client", "4", "--min-body-rate", "0")          # the cap alone
     idle = [s.connect() for _ in range(4)]
     assert httpx.get(s.url + "/health").status_code == 200          # served: the oldest idle one made room
     assert closed_by_server(idle[0], 5)
