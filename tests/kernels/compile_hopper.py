@@ -48,9 +48,13 @@ def cases():
               "out_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "slot_ptr": "*i64"}
         for block_n in ((32, 64, 128) if dt == "bf16" else (64,)):
             yield f"decode split {dt} n={block_n}", DA._decode_split_kernel, kv, dict(
-                GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=256, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=128, DOT_DTYPE=tdt)
+                GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=128, DOT_DTYPE=tdt,
+                WRITE_OUT=False)
+        # one split per sequence: the split kernel writes the output itself (no merge launch)
+        yield f"decode split direct {dt}", DA._decode_split_kernel, kv, dict(
+            GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_DTYPE=tdt, WRITE_OUT=True)
         yield f"decode merge {dt}", DA._decode_merge_kernel, kv, dict(HEAD_DIM=128, BLOCK_D=128,
-                                                                            SPLIT=256)
+                                                                            BLOCK_S=DA.MERGE_BLOCK)
         for bm, bn in (((64, 64), (128, 64), (128, 32), (64, 32)) if dt == "bf16" else ((64, 64),)):
             yield f"extend {dt} m={bm} n={bn}", EA._extend_kernel, kv, dict(
                 GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=bm // 4, BLOCK_N=bn, BLOCK_D=128,
