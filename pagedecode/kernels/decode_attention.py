@@ -256,7 +256,7 @@ def decode_partials(q, k_cache, v_cache, page_table, seq_lens, scale: float, spl
 
 
 def _launch(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_tokens: int, block_n: int | None,
-            num_warps: int, num_stages: int, finish: Finish):
+            num_warps: int, num_stages: int, finish: Finish, max_len: int | None = None):
     """finish: "direct" (one split per sequence: the split kernel writes the output), "merge"
     (split kernel, then the merge kernel), "partials" (the split kernel's partials, unmerged)."""
     B, Hq, D = q.shape
@@ -266,7 +266,7 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_token
     assert k_cache.stride() == v_cache.stride() and page_table.stride(-1) == 1
     block_n = block_n or (16 if interpreting() else 64)
     assert split_tokens % block_n == 0 and block_n >= 16
-    num_splits = max(1, -(-int(seq_lens.max()) // split_tokens))
+    num_splits = max(1, -(-(int(seq_lens.max()) if max_len is None else max_len) // split_tokens))
     direct = finish == "direct"
     part_out = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
@@ -292,30 +292,34 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_token
 
 def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale: float,
                                   split_tokens: int | None = None, deterministic: bool = False,
-                                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+                                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                                  max_seq_len: int | None = None):
     """split_tokens None: SPLIT_TOKENS in deterministic mode, else split_tokens_for()'s choice.
     A launch whose sequences all fit one split skips the merge (outside deterministic mode, whose
     bits must not depend on whether a longer sequence shares the batch). Launch parameters are
-    arguments so benchmarks/kernel_sweep.py --sweep can compare them."""
+    arguments so benchmarks/kernel_sweep.py --sweep can compare them. max_seq_len: a host bound
+    on seq_lens (a CUDA graph's), read instead of seq_lens (no device-to-host copy)."""
     block_n = block_n or (16 if interpreting() else 64)
-    max_len = int(seq_lens.max())
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     if split_tokens is None:
         split_tokens = SPLIT_TOKENS if deterministic else split_tokens_for(
             q.shape[0], k_cache.shape[2], max_len, sm_count(q.device), block_n)
     one_split = max_len <= split_tokens
     finish: Finish = "direct" if one_split and not deterministic else "merge"
     return _launch(q, k_cache, v_cache, page_table, seq_lens, scale, split_tokens, block_n, num_warps,
-                   num_stages, finish)
+                   num_stages, finish, max_len)
 
 
 def paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float | None = None,
-                           backend: str = "auto", deterministic: bool = False):
+                           backend: str = "auto", deterministic: bool = False, max_seq_len: int | None = None):
     """Attention of one query token per sequence over its paged context (see module docstring).
     On CUDA tensors (backend "auto") the split-KV Triton kernel, its splits sized by
-    split_tokens_for(); deterministic: fixed SPLIT_TOKENS splits (batch-invariant bits)."""
+    split_tokens_for(); deterministic: fixed SPLIT_TOKENS splits (batch-invariant bits).
+    max_seq_len: a host bound on seq_lens that sizes the splits instead of seq_lens' own maximum
+    (which costs a device-to-host copy, impossible inside a CUDA graph)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(q, backend):
         return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale,
-                                             deterministic=deterministic)
+                                             deterministic=deterministic, max_seq_len=max_seq_len)
     return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale)

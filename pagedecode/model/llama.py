@@ -313,7 +313,8 @@ class LlamaModel:
             return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1], self.scale)
         if nd == b.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, self.scale,
-                                          backend=self.attention_backend, deterministic=self.deterministic)
+                                          backend=self.attention_backend, deterministic=self.deterministic,
+                                          max_seq_len=b.max_seq_len)
         if nd == 0:
             return paged_extend_attention(q, k_cache, v_cache, b.page_table, b.cu_q, b.seq_lens, self.scale,
                                           backend=self.attention_backend, max_new=b.max_new,
