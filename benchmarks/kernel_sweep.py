@@ -337,6 +337,15 @@ def sweep(bw, rows, save):
                 rows.append({"kernel": f"decode B={batch} ctx={ctx}", **cfg, "error": str(e)[:200]})
             print(json.dumps(rows[-1]), flush=True)
             save()
+        # split lengths around the heuristic's choice (split_tokens_for): is it the fastest?
+        for split in (256, 512, 1024, 2048, 4096):
+            i = iter(range(10**9))
+            us = bench(lambda: paged_decode_attention_triton(qs[next(i) % COPIES], kc, vc, tables[next(i) % COPIES],
+                                                             lens, D ** -0.5, split_tokens=split))
+            rows.append({"kernel": f"decode B={batch} ctx={ctx}", "split_tokens": split, "us": round(us, 1),
+                         "of_bandwidth": round(nbytes / (us * 1e-6) / 1e9 / bw, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+            save()
         del kc, vc
         torch.cuda.empty_cache()
     n = 8192
