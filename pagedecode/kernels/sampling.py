@@ -410,7 +410,8 @@ def tile_sizes(V: int) -> tuple[int, int, int]:
 def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None,
                   bitmask: torch.Tensor | None = None, scratch: SamplerScratch | None = None) -> SampleOutput:
     B, V = logits.shape
-    assert logits.stride(-1) == 1
+    if logits.stride(-1) != 1 or logits.stride(0) != V:
+        logits = logits.contiguous()          # passes 2 and 3 read rows V apart (the processed buffer's layout)
     dev = logits.device
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     logprobs = torch.empty(B, dtype=torch.float32, device=dev)

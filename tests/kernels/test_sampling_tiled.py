@@ -119,3 +119,15 @@ def test_a_requests_token_is_the_same_alone_in_a_batch_and_in_any_order():
     for i in (0, 1, 4, 6, 8):
         alone = sample(logits[i:i + 1].to(DEVICE), inputs([rows[i]]).to(DEVICE), backend="triton").tokens.item()
         assert alone == batch[i].item()
+
+
+def test_rows_of_a_wider_tensor():
+    """Logits whose rows lie further apart than the vocabulary (a column slice): every pass reads
+    the row it should (they are made contiguous first)."""
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(3, 100, generator=g) * 2
+    logits = wide[:, :70]
+    rows = [dict(temperature=0.8, top_k=4, seed=1), dict(temperature=1.0, seed=2), dict(temperature=0.0)]
+    inp = inputs(rows)
+    out = sample(logits.to(DEVICE), inp.to(DEVICE), backend="triton")
+    assert out.tokens.cpu().tolist() == sample_ref(logits.contiguous(), inp).tokens.tolist()
