@@ -114,7 +114,7 @@ Capture = Callable[[Callable[[], torch.Tensor]], "tuple[Replay, torch.Tensor, in
 def cuda_capture(pool: Any) -> Capture:
     """Capture fn into a CUDA graph in `pool` after two warm-up runs on a side stream (they compile
     the Triton kernels and settle the allocator). Returns (replay, the output tensor the replay
-    refills, bytes the capture added to the device's allocations)."""
+    refills, bytes the capture added to what the allocator holds: the pool's new segments)."""
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor, int]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -123,12 +123,12 @@ def cuda_capture(pool: Any) -> Capture:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
         torch.cuda.synchronize()
-        return graph.replay, out, torch.cuda.memory_allocated() - before
+        return graph.replay, out, torch.cuda.memory_reserved() - before
     return capture
 
 
