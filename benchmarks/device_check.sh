@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The device check: one call on a lent CUDA GPU (an H200), in the project's own venv; every
-# step together at most 600 s (STEPS= a few of them for a rerun within a 15-minute lease).
+# The device check: one call on a lent CUDA GPU (an H100 / H200), in the project's own venv; the
+# default steps together at most 480 s (STEPS= a few of them for a rerun within a 15-minute lease).
 #
 #   bash benchmarks/device_check.sh            run every step (results under $OUT, else
 #                                             benchmarks/results/device-<date>-<time>/)
@@ -10,12 +10,22 @@
 # Steps, each with its own timeout, each writing its JSON as it finishes (a timeout or a kill
 # keeps what was done; steps.json says which ran, how long, and how each ended):
 #   env      GPU, driver, torch / triton versions                                   env.json
-#   tests    kernel tests, the CUDA engine test and deterministic mode's model
-#            test, compiled (not interpreted)                                       tests.json
-#   kernels  copy bandwidth; decode attention vs HBM bandwidth, prefill TFLOP/s,
-#            sampling us, KV write, each beside its torch baseline; deterministic
-#            mode's matmul / RMSNorm vs torch and its extend vs the default extend,
-#            with their bitwise checks ("det ..." rows); config sweep              kernels.json
+#   build    every Triton kernel compiled ahead of time for sm_90 (a compile error
+#            stops nothing else, but shows before the long steps)                  build.log
+#   tests    kernel tests, the CUDA engine test, deterministic mode's model test
+#            and the decode graphs' bitwise test, compiled (not interpreted)        tests.json
+#   kernels  copy bandwidth; split-KV decode attention (8B shape: 32 q / 8 kv heads,
+#            d128: B=64 x 4k, B=32 x 4k, B=1 x 32k, and B=1 x 32k in deterministic
+#            mode's fixed splits) vs HBM bandwidth, prefill TFLOP/s, the tiled
+#            sampler over 64 x 128,256 (top-k + top-p, greedy, min-p, top-p alone;
+#            a seed per row) with its reference and batch checks, KV write, each
+#            beside its torch baseline; deterministic mode's matmul / RMSNorm vs
+#            torch and its extend vs the default extend ("det ..." rows); the
+#            config sweep with SWEEP=1                                              kernels.json
+#   e2e      benchmarks/gpu_e2e.py: SmolLM2-135M (bf16, q8_0, q4_0; its GGUF at
+#            benchmarks/.cache/smollm2.gguf when carried), 1B- and 8B-shaped
+#            random Llamas: tokens/s, TTFT, ITL with and without decode graphs,
+#            transformers' generate, host vs GPU time per step                     e2e.json
 #   quant    copy bandwidth; Q8_0 / Q4_0 GEMV and GEMM: weight GB/s vs it, beside
 #            dequantize + matmul and a dense bf16 matmul; config sweep              quant.json
 #   micro    the pytest-benchmark micro-benchmarks (benchmarks/micro) on CUDA       micro.json
@@ -23,6 +33,7 @@
 #            equal tokens, microseconds (benchmarks/speculative.py --kernel)        spec.json
 #   engine   benchmarks/engine_vs_hf.py --device cuda (pagedecode vs transformers)  engine.json
 #   tp2      tensor parallelism on 2 GPUs (skipped with fewer)                      tp2.json
+# Default: env build tests kernels quant e2e; micro, spec, engine and tp2 run when STEPS names them.
 # Failures are recorded by kernel and shape (kernels.json rows carry "error"); the script exits
 # non-zero when any step failed or timed out, after running the rest.
 #
@@ -59,7 +70,7 @@ fi
 PY="${PY:-$PWD/.venv/bin/python}"
 RESULTS="${OUT:-benchmarks/results/device-$(date +%F-%H%M%S)}"
 mkdir -p "$RESULTS"
-STEPS="${STEPS:-env tests kernels quant micro spec engine tp2}"
+STEPS="${STEPS:-env build tests kernels quant e2e}"
 
 STATUS="$RESULTS/steps.json"
 echo "[]" > "$STATUS"
@@ -84,7 +95,7 @@ step() {  # name timeout command...
   if [ "$rc" -ne 0 ]; then FAILED=1; echo "!! step $name: rc=$rc (see $RESULTS/$name.log)"; fi
 }
 
-step env 30 "$PY" -c "
+step env 20 "$PY" -c "
 import json, subprocess, torch, triton
 smi = subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total', '--format=csv,noheader'],
                      capture_output=True, text=True).stdout.strip()
@@ -92,8 +103,10 @@ env = {'gpu': torch.cuda.get_device_name(), 'nvidia_smi': smi, 'torch': torch.__
        'triton': triton.__version__, 'capability': list(torch.cuda.get_device_capability())}
 print(env); open('$RESULTS/env.json', 'w').write(json.dumps(env, indent=1) + '\n')"
 
-# (the sm_90 ahead-of-time compile is CI's check: here every kernel compiles for real)
-step tests 120 "$PY" -m pytest tests/kernels tests/model/test_cuda_engine.py tests/model/test_deterministic_triton.py \
+step build 40 "$PY" tests/kernels/compile_hopper.py
+
+step tests 70 "$PY" -m pytest tests/kernels tests/model/test_cuda_engine.py tests/model/test_deterministic_triton.py \
+  tests/model/test_cuda_graphs.py \
   -q -p no:cacheprovider -o addopts= \
   --ignore=tests/kernels/test_compile_hopper.py --junitxml="$RESULTS/tests.xml"
 [ -f "$RESULTS/tests.xml" ] && "$PY" - "$RESULTS/tests.xml" "$RESULTS/tests.json" <<'PY' || true
@@ -107,9 +120,13 @@ for c in ET.parse(sys.argv[1]).iter("testcase"):
 open(sys.argv[2], "w").write(json.dumps(cases, indent=1) + "\n")
 PY
 
-step kernels 160 "$PY" benchmarks/kernel_sweep.py --sweep --out "$RESULTS/kernels.json"
+SWEEP_FLAG=""; [ "${SWEEP:-0}" = "1" ] && SWEEP_FLAG="--sweep"
+step kernels 110 "$PY" benchmarks/kernel_sweep.py $SWEEP_FLAG --out "$RESULTS/kernels.json"
 
-step quant 90 "$PY" benchmarks/kernel_sweep.py --quant --sweep --out "$RESULTS/quant.json"
+step quant 60 "$PY" benchmarks/kernel_sweep.py --quant $SWEEP_FLAG --out "$RESULTS/quant.json"
+
+SMOLLM2_FLAG=""; [ -f benchmarks/.cache/smollm2.gguf ] && SMOLLM2_FLAG="--smollm2 benchmarks/.cache/smollm2.gguf"
+step e2e 180 "$PY" benchmarks/gpu_e2e.py $SMOLLM2_FLAG --out "$RESULTS/e2e.json"
 
 step micro 60 "$PY" -m pytest benchmarks/micro/test_ops.py -q -p no:cacheprovider -o addopts= \
   --benchmark-json="$RESULTS/micro.json" --benchmark-max-time=0.5

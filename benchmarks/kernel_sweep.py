@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_triton  # noqa: E402
+from pagedecode.kernels.decode_attention import (SPLIT_TOKENS, paged_decode_attention,  # noqa: E402
+                                                 paged_decode_attention_triton, sm_count, split_tokens_for)
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_triton  # noqa: E402
 from pagedecode.kernels.kv_write import write_kv  # noqa: E402
 from pagedecode.kernels.matmul import deterministic_linear  # noqa: E402
@@ -79,20 +80,25 @@ def torch_decode(q, kc, vc, table, lens):
     return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
 
 
-def decode_case(batch, ctx, bw, goal_us):
+def decode_case(batch, ctx, bw, goal_us, deterministic=False):
+    """Split-KV decode: the heuristic's split length (split_tokens_for) or, deterministic, the
+    fixed SPLIT_TOKENS; rows say which."""
     kc, vc, tables, lens = paged_setup(batch, ctx)
     qs = [torch.randn(batch, HQ, D, dtype=DT, device="cuda") for _ in range(COPIES)]
-    out = paged_decode_attention(qs[0], kc, vc, tables[0], lens)
+    run = lambda q, t: paged_decode_attention(q, kc, vc, t, lens, deterministic=deterministic)  # noqa: E731
+    out = run(qs[0], tables[0])
     ref = torch_decode(qs[0].float(), kc.float(), vc.float(), tables[0], lens)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     i = iter(range(10**9))
-    ours = bench(lambda: paged_decode_attention(qs[next(i) % COPIES], kc, vc, tables[next(i) % COPIES], lens))
+    ours = bench(lambda: run(qs[next(i) % COPIES], tables[next(i) % COPIES]))
     base = bench(lambda: torch_decode(qs[next(i) % COPIES], kc, vc, tables[next(i) % COPIES], lens))
     nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * batch * HQ * D * 2
     gbs = nbytes / (ours * 1e-6) / 1e9
-    return {"kernel": f"decode B={batch} ctx={ctx}", "us": round(ours, 1), "torch_us": round(base, 1),
+    split = SPLIT_TOKENS if deterministic else split_tokens_for(batch, HKV, ctx, sm_count(qs[0].device), 64)
+    return {"kernel": f"decode B={batch} ctx={ctx}" + (" deterministic" if deterministic else ""),
+            "us": round(ours, 1), "torch_us": round(base, 1),
             "speedup": round(base / ours, 2), "GB/s": round(gbs), "of_bandwidth": round(gbs / bw, 3),
-            "goal_us": goal_us, "rel_err": err}
+            "goal_us": goal_us, "rel_err": err, "split_tokens": split, "splits": -(-ctx // split)}
 
 
 def prefill_case(n, goal_tflops):
@@ -192,20 +198,35 @@ def torch_sort_sampler(logits, temperature, top_k, top_p):
     return idx.gather(1, choice)[:, 0]
 
 
-def sampling_case(goal_us):
+SAMPLING_CASES = {      # name -> (temperature, top_k, top_p, min_p, goal us on H200 (issue 39))
+    "T=0.8 k=50 p=0.9": (0.8, 50, 0.9, 0.0, 200),
+    "greedy": (0.0, 0, 1.0, 0.0, 20),
+    "T=1.0 min_p=0.05": (1.0, 0, 1.0, 0.05, 200),
+    "T=0.8 p=0.9 (row path)": (0.8, 0, 0.9, 0.0, None),
+}
+
+
+def sampling_case(name):
+    """64 rows x Llama 3's 128,256 tokens, each row its own seed (Philox stream): the tokens
+    against the reference's, row 5's token alone against in the batch, then the time beside a
+    torch sort + multinomial sampler."""
+    temperature, top_k, top_p, min_p, goal_us = SAMPLING_CASES[name]
     B, V = 64, 128256
     logits = [torch.randn(B, V, device="cuda") * 4 for _ in range(COPIES)]
-    inp = make_sampling_inputs([0.8] * B, [50] * B, [0.9] * B, [0.0] * B, list(range(B)), [7] * B, device="cuda")
+    inp = make_sampling_inputs([temperature] * B, [top_k] * B, [top_p] * B, [min_p] * B,
+                               [1000003 * r for r in range(B)], [7] * B, device="cuda")
     got = sample(logits[0], inp).tokens
     want = sample_ref(logits[0], inp).tokens
     agree = (got == want).float().mean().item()
+    one = make_sampling_inputs([temperature], [top_k], [top_p], [min_p], [1000003 * 5], [7], device="cuda")
+    alone = sample(logits[0][5:6], one).tokens
     i = iter(range(10**9))
     ours = bench(lambda: sample(logits[next(i) % COPIES], inp))
-    t, k, p = inp.temperature, inp.top_k.long(), inp.top_p
+    t, k, p = inp.temperature.clamp_min(1e-5), torch.where(inp.top_k > 0, inp.top_k, V).long(), inp.top_p
     base = bench(lambda: torch_sort_sampler(logits[next(i) % COPIES], t, k, p))
-    return {"kernel": "sampling 64x128256 T=0.8 k=50 p=0.9", "us": round(ours, 1), "torch_us": round(base, 1),
-            "speedup": round(base / ours, 2), "goal_us": goal_us, "goal_speedup": 5.0,
-            "agrees_with_reference": agree}
+    return {"kernel": f"sampling 64x128256 {name}", "us": round(ours, 1), "torch_us": round(base, 1),
+            "speedup": round(base / ours, 2), "goal_us": goal_us, "agrees_with_reference": agree,
+            "same_token_alone": bool(alone.item() == got[5].item())}
 
 
 def kv_write_case(bw, goal_us):
@@ -316,6 +337,15 @@ def sweep(bw, rows, save):
                 rows.append({"kernel": f"decode B={batch} ctx={ctx}", **cfg, "error": str(e)[:200]})
             print(json.dumps(rows[-1]), flush=True)
             save()
+        # split lengths around the heuristic's choice (split_tokens_for): is it the fastest?
+        for split in (256, 512, 1024, 2048, 4096):
+            i = iter(range(10**9))
+            us = bench(lambda: paged_decode_attention_triton(qs[next(i) % COPIES], kc, vc, tables[next(i) % COPIES],
+                                                             lens, D ** -0.5, split_tokens=split))
+            rows.append({"kernel": f"decode B={batch} ctx={ctx}", "split_tokens": split, "us": round(us, 1),
+                         "of_bandwidth": round(nbytes / (us * 1e-6) / 1e9 / bw, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+            save()
         del kc, vc
         torch.cuda.empty_cache()
     n = 8192
@@ -389,11 +419,12 @@ def main(argv=None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     cases = [("decode B=64 ctx=4096", lambda: decode_case(64, 4096, bw, 312)),
-             ("decode B=32 ctx=4096", lambda: decode_case(32, 4096, bw, 156)),
-             ("decode B=1 ctx=32768", lambda: decode_case(1, 32768, bw, 50)),
-             ("prefill causal n=8192", lambda: prefill_case(8192, 300)),
-             ("sampling 64x128256 T=0.8 k=50 p=0.9", lambda: sampling_case(60)),
-             ("kv write T=8192", lambda: kv_write_case(bw, 22))]
+             ("decode B=32 ctx=4096", lambda: decode_case(32, 4096, bw, 160)),
+             ("decode B=1 ctx=32768", lambda: decode_case(1, 32768, bw, 40)),
+             ("decode B=1 ctx=32768 deterministic", lambda: decode_case(1, 32768, bw, None, deterministic=True)),
+             ("prefill causal n=8192", lambda: prefill_case(8192, 300))]
+    cases += [(f"sampling 64x128256 {name}", lambda name=name: sampling_case(name)) for name in SAMPLING_CASES]
+    cases += [("kv write T=8192", lambda: kv_write_case(bw, 22))]
     cases += [(f"det matmul M={m} {n}x{k}", lambda m=m, n=n, k=k: det_matmul_case(m, n, k))
               for m, n, k in ((1, 28672, 4096), (64, 28672, 4096), (4096, 28672, 4096), (64, 128256, 4096))]
     cases += [(f"det rmsnorm M={m}", lambda m=m: det_rmsnorm_case(m)) for m in (1, 4096)]
@@ -420,7 +451,8 @@ def main(argv=None) -> int:
     print(f"{'kernel':<40}{'us':>9}{'torch us':>10}{'x':>7}  fraction / rate")
     for r in rows[1:]:
         rate = r.get("of_bandwidth", r.get("TFLOP/s", r.get("agrees_with_reference", r.get("error", ""))))
-        bits = {k: r[k] for k in ("row_invariant", "same_bits_as_decode") if k in r}   # deterministic rows
+        bits = {k: r[k] for k in ("row_invariant", "same_bits_as_decode", "same_token_alone", "splits")
+                if k in r}   # deterministic rows, sampling's batch check, decode's splits
         base = r.get("torch_us", r.get("default_us", float("nan")))                    # det extend: the default
         print(f"{r['kernel']:<40}{r.get('us', float('nan')):>9}{base:>10}"
               f"{r.get('speedup', float('nan')):>7}  {rate}{'  ' + str(bits) if bits else ''}")

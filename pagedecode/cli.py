@@ -47,6 +47,7 @@ def _engine(args: argparse.Namespace) -> Any:
         raise CliError(str(e)) from None
     options = {"max_batch_size": max(8, getattr(args, "requests", 1)), "speculative": speculative,
                "deterministic": getattr(args, "deterministic", False),
+               "enforce_eager": getattr(args, "enforce_eager", False),
                "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}
     try:
         return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
@@ -216,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         p.add_argument("--deterministic", action="store_true",
                        help="batch-invariant kernels: the same prompt and seed give the same bits whatever else runs")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: no decode graphs, every step launched kernel by kernel")
         p.add_argument("--kv-cache-dtype", default="auto",
                        help="the KV cache's element type: auto (the model's), float16 or bfloat16 (half a float32 "
                             "model's cache), float32; or fp16, bf16, ...")

@@ -148,3 +148,27 @@ def test_quantized_smallest_on_stories(stories_path, tmp_path):
         assert result["llamacpp"].startswith("llama.cpp not built") and "llamacpp" not in result["results"][0]
     with pytest.raises(SystemExit, match="includes f32"):
         quantized.main(["--formats", "q8_0", "--out", str(tmp_path / "x.json")])
+
+
+def test_gpu_e2e_runs_its_rows_on_a_tiny_llama_on_cpu(monkeypatch):
+    """benchmarks/gpu_e2e.py's pipeline (random weights shared with transformers, engines with and
+    without graphs, transformers' generate, the step profile) on a tiny shape on CPU: every row
+    it promises, with figures, and greedy tokens that agree with transformers'."""
+    pytest.importorskip("transformers")
+    import gpu_e2e
+    monkeypatch.setitem(gpu_e2e.SHAPES, "tiny", dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+        tie_word_embeddings=False))
+    monkeypatch.setattr(gpu_e2e, "PROMPT", 24)
+    rows = []
+    gpu_e2e.random_rows("tiny", 6, rows.append, device="cpu", prompt=24, concurrent=3)
+    runs = [r for r in rows if "workload" in r]
+    assert [r["workload"] for r in runs] == ["single", "concurrent"]
+    for r in runs:
+        for engine in ("pagedecode", "pagedecode_eager", "transformers"):
+            assert r[engine]["tokens_per_s"] > 0 and r[engine]["ttft"]["p50_ms"] >= 0
+        assert r["graphs_agree_with_eager"] == 1.0
+        assert r["greedy_agrees_with_transformers"] >= 2 / 3
+    profiles = [r["step_profile"] for r in rows if "step_profile" in r]
+    assert [p["batch"] for p in profiles] == [3, 3, 1, 1] and all(p["wall_us_per_step"] > 0 for p in profiles)

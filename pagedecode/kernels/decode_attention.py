@@ -11,7 +11,9 @@ Query head h reads KV head h // (q_heads // kv_heads) (grouped-query attention).
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Literal
 
 import torch
 
@@ -21,12 +23,46 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-# Tokens per split. Fixed, never derived from the batch, so a sequence's result is the same
-# whichever batch it is in (the merge always sees the same partials in the same order). The
-# number of split programs follows the batch's longest sequence, but a shorter sequence's extra
-# splits are empty and its merge stops at its own last split, so it runs exactly the operations
-# it runs alone; extend attention's deterministic mode relies on this.
+# Flash-decoding: a sequence's context is cut into splits of `split_tokens` tokens, one program
+# per (sequence, KV head, split), and a second kernel merges the splits' partial (output,
+# log-sum-exp) pairs.
+#
+# Deterministic mode: splits of SPLIT_TOKENS, fixed, never derived from the batch, so a sequence's
+# result is the same whichever batch it is in (the merge always sees the same partials in the
+# same order). The number of split programs follows the batch's longest sequence, but a shorter
+# sequence's extra splits are empty and its merge stops at its own last split, so it runs exactly
+# the operations it runs alone; extend attention's deterministic mode relies on this.
 SPLIT_TOKENS = 256
+Finish = Literal["direct", "merge", "partials"]
+# Otherwise split_tokens_for() sizes the splits so the grid fills the GPU (heuristic there).
+WAVES = 2               # programs wanted: WAVES x SMs (one wave leaves SMs idle at the tail)
+MAX_SPLITS = 64         # more splits add merge work and partial traffic for little gain
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (q load, partial write) outweighs its tokens
+MERGE_BLOCK = 16        # splits the merge folds per step (fixed: the merge order never depends on the batch)
+
+
+def split_tokens_for(batch: int, kv_heads: int, max_len: int, num_sms: int, block_n: int) -> int:
+    """Split length for a non-deterministic launch. The (sequence, KV head) programs alone fill
+    batch * kv_heads slots; when that is under WAVES waves of the SMs, each sequence is cut into
+    ceil(WAVES * num_sms / (batch * kv_heads)) splits, at most MAX_SPLITS and none shorter than
+    MIN_SPLIT_TOKENS; the length is rounded up to the kernel's tile (block_n).
+
+    8B shape (8 KV heads) on 132 SMs: B=64 -> 1 split; B=32 -> 2; B=8 -> 5; B=1 x 32k -> 32
+    splits of 1024 tokens; SmolLM2 (3 KV heads) B=1 x 32k -> 64 splits of 512."""
+    programs = max(1, batch * kv_heads)
+    splits = min(MAX_SPLITS, -(-WAVES * num_sms // programs))
+    splits = max(1, min(splits, max_len // MIN_SPLIT_TOKENS))
+    length = -(-max(1, max_len) // splits)
+    return -(-length // block_n) * block_n
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; on CPU (the interpreter) an H200's 132, so
+    the heuristic chooses there what it would choose on the GPU."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -85,6 +121,19 @@ def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale:
     return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, valid, scale)
 
 
+
+def merge_partials_ref(part_out: torch.Tensor, part_lse: torch.Tensor, own_splits: torch.Tensor) -> torch.Tensor:
+    """The merge's math in float64: part_out (B, H, S, D) float32 (each split's softmax-weighted
+    values, normalised within the split), part_lse (B, H, S) (log2 of each split's sum of
+    exp2(scores), -inf for an empty split), own_splits (B,) (splits the sequence has) ->
+    (B, H, D) float64 = sum_s 2**lse_s * out_s / sum_s 2**lse_s over the sequence's own splits."""
+    S = part_lse.shape[-1]
+    own = torch.arange(S, device=part_lse.device)[None, :] < own_splits[:, None].long()   # (B, S)
+    lse = part_lse.double().masked_fill(~own[:, None, :], float("-inf"))                   # (B, H, S)
+    w = torch.exp2(lse - lse.max(dim=-1, keepdim=True).values)                            # (B, H, S)
+    out = part_out.double().masked_fill(~own[:, None, :, None], 0.0)
+    return (w[..., None] * out).sum(-2) / w.sum(-1, keepdim=True)
+
 if HAS_TRITON:
     @triton.jit
     def _kv_tile(kc_ptr, vc_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co, stride_ch,
@@ -111,13 +160,17 @@ if HAS_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
                              sm_scale_log2,
                              stride_qb, stride_qh, stride_cp, stride_co, stride_ch, stride_ptb,
-                             num_splits,
+                             stride_ob, stride_oh, num_splits, split_tokens,
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                             SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                             BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, WRITE_OUT: tl.constexpr):
+        """One (sequence, KV head, split): its query heads against tokens
+        [split * split_tokens, min((split + 1) * split_tokens, seq_len)). WRITE_OUT (one split per
+        sequence): the normalised output goes straight to out_ptr, bit for bit what the merge
+        would write (merging one split multiplies by 2**0 = 1 and divides by 1)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -133,8 +186,8 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        start = split * SPLIT
-        end = tl.minimum(start + SPLIT, seq_len)
+        start = split * split_tokens
+        end = tl.minimum(start + split_tokens, seq_len)
         pt_row = pt_ptr + b.to(tl.int64) * stride_ptb
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)         # logical token positions of this tile
@@ -147,77 +200,126 @@ if HAS_TRITON:
         # an empty split (start >= seq_len) leaves l_i = 0: write lse = -inf and zeros, never 0/0
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        q_heads = GROUP * tl.num_programs(1)
-        base = (b.to(tl.int64) * q_heads + heads) * num_splits + split      # (BLOCK_G,)
-        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out,
-                 mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(part_lse_ptr + base, lse, mask=g_ok)
+        if WRITE_OUT:
+            tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            q_heads = GROUP * tl.num_programs(1)
+            base = (b.to(tl.int64) * q_heads + heads) * num_splits + split      # (BLOCK_G,)
+            tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out,
+                     mask=g_ok[:, None] & d_ok[None, :])
+            tl.store(part_lse_ptr + base, lse, mask=g_ok)
 
     @triton.jit
     def _decode_merge_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_splits,
-                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
+                             split_tokens,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One (sequence, query head): folds its own splits BLOCK_S at a time (loads of a whole
+        block in flight at once, not one dependent load per split), in split order."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
+        s = tl.arange(0, BLOCK_S)
         base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
         m = tl.full([1], float("-inf"), tl.float32)
         total = tl.zeros([1], tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
         # this sequence's own splits only: the batch's longest sequence sets num_splits, and folding
         # an empty split in (x * 1 + 0) could still turn an exact -0 into +0
-        own_splits = tl.cdiv(tl.load(lens_ptr + b), SPLIT)
-        for s in range(0, own_splits):
-            lse = tl.load(part_lse_ptr + base + s + tl.zeros([1], tl.int32))
-            part = tl.load(part_out_ptr + (base + s) * HEAD_DIM + d, mask=d_ok, other=0.0)
-            m_new = tl.maximum(m, lse)
+        own_splits = tl.cdiv(tl.load(lens_ptr + b), split_tokens)
+        for s0 in range(0, own_splits, BLOCK_S):
+            at = s0 + s
+            ok = at < own_splits
+            lse = tl.load(part_lse_ptr + base + at, mask=ok, other=float("-inf"))               # (S,)
+            part = tl.load(part_out_ptr + (base + at)[:, None] * HEAD_DIM + d[None, :],
+                           mask=ok[:, None] & d_ok[None, :], other=0.0)                         # (S, D)
+            m_new = tl.maximum(m, tl.max(lse, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # all splits so far empty
             scale_old = tl.exp2(m - m_safe)
-            w = tl.exp2(lse - m_safe)
-            total = total * scale_old + w
-            acc = acc * scale_old + w * part
+            w = tl.exp2(lse - m_safe)                                # (S,); 0 for masked and empty splits
+            total = total * scale_old + tl.sum(w, 0)
+            acc = acc * scale_old + tl.sum(w[:, None] * part, 0)
             m = m_new
         out = acc / total
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d,
                  out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale: float,
-                                  split_tokens: int = SPLIT_TOKENS, block_n: int | None = None,
-                                  num_warps: int = 4, num_stages: int = 2):
-    """Launch parameters are arguments so benchmarks/kernel_sweep.py --sweep can compare them."""
+def decode_partials(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_tokens: int,
+                    block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+    """The split kernel alone: (part_out (B, Hq, S, D) float32, part_lse (B, Hq, S) float32,
+    S = splits of the longest sequence). For tests of the merge against merge_partials_ref."""
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, scale, split_tokens, block_n, num_warps,
+                   num_stages, "partials")
+
+
+def _launch(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_tokens: int, block_n: int | None,
+            num_warps: int, num_stages: int, finish: Finish, max_len: int | None = None):
+    """finish: "direct" (one split per sequence: the split kernel writes the output), "merge"
+    (split kernel, then the merge kernel), "partials" (the split kernel's partials, unmerged)."""
     B, Hq, D = q.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
     assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and page_table.stride(-1) == 1
     block_n = block_n or (16 if interpreting() else 64)
-    assert split_tokens % block_n == 0
-    num_splits = max(1, -(-int(seq_lens.max()) // split_tokens))
+    assert split_tokens % block_n == 0 and block_n >= 16
+    num_splits = max(1, -(-(int(seq_lens.max()) if max_len is None else max_len) // split_tokens))
+    direct = finish == "direct"
     part_out = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     block_g = max(16, triton.next_power_of_2(group))      # tl.dot needs M >= 16 on NVIDIA
     block_d = max(16, triton.next_power_of_2(D))
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        page_table.stride(0), num_splits,
-        GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, SPLIT=split_tokens, BLOCK_G=block_g,
-        BLOCK_N=block_n, BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q),
+        page_table.stride(0), out.stride(0), out.stride(1), num_splits, split_tokens,
+        GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_G=block_g,
+        BLOCK_N=block_n, BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), WRITE_OUT=direct,
         num_warps=num_warps, num_stages=num_stages)
+    if direct:
+        return out
+    if finish == "partials":
+        return part_out, part_lse
     _decode_merge_kernel[(B, Hq)](part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
-                                  HEAD_DIM=D, BLOCK_D=block_d, SPLIT=split_tokens)
+                                  split_tokens, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=MERGE_BLOCK)
     return out
 
 
+def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale: float,
+                                  split_tokens: int | None = None, deterministic: bool = False,
+                                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                                  max_seq_len: int | None = None):
+    """split_tokens None: SPLIT_TOKENS in deterministic mode, else split_tokens_for()'s choice.
+    A launch whose sequences all fit one split skips the merge (outside deterministic mode, whose
+    bits must not depend on whether a longer sequence shares the batch). Launch parameters are
+    arguments so benchmarks/kernel_sweep.py --sweep can compare them. max_seq_len: a host bound
+    on seq_lens (a CUDA graph's), read instead of seq_lens (no device-to-host copy)."""
+    block_n = block_n or (16 if interpreting() else 64)
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    if split_tokens is None:
+        split_tokens = SPLIT_TOKENS if deterministic else split_tokens_for(
+            q.shape[0], k_cache.shape[2], max_len, sm_count(q.device), block_n)
+    one_split = max_len <= split_tokens
+    finish: Finish = "direct" if one_split and not deterministic else "merge"
+    return _launch(q, k_cache, v_cache, page_table, seq_lens, scale, split_tokens, block_n, num_warps,
+                   num_stages, finish, max_len)
+
+
 def paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float | None = None,
-                           backend: str = "auto"):
-    """Attention of one query token per sequence over its paged context (see module docstring)."""
+                           backend: str = "auto", deterministic: bool = False, max_seq_len: int | None = None):
+    """Attention of one query token per sequence over its paged context (see module docstring).
+    On CUDA tensors (backend "auto") the split-KV Triton kernel, its splits sized by
+    split_tokens_for(); deterministic: fixed SPLIT_TOKENS splits (batch-invariant bits).
+    max_seq_len: a host bound on seq_lens that sizes the splits instead of seq_lens' own maximum
+    (which costs a device-to-host copy, impossible inside a CUDA graph)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(q, backend):
-        return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale)
+        return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale,
+                                             deterministic=deterministic, max_seq_len=max_seq_len)
     return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale)

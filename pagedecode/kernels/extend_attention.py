@@ -171,11 +171,12 @@ def _extend_as_decode(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: fl
     splits = -(-int(lens.max()) // SPLIT_TOKENS)
     per_launch = max(1, DETERMINISTIC_PARTIALS_BYTES // (Hq * splits * D * 4))
     if per_launch >= T:
-        return paged_decode_attention(q, k_cache, v_cache, rows, lens, scale, backend="triton")
+        return paged_decode_attention(q, k_cache, v_cache, rows, lens, scale, backend="triton", deterministic=True)
     out = torch.empty_like(q)
     for i in range(0, T, per_launch):
         out[i:i + per_launch] = paged_decode_attention(q[i:i + per_launch], k_cache, v_cache, rows[i:i + per_launch],
-                                                       lens[i:i + per_launch], scale, backend="triton")
+                                                       lens[i:i + per_launch], scale, backend="triton",
+                                                       deterministic=True)
     return out
 
 

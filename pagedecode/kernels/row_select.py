@@ -6,6 +6,9 @@ holds the kernel and its torch reference, which the tests hold these to through 
     _compact      the tokens above a threshold, gathered in token order
     _tile_top_p   top-p's threshold over candidates already in registers
     _pick         argmax of z + Gumbel noise over the kept tokens (first token on a tie)
+    _kth_key      the k-th largest of order keys already in registers (radix select)
+    _select_row   the whole selection over one row in memory, by passes (the tiled sampler's
+                  fallback for top-p without a small top-k, or ties past the candidate tiles)
 
 Values are compared as order keys: float32 bits mapped to integers whose order is the float
 order, so a bisection or radix select over keys is one over values.
@@ -109,3 +112,66 @@ if HAS_TRITON:
         score = tl.where(keep, z + _philox_gumbel(seed, index, tokens), float("-inf"))
         top = tl.max(score, 0)
         return tl.min(tl.where(score == top, tokens, V), 0)
+
+    @triton.jit
+    def _kth_key(u, k):
+        """The k-th largest (ties counted) of u, unsigned 32-bit order keys held as int64 in
+        registers (0 for lanes out of the race): a radix select, one byte per step."""
+        bins = tl.arange(0, 512)                      # bin 256 takes the lanes out of the race
+        prefix = tl.sum(u * 0, 0)
+        want = k
+        for d in tl.static_range(4):
+            eligible = (u >> (32 - 8 * d)) == prefix
+            hist = tl.histogram(tl.where(eligible, ((u >> (24 - 8 * d)) & 0xFF).to(tl.int32), 256), 512)
+            hist = tl.where(bins < 256, hist, 0)
+            at_least = tl.cumsum(hist, 0, reverse=True)
+            b = tl.max(tl.where(at_least >= want, bins, -1), 0)
+            want = want - tl.sum(tl.where(bins > b, hist, 0), 0)
+            prefix = prefix * 256 + b
+        return prefix
+
+    @triton.jit
+    def _select_row(base, V, div, top_k, top_p, log_min_p, zmax, seed, index, cand_z, cand_i,
+                    BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The token of one row (temperature > 0) by passes over it: top-k's k-th value by radix
+        select, min-p, then, when at most BLOCK_C tokens are left, top-p and the draw over them in
+        registers (gathered once into cand_z / cand_i), else top-p by bisection and a draw pass."""
+        lanes = tl.arange(0, BLOCK_V)
+        thr = zmax - float("inf")                  # -inf, as a loop-safe f32 scalar
+        if (top_k > 0) & (top_k < V):
+            thr = _radix_kth(base, V, div, top_k, BLOCK_V)
+        thr = tl.maximum(thr, zmax + log_min_p)
+        n_cand = V + 1
+        if (top_p < 1.0) & (thr > float("-inf")):
+            n_cand = _compact(base, V, div, thr, cand_z, cand_i, BLOCK_C, BLOCK_V)
+            tl.debug_barrier()                     # other warps read what this pass wrote
+        if n_cand <= BLOCK_C:
+            c = tl.arange(0, BLOCK_C)
+            live = c < n_cand
+            z = tl.load(cand_z + c, mask=live, other=float("-inf"))
+            ids = tl.load(cand_i + c, mask=live, other=0)
+            thr = tl.maximum(thr, _tile_top_p(z, live, thr, zmax, top_p, SEARCH_STEPS))
+            token = _pick(z, ids, live & (z >= thr), seed, index, V)
+        else:
+            if top_p < 1.0:
+                tot = tl.zeros([BLOCK_V], tl.float32)
+                for v0 in range(0, V, BLOCK_V):
+                    offs = v0 + lanes
+                    z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
+                    tot += tl.where(z >= thr, tl.exp(z - zmax), 0.0)
+                target = top_p * tl.sum(tot, 0)
+                thr = tl.maximum(thr, _bisect(base, V, div, zmax, _order_key(thr), _order_key(zmax) + 1,
+                                              target, BLOCK_V, SEARCH_STEPS))
+            best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+            best_at = tl.full([BLOCK_V], 0, tl.int32)
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + lanes
+                ok = offs < V
+                z = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32) / div + 0.0
+                score = tl.where(ok & (z >= thr), z + _philox_gumbel(seed, index, offs), float("-inf"))
+                better = score > best
+                best_at = tl.where(better, offs, best_at)
+                best = tl.where(better, score, best)
+            top = tl.max(best, 0)
+            token = tl.min(tl.where(best == top, best_at, V), 0)
+        return token

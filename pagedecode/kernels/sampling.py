@@ -1,5 +1,5 @@
 """Token selection: penalties and logit bias, greedy, temperature, top-k, min-p, top-p and
-Gumbel-max noise, plus the chosen token's logprob, in one kernel.
+Gumbel-max noise, plus the chosen token's logprob, over the vocabulary in tiles.
 
 Shapes:
     logits       (B, V) float: one row per request that selects a token this step
@@ -16,10 +16,20 @@ Shapes:
     logits after penalties, bias and mask); a row left with no token above -inf (bias, mask) gets
     a NaN logprob on both paths, and its token means nothing
 
-Kernel plan, one program per row (its row-selection steps: row_select.py): pass 1 applies penalties (writing the processed row once) and
-takes max / sum-exp / argmax; top-k's k-th value comes from a radix select (4 passes); when
-top-k / min-p leave at most CANDIDATES tokens they are gathered once and top-p and the draw run
-in registers, otherwise top-p bisects over the row and a last pass draws.
+Kernel plan (three launches; row-selection steps in row_select.py). The vocabulary is cut
+into tiles (4096 tokens on the GPU), so a batch of 64 rows runs 64 x 32 programs, not 64:
+    1. per (row, tile): penalties, bias and mask applied (the processed tile written once); the
+       tile's max / sum-exp / first argmax of the logits and max of z; for a row with a small
+       top-k (k <= TILE_CANDIDATES) the tile's top-TILE_CANDIDATES z by a radix select in
+       registers (sorting-free), kept with their token ids
+    2. per (row, tile), rows without top-k or top-p only: the tile's best z + noise over the
+       min-p set, and its token
+    3. per row: the tiles merged: logprob and greedy token; a small top-k row takes the k-th
+       value of its tiles' candidates (radix select), min-p, top-p (bisection over the
+       candidates' mass) and the draw in registers; a temperature / min-p row takes the best of
+       its tiles' draws; any other row (top-p without a small top-k, or ties at a tile's last
+       candidate reaching the k-th value) selects by passes over its row (_select_row).
+Every path keeps the same set and draws the same noise, so all give the reference's token.
 
 Semantics (both paths): z = logits / temperature; the kept set is z >= threshold; the token is
 argmax over kept of z + g, g = Gumbel noise keyed by (seed, output index, token id). With
@@ -28,7 +38,7 @@ logprob is log_softmax(logits)[token] of those logits (before temperature and fi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -42,7 +52,7 @@ if HAS_TRITON:
 
     from .penalties import _penalize
     from .philox import _philox_gumbel
-    from .row_select import _bisect, _compact, _order_key, _pick, _radix_kth, _tile_top_p
+    from .row_select import _from_order_key, _kth_key, _order_key, _pick, _select_row, _tile_top_p
 
 
 @dataclass
@@ -77,6 +87,32 @@ class SampleOutput:
                                     # logprobs are taken from); may be the caller's scratch or input
 
 
+@dataclass
+class TileScratch:
+    """The tiled kernel's per-(row, vocab tile) results, (rows, tiles) each unless noted."""
+    m: torch.Tensor              # float32: max of the tile's processed logits
+    l: torch.Tensor              # float32: sum of exp(x - m) over the tile
+    arg: torch.Tensor            # int32: the tile's first maximum
+    zmax: torch.Tensor           # float32: max of z = x / temperature
+    n: torch.Tensor              # int32: tokens at or above the tile's CAND-th key (small top-k rows)
+    key: torch.Tensor            # int64: that key
+    cand_z: torch.Tensor         # (rows, tiles, CAND) float32: the tile's top-CAND z, then ties
+    cand_i: torch.Tensor         # (rows, tiles, CAND) int32: their token ids
+    draw_score: torch.Tensor     # float32: best z + noise in the tile (temperature / min-p rows)
+    draw_at: torch.Tensor        # int32: its token
+
+    @staticmethod
+    def empty(rows: int, num_tiles: int, cand: int, device: torch.device) -> "TileScratch":
+        def e(dtype, *extra):
+            return torch.empty(rows, num_tiles, *extra, dtype=dtype, device=device)
+        f32, i32 = torch.float32, torch.int32
+        return TileScratch(e(f32), e(f32), e(i32), e(f32), e(i32), e(torch.int64), e(f32, cand), e(i32, cand),
+                           e(f32), e(i32))
+
+    def first(self, rows: int) -> "TileScratch":
+        return TileScratch(*(getattr(self, f.name)[:rows] for f in fields(self)))
+
+
 class SamplerScratch:
     """The kernel's working buffers, owned by the caller and reused by every call: the processed
     rows (with penalties or a mask) and the top-k / min-p candidates. Grown to the largest batch
@@ -86,6 +122,7 @@ class SamplerScratch:
         self._proc: torch.Tensor | None = None
         self._cand_z: torch.Tensor | None = None
         self._cand_i: torch.Tensor | None = None
+        self._tiles: TileScratch | None = None
 
     @staticmethod
     def _fits(t: torch.Tensor | None, rows: int, cols: int, device: torch.device) -> bool:
@@ -97,6 +134,13 @@ class SamplerScratch:
         assert self._proc is not None
         return self._proc[:rows]
 
+    def tiles(self, rows: int, num_tiles: int, cand: int, device: torch.device) -> "TileScratch":
+        t = self._tiles
+        if t is None or t.m.shape[0] < rows or t.m.shape[1] != num_tiles or t.cand_z.shape[2] != cand \
+                or t.m.device != device:
+            t = self._tiles = TileScratch.empty(rows, num_tiles, cand, device)
+        return t.first(rows)
+
     def candidates(self, rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._fits(self._cand_z, rows, width, device):
             self._cand_z = torch.empty(rows, width, dtype=torch.float32, device=device)
@@ -105,10 +149,15 @@ class SamplerScratch:
         return self._cand_z[:rows], self._cand_i[:rows]
 
 
-# Top-k / min-p survivors kept in registers for top-p and the draw; more than this falls back
-# to passes over the whole row. Small in the interpreter so tests reach both paths.
+# Top-k / min-p survivors kept in registers for top-p and the draw by the row fallback
+# (_select_row); more than this falls back to passes over the whole row. Small in the
+# interpreter so tests reach both paths.
 CANDIDATES = 1024
 CANDIDATES_INTERPRETED = 32
+# Candidates each vocab tile keeps for a top-k row: top-k up to this many is finished from the
+# tiles' candidates in registers; a larger k takes the row fallback.
+TILE_CANDIDATES = 64
+TILE_CANDIDATES_INTERPRETED = 8
 MIN_TEMPERATURE = 1e-5   # below this, logits / T overflows to inf (inf - inf = NaN): greedy instead
 
 
@@ -200,125 +249,169 @@ def sample_ref(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInpu
 
 if HAS_TRITON:
     @triton.jit
-    def _sample_kernel(logits_ptr, stride_row, V, tokens_ptr, logprobs_ptr,
-                       slot_ptr, index_ptr, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
-                       proc_ptr, state_slot_ptr, rep_ptr, pres_ptr, freq_ptr, active_ptr, counts_ptr, seen_ptr,
-                       bias_ptr, mask_ptr, mask_words, cand_z_ptr, cand_i_ptr,
-                       BLOCK_V: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_C: tl.constexpr,
-                       HAS_SLOTS: tl.constexpr, HAS_PENALTIES: tl.constexpr, HAS_MASK: tl.constexpr):
-        """One row per program. The settings (temp ... seed) are read at the row's slot
-        (slot_ptr, HAS_SLOTS) or at the row; the penalty settings and state at the row's
-        state slot. Absent inputs are None with their HAS_* flag False."""
-        row = tl.program_id(0)
-        raw = logits_ptr + row.to(tl.int64) * stride_row
-        if HAS_PENALTIES or HAS_MASK:   # pass 1 writes the processed row here; every later pass reads it
-            base = proc_ptr + row.to(tl.int64) * V
-        else:
-            base = raw
+    def _row_settings(row, slot_ptr, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr, HAS_SLOTS: tl.constexpr):
         if HAS_SLOTS:
             at = tl.load(slot_ptr + row).to(tl.int64)
         else:
             at = row.to(tl.int64)
+        temp = tl.load(temp_ptr + at)
+        return (temp, tl.where(temp > 0, temp, 1.0), tl.load(topk_ptr + at), tl.load(topp_ptr + at),
+                tl.load(lminp_ptr + at), tl.load(seed_ptr + at))
+
+    @triton.jit
+    def _tile_kernel(logits_ptr, stride_row, V, slot_ptr, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
+                     proc_ptr, state_slot_ptr, rep_ptr, pres_ptr, freq_ptr, active_ptr, counts_ptr, seen_ptr,
+                     bias_ptr, mask_ptr, mask_words,
+                     tile_m_ptr, tile_l_ptr, tile_arg_ptr, tile_zmax_ptr, tile_n_ptr, tile_key_ptr,
+                     cand_z_ptr, cand_i_ptr,
+                     TILE: tl.constexpr, CAND: tl.constexpr,
+                     HAS_SLOTS: tl.constexpr, HAS_PENALTIES: tl.constexpr, HAS_MASK: tl.constexpr):
+        """Pass 1, one program per (row, vocab tile): penalties, bias and mask applied (the
+        processed tile written once), the tile's raw max / sum-exp / first argmax and z max, and
+        for a small top-k row the tile's top-CAND candidates (every z above the tile's CAND-th
+        largest, then ties with it in token order while room is left)."""
+        row = tl.program_id(0)
+        tile = tl.program_id(1)
+        at_tile = row.to(tl.int64) * tl.num_programs(1) + tile
+        temp, div, top_k, top_p, log_min_p, seed = _row_settings(row, slot_ptr, temp_ptr, topk_ptr, topp_ptr,
+                                                                lminp_ptr, seed_ptr, HAS_SLOTS)
+        offs = tile * TILE + tl.arange(0, TILE)
+        ok = offs < V
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=ok, other=float("-inf")).to(tl.float32)
         if HAS_PENALTIES:
             state_slot = tl.load(state_slot_ptr + row).to(tl.int64)
-            active = tl.load(active_ptr + state_slot) != 0
-            state = state_slot * V
-            rep = tl.load(rep_ptr + state_slot)
-            pres = tl.load(pres_ptr + state_slot)
-            freq = tl.load(freq_ptr + state_slot)
-        temp = tl.load(temp_ptr + at)
-        top_k = tl.load(topk_ptr + at)
-        top_p = tl.load(topp_ptr + at)
-        log_min_p = tl.load(lminp_ptr + at)
-        seed = tl.load(seed_ptr + at)
-        index = tl.load(index_ptr + row)
-        div = tl.where(temp > 0, temp, 1.0)
-        lanes = tl.arange(0, BLOCK_V)
-        # pass 1, per lane: raw max / sum-exp (logprob), first argmax (greedy), z max and min
-        m_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        l_vec = tl.zeros([BLOCK_V], tl.float32)
-        arg_vec = tl.full([BLOCK_V], 0, tl.int32)
-        zmax_vec = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        zmin_vec = tl.full([BLOCK_V], float("inf"), tl.float32)
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + lanes
-            ok = offs < V
-            x = tl.load(raw + offs, mask=ok, other=float("-inf")).to(tl.float32)
-            if HAS_PENALTIES:
-                if active:
-                    x = _penalize(x, offs, ok, state, rep, pres, freq, counts_ptr, seen_ptr, bias_ptr)
-            if HAS_MASK:     # the grammar's bitmask: bit offs % 32 of word offs // 32
-                word = tl.load(mask_ptr + row.to(tl.int64) * mask_words + offs // 32, mask=ok, other=0)
-                x = tl.where(((word >> (offs % 32)) & 1) != 0, x, float("-inf"))
-            if HAS_PENALTIES or HAS_MASK:
-                tl.store(base + offs, x, mask=ok)
-            better = x > m_vec
-            arg_vec = tl.where(better, offs, arg_vec)
-            m_new = tl.maximum(m_vec, x)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_vec = l_vec * tl.exp(m_vec - m_safe) + tl.exp(x - m_safe)
-            m_vec = m_new
-            z = x / div + 0.0
-            zmax_vec = tl.maximum(zmax_vec, z)
-            zmin_vec = tl.minimum(zmin_vec, tl.where(ok, z, float("inf")))
+            if tl.load(active_ptr + state_slot) != 0:
+                x = _penalize(x, offs, ok, state_slot * V, tl.load(rep_ptr + state_slot),
+                              tl.load(pres_ptr + state_slot), tl.load(freq_ptr + state_slot),
+                              counts_ptr, seen_ptr, bias_ptr)
+        if HAS_MASK:     # the grammar's bitmask: bit offs % 32 of word offs // 32
+            word = tl.load(mask_ptr + row.to(tl.int64) * mask_words + offs // 32, mask=ok, other=0)
+            x = tl.where(((word >> (offs % 32)) & 1) != 0, x, float("-inf"))
         if HAS_PENALTIES or HAS_MASK:
-            tl.debug_barrier()                     # the processed row is read back by every pass
-        m_raw = tl.max(m_vec, 0)
-        m_raw_safe = tl.where(m_raw == float("-inf"), 0.0, m_raw)
-        l_raw = tl.sum(l_vec * tl.exp(m_vec - m_raw_safe), 0)
-        first_best = tl.min(tl.where(m_vec == m_raw, arg_vec, V), 0)
-        zmax = tl.max(zmax_vec, 0)
-        zmin = tl.min(zmin_vec, 0)
-        token = first_best
+            tl.store(proc_ptr + row.to(tl.int64) * V + offs, x, mask=ok)
+        m = tl.max(x, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(tile_m_ptr + at_tile, m)
+        tl.store(tile_l_ptr + at_tile, tl.sum(tl.exp(x - m_safe), 0))
+        tl.store(tile_arg_ptr + at_tile, tl.min(tl.where(ok & (x == m), offs, V), 0))
+        z = x / div + 0.0
+        tl.store(tile_zmax_ptr + at_tile, tl.max(z, 0))
+        if (temp > 0) & (top_k > 0) & (top_k <= CAND) & (top_k < V):
+            u = tl.where(ok, _order_key(z) + 0x80000000, 0)         # unsigned order keys; 0: no token
+            kth = _kth_key(u, CAND)
+            above = ok & (u > kth)
+            tie = ok & (u == kth)
+            n_above = tl.sum(above.to(tl.int32), 0)
+            rank = tl.where(above, tl.cumsum(above.to(tl.int32), 0) - 1,
+                            n_above + tl.cumsum(tie.to(tl.int32), 0) - 1)
+            keep = (above | tie) & (rank < CAND)
+            tl.store(cand_z_ptr + at_tile * CAND + rank, z, mask=keep)
+            tl.store(cand_i_ptr + at_tile * CAND + rank, offs, mask=keep)
+            # tokens of the tile at or above its CAND-th key: more than CAND means ties were left out
+            tl.store(tile_n_ptr + at_tile, n_above + tl.sum(tie.to(tl.int32), 0))
+            tl.store(tile_key_ptr + at_tile, kth)
+
+    @triton.jit
+    def _tile_draw_kernel(base_ptr, V, slot_ptr, index_ptr, temp_ptr, topk_ptr, topp_ptr, lminp_ptr, seed_ptr,
+                          tile_zmax_ptr, draw_score_ptr, draw_at_ptr,
+                          TILE: tl.constexpr, BLOCK_T: tl.constexpr, HAS_SLOTS: tl.constexpr):
+        """Pass 2, per (row, vocab tile), for rows without top-k or top-p (temperature, min-p):
+        the tile's best z + Gumbel noise over z >= max(z) + log(min_p), and its first token."""
+        row = tl.program_id(0)
+        tile = tl.program_id(1)
+        T = tl.num_programs(1)
+        temp, div, top_k, top_p, log_min_p, seed = _row_settings(row, slot_ptr, temp_ptr, topk_ptr, topp_ptr,
+                                                                lminp_ptr, seed_ptr, HAS_SLOTS)
+        if (temp > 0) & (top_p >= 1.0) & ((top_k <= 0) | (top_k >= V)):
+            t = tl.arange(0, BLOCK_T)
+            zmax = tl.max(tl.load(tile_zmax_ptr + row.to(tl.int64) * T + t, mask=t < T, other=float("-inf")), 0)
+            thr = zmax + log_min_p
+            offs = tile * TILE + tl.arange(0, TILE)
+            ok = offs < V
+            z = tl.load(base_ptr + row.to(tl.int64) * V + offs, mask=ok, other=float("-inf")).to(tl.float32) / div + 0.0
+            index = tl.load(index_ptr + row)
+            score = tl.where(ok & (z >= thr), z + _philox_gumbel(seed, index, offs), float("-inf"))
+            top = tl.max(score, 0)
+            tl.store(draw_score_ptr + row.to(tl.int64) * T + tile, top)
+            tl.store(draw_at_ptr + row.to(tl.int64) * T + tile, tl.min(tl.where(score == top, offs, V), 0))
+
+    @triton.jit
+    def _finish_kernel(base_ptr, V, tokens_ptr, logprobs_ptr, slot_ptr, index_ptr, temp_ptr, topk_ptr, topp_ptr,
+                       lminp_ptr, seed_ptr, num_tiles,
+                       tile_m_ptr, tile_l_ptr, tile_arg_ptr, tile_zmax_ptr, tile_n_ptr, tile_key_ptr,
+                       cand_z_ptr, cand_i_ptr, draw_score_ptr, draw_at_ptr, row_z_ptr, row_i_ptr,
+                       CAND: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                       SEARCH_STEPS: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SLOTS: tl.constexpr):
+        """Pass 3, one program per row: the tiles' statistics merged (logprob, greedy token), then
+        the token: a small top-k row from its tiles' candidates in registers (top-k, min-p, top-p
+        and the draw), a temperature / min-p row from the tiles' draws, anything else (top-p
+        without a small top-k, or ties at a tile's CAND-th value reaching the k-th) by passes over
+        the row (_select_row)."""
+        row = tl.program_id(0)
+        temp, div, top_k, top_p, log_min_p, seed = _row_settings(row, slot_ptr, temp_ptr, topk_ptr, topp_ptr,
+                                                                lminp_ptr, seed_ptr, HAS_SLOTS)
+        index = tl.load(index_ptr + row)
+        t = tl.arange(0, BLOCK_T)
+        t_ok = t < num_tiles
+        at_tiles = row.to(tl.int64) * num_tiles + t
+        m_t = tl.load(tile_m_ptr + at_tiles, mask=t_ok, other=float("-inf"))
+        l_t = tl.load(tile_l_ptr + at_tiles, mask=t_ok, other=0.0)
+        m_raw = tl.max(m_t, 0)
+        m_safe = tl.where(m_raw == float("-inf"), 0.0, m_raw)
+        l_raw = tl.sum(l_t * tl.exp(tl.where(t_ok, m_t, float("-inf")) - m_safe), 0)
+        arg_t = tl.load(tile_arg_ptr + at_tiles, mask=t_ok, other=V)
+        token = tl.min(tl.where(t_ok & (m_t == m_raw), arg_t, V), 0)           # greedy: first maximum
+        zmax = tl.max(tl.load(tile_zmax_ptr + at_tiles, mask=t_ok, other=float("-inf")), 0)
+        base = base_ptr + row.to(tl.int64) * V
         if temp > 0:
-            thr = zmin - float("inf")              # -inf, as a loop-safe f32 scalar
-            if (top_k > 0) & (top_k < V):
-                thr = _radix_kth(base, V, div, top_k, BLOCK_V)
-            thr = tl.maximum(thr, zmax + log_min_p)
-            # few candidates left (top-k / min-p): gather them once, finish in registers
-            n_cand = V + 1
-            if (top_p < 1.0) & (thr > float("-inf")):
-                n_cand = _compact(base, V, div, thr, cand_z_ptr + row.to(tl.int64) * BLOCK_C,
-                                  cand_i_ptr + row.to(tl.int64) * BLOCK_C, BLOCK_C, BLOCK_V)
-                tl.debug_barrier()                 # other warps read what this pass wrote
-            if n_cand <= BLOCK_C:
-                c = tl.arange(0, BLOCK_C)
-                live = c < n_cand
-                z = tl.load(cand_z_ptr + row.to(tl.int64) * BLOCK_C + c, mask=live, other=float("-inf"))
-                ids = tl.load(cand_i_ptr + row.to(tl.int64) * BLOCK_C + c, mask=live, other=0)
-                thr = tl.maximum(thr, _tile_top_p(z, live, thr, zmax, top_p, SEARCH_STEPS))
-                token = _pick(z, ids, live & (z >= thr), seed, index, V)
+            if (top_k > 0) & (top_k <= CAND) & (top_k < V):
+                n_t = tl.load(tile_n_ptr + at_tiles, mask=t_ok, other=0)
+                c = tl.arange(0, CAND)
+                live2 = t_ok[:, None] & (c[None, :] < tl.minimum(n_t, CAND)[:, None])    # (BLOCK_T, CAND)
+                at2 = at_tiles[:, None] * CAND + c[None, :]
+                live = tl.reshape(live2, [BLOCK_T * CAND])
+                z = tl.reshape(tl.load(cand_z_ptr + at2, mask=live2, other=float("-inf")), [BLOCK_T * CAND])
+                ids = tl.reshape(tl.load(cand_i_ptr + at2, mask=live2, other=0), [BLOCK_T * CAND])
+                kth = _kth_key(tl.where(live, _order_key(z) + 0x80000000, 0), top_k)
+                tile_key = tl.load(tile_key_ptr + at_tiles, mask=t_ok, other=0)
+                # a tile that left ties out at or above the k-th value: its candidates are not all of them
+                short = tl.sum((t_ok & (n_t > CAND) & (tile_key >= kth)).to(tl.int32), 0) > 0
+                if short:
+                    token = _select_row(base, V, div, top_k, top_p, log_min_p, zmax, seed, index,
+                                        row_z_ptr + row.to(tl.int64) * BLOCK_C, row_i_ptr + row.to(tl.int64) * BLOCK_C,
+                                        BLOCK_V, SEARCH_STEPS, BLOCK_C)
+                else:
+                    thr = tl.maximum(_from_order_key(kth - 0x80000000), zmax + log_min_p)
+                    keep = live & (z >= thr)
+                    if top_p < 1.0:
+                        thr = tl.maximum(thr, _tile_top_p(z, keep, thr, zmax, top_p, SEARCH_STEPS))
+                    token = _pick(z, ids, keep & (z >= thr), seed, index, V)
+            elif (top_p >= 1.0) & ((top_k <= 0) | (top_k >= V)):
+                score = tl.load(draw_score_ptr + at_tiles, mask=t_ok, other=float("-inf"))
+                at = tl.load(draw_at_ptr + at_tiles, mask=t_ok, other=V)
+                token = tl.min(tl.where(t_ok & (score == tl.max(score, 0)), at, V), 0)
             else:
-                if top_p < 1.0:
-                    tot = tl.zeros([BLOCK_V], tl.float32)
-                    for v0 in range(0, V, BLOCK_V):
-                        offs = v0 + lanes
-                        z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) / div + 0.0
-                        tot += tl.where(z >= thr, tl.exp(z - zmax), 0.0)
-                    target = top_p * tl.sum(tot, 0)
-                    thr = tl.maximum(thr, _bisect(base, V, div, zmax, _order_key(thr), _order_key(zmax) + 1,
-                                                  target, BLOCK_V, SEARCH_STEPS))
-                best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-                best_at = tl.full([BLOCK_V], 0, tl.int32)
-                for v0 in range(0, V, BLOCK_V):
-                    offs = v0 + lanes
-                    ok = offs < V
-                    z = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32) / div + 0.0
-                    score = tl.where(ok & (z >= thr), z + _philox_gumbel(seed, index, offs), float("-inf"))
-                    better = score > best
-                    best_at = tl.where(better, offs, best_at)
-                    best = tl.where(better, score, best)
-                top = tl.max(best, 0)
-                token = tl.min(tl.where(best == top, best_at, V), 0)
+                token = _select_row(base, V, div, top_k, top_p, log_min_p, zmax, seed, index,
+                                    row_z_ptr + row.to(tl.int64) * BLOCK_C, row_i_ptr + row.to(tl.int64) * BLOCK_C,
+                                    BLOCK_V, SEARCH_STEPS, BLOCK_C)
         x_tok = tl.load(base + token).to(tl.float32)
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(logprobs_ptr + row, x_tok - (m_raw + tl.log(l_raw)))
 
 
+def tile_sizes(V: int) -> tuple[int, int, int]:
+    """(vocab tile, candidates per tile, row pass width): tiles of 4096 on the GPU (128,256 tokens:
+    32 tiles, 64 rows x 32 = 2048 programs), 64 wide in the interpreter so tests cross tiles."""
+    if interpreting():
+        return min(triton.next_power_of_2(V), 64), TILE_CANDIDATES_INTERPRETED, 256
+    return min(triton.next_power_of_2(V), 4096), TILE_CANDIDATES, 4096
+
+
 def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInputs | None = None,
                   bitmask: torch.Tensor | None = None, scratch: SamplerScratch | None = None) -> SampleOutput:
     B, V = logits.shape
-    assert logits.stride(-1) == 1
+    if logits.stride(-1) != 1 or logits.stride(0) != V:
+        logits = logits.contiguous()          # passes 2 and 3 read rows V apart (the processed buffer's layout)
     dev = logits.device
     tokens = torch.empty(B, dtype=torch.int64, device=dev)
     logprobs = torch.empty(B, dtype=torch.float32, device=dev)
@@ -327,7 +420,10 @@ def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyI
     scratch = scratch if scratch is not None else SamplerScratch()
     processed = scratch.processed(B, V, dev) if (penalties is not None or bitmask is not None) else logits
     block_c = CANDIDATES_INTERPRETED if interpreting() else CANDIDATES
-    cand_z, cand_i = scratch.candidates(B, block_c, dev)
+    row_z, row_i = scratch.candidates(B, block_c, dev)
+    tile, cand, block_v = tile_sizes(V)
+    T = -(-V // tile)
+    tiles = scratch.tiles(B, T, cand, dev)
     p = penalties
     st = p.state if p is not None else None
     if st is not None:
@@ -335,10 +431,11 @@ def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyI
     if bitmask is not None:
         assert bitmask.dtype == torch.int32 and bitmask.shape == (B, -(-V // 32)), "bitmask must be (B, ceil(V/32)) int32"
         bitmask = bitmask.contiguous()
-    _sample_kernel[(B,)](
-        logits_ptr=logits, stride_row=logits.stride(0), V=V, tokens_ptr=tokens, logprobs_ptr=logprobs,
-        slot_ptr=inp.slot, index_ptr=inp.output_index, temp_ptr=inp.temperature, topk_ptr=inp.top_k,
-        topp_ptr=inp.top_p, lminp_ptr=inp.log_min_p, seed_ptr=inp.seed,
+    settings = dict(slot_ptr=inp.slot, temp_ptr=inp.temperature, topk_ptr=inp.top_k, topp_ptr=inp.top_p,
+                    lminp_ptr=inp.log_min_p, seed_ptr=inp.seed)
+    has_slots = inp.slot is not None
+    _tile_kernel[(B, T)](
+        logits_ptr=logits, stride_row=logits.stride(0), V=V, **settings,
         proc_ptr=processed if processed is not logits else None,
         state_slot_ptr=None if p is None else p.slot,
         rep_ptr=None if st is None else st.repetition, pres_ptr=None if st is None else st.presence,
@@ -346,12 +443,22 @@ def sample_triton(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyI
         counts_ptr=None if st is None else st.counts, seen_ptr=None if st is None else st.seen,
         bias_ptr=None if st is None else st.bias,
         mask_ptr=bitmask, mask_words=None if bitmask is None else bitmask.shape[1],
-        cand_z_ptr=cand_z, cand_i_ptr=cand_i,
-        BLOCK_V=min(triton.next_power_of_2(V), 256 if interpreting() else 4096), SEARCH_STEPS=33,
-        BLOCK_C=block_c, HAS_SLOTS=inp.slot is not None, HAS_PENALTIES=p is not None,
-        HAS_MASK=bitmask is not None,
-        num_warps=8,
-        enable_fp_fusion=False)   # no FMA contraction: round as torch does, bit for bit
+        tile_m_ptr=tiles.m, tile_l_ptr=tiles.l, tile_arg_ptr=tiles.arg, tile_zmax_ptr=tiles.zmax,
+        tile_n_ptr=tiles.n, tile_key_ptr=tiles.key, cand_z_ptr=tiles.cand_z, cand_i_ptr=tiles.cand_i,
+        TILE=tile, CAND=cand, HAS_SLOTS=has_slots, HAS_PENALTIES=p is not None, HAS_MASK=bitmask is not None,
+        num_warps=8, enable_fp_fusion=False)   # no FMA contraction: round as torch does, bit for bit
+    block_t = triton.next_power_of_2(T)
+    _tile_draw_kernel[(B, T)](
+        base_ptr=processed, V=V, index_ptr=inp.output_index, **settings, tile_zmax_ptr=tiles.zmax,
+        draw_score_ptr=tiles.draw_score, draw_at_ptr=tiles.draw_at, TILE=tile, BLOCK_T=block_t,
+        HAS_SLOTS=has_slots, num_warps=8, enable_fp_fusion=False)
+    _finish_kernel[(B,)](
+        base_ptr=processed, V=V, tokens_ptr=tokens, logprobs_ptr=logprobs, index_ptr=inp.output_index, **settings,
+        num_tiles=T, tile_m_ptr=tiles.m, tile_l_ptr=tiles.l, tile_arg_ptr=tiles.arg, tile_zmax_ptr=tiles.zmax,
+        tile_n_ptr=tiles.n, tile_key_ptr=tiles.key, cand_z_ptr=tiles.cand_z, cand_i_ptr=tiles.cand_i,
+        draw_score_ptr=tiles.draw_score, draw_at_ptr=tiles.draw_at, row_z_ptr=row_z, row_i_ptr=row_i,
+        CAND=cand, BLOCK_T=block_t, BLOCK_V=block_v, SEARCH_STEPS=33, BLOCK_C=block_c, HAS_SLOTS=has_slots,
+        num_warps=8, enable_fp_fusion=False)
     return SampleOutput(tokens, logprobs, processed)
 
 

@@ -31,6 +31,9 @@ class ForwardBatch:
                                    # score prompt tokens, then the D rows after each draft token
     num_decode: int                # leading sequences with exactly one new token
     max_new: int                   # most new tokens of any sequence
+    max_seq_len: int | None = None # a host bound on seq_lens (a captured decode graph's: model/cuda_graphs.py),
+                                   # so decode attention sizes its splits without reading seq_lens back;
+                                   # None: it reads the batch's own longest length
     # for the token selector, not the model (sent in the same copy as the rows above): per
     # sampling row (the N rows of logits_indices), its batch slot and output position, int64
     sample_slots: torch.Tensor | None = None

@@ -330,7 +330,8 @@ class LlamaModel:
             return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1], self.scale)
         if nd == b.num_seqs:
             return paged_decode_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, self.scale,
-                                          backend=self.attention_backend)
+                                          backend=self.attention_backend, deterministic=self.deterministic,
+                                          max_seq_len=b.max_seq_len)
         if nd == 0:
             return paged_extend_attention(q, k_cache, v_cache, b.page_table, b.cu_q, b.seq_lens, self.scale,
                                           backend=self.attention_backend, max_new=b.max_new,
@@ -342,7 +343,8 @@ class LlamaModel:
                                        self.scale)
         else:
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd],
-                                              self.scale, backend=self.attention_backend)
+                                              self.scale, backend=self.attention_backend,
+                                              deterministic=self.deterministic)
         cu = b.cu_q[nd:] - b.cu_q[nd]
         out[nd:] = paged_extend_attention(q[nd:], k_cache, v_cache, b.page_table[nd:], cu,
                                           b.seq_lens[nd:], self.scale, backend=self.attention_backend,

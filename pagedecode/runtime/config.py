@@ -59,6 +59,7 @@ class EngineConfig:
     deterministic: bool = False              # a request's logits the same bits whatever else runs (batch,
                                              # chunking, prefix cache, preemption, threads): batch-invariant
                                              # kernels (csrc/cpu_forward.cpp, kernels/), fixed-order all-reduce
+    enforce_eager: bool = False              # CUDA: run every step eagerly, no decode graphs (model/cuda_graphs.py)
     # the compiled CPU forward (csrc/cpu_forward.cpp): each default comes from the environment
     # variable named, read when the config is made; a value given here wins over it
     cpu_matmul: str = field(default_factory=default_cpu_matmul)
@@ -117,8 +118,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
         if self.trace not in TRACE_LEVELS:
             raise ValueError(f"trace must be one of {TRACE_LEVELS}, got {self.trace!r}")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
+        for name in ("deterministic", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a pd.SpeculativeConfig or None, got {type(self.speculative).__name__}")
         kv = KV_CACHE_NAMES.get(self.kv_cache_dtype, self.kv_cache_dtype) if isinstance(

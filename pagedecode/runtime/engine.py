@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..model.cuda_graphs import decode_graphs
 from ..model.kv_cache import KVCache
 from ..model.tokenizer import TokenizerLike, as_tokenizer
 from ..params import SamplingParams
@@ -97,7 +98,9 @@ class Engine:
         self.endings = Endings(self.scheduler, self.requests, self.delivery, config, self._lock, self._wake)
         self.admission = Admission(self.intake, self.requests, self.delivery, self.scheduler, model,
                                    self.model_name, config.deterministic, self._lock, self._wake)
-        self.runner = StepRunner(model, self.kv, self.selector, self.constraints, config.page_size, self.device)
+        # on CUDA, pure decode steps replay a CUDA graph per batch-size bucket (unless enforce_eager)
+        stepped = decode_graphs(model, self.kv, config.enforce_eager, config.max_batch_size, self.max_context)
+        self.runner = StepRunner(stepped, self.kv, self.selector, self.constraints, config.page_size, self.device)
         self.commit = Commit(self.scheduler, self.endings, self.delivery, self.constraints, self.selector,
                              self.runner.select, self.eos_ids, self.max_context)
         # the consumer's side, answered by the parts that own it (thread-safe; see their docstrings)

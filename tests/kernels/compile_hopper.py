@@ -26,12 +26,14 @@ def signature(kernel, pointer_types, constexprs):
 
 
 def cases():
-    sampling = {"logits_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32", "slot_ptr": "*i64",
-                "index_ptr": "*i64", "temp_ptr": "*fp32", "topk_ptr": "*i32", "topp_ptr": "*fp32",
+    sampling = {"logits_ptr": "*fp32", "base_ptr": "*fp32", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32",
+                "slot_ptr": "*i64", "index_ptr": "*i64", "temp_ptr": "*fp32", "topk_ptr": "*i32", "topp_ptr": "*fp32",
                 "lminp_ptr": "*fp32", "seed_ptr": "*i64", "proc_ptr": "*fp32", "state_slot_ptr": "*i64",
                 "rep_ptr": "*fp32", "pres_ptr": "*fp32", "freq_ptr": "*fp32", "active_ptr": "*i32",
                 "counts_ptr": "*i32", "seen_ptr": "*u8", "bias_ptr": "*fp32", "mask_ptr": "*i32",
-                "cand_z_ptr": "*fp32", "cand_i_ptr": "*i32"}
+                "tile_m_ptr": "*fp32", "tile_l_ptr": "*fp32", "tile_arg_ptr": "*i32", "tile_zmax_ptr": "*fp32",
+                "tile_n_ptr": "*i32", "tile_key_ptr": "*i64", "cand_z_ptr": "*fp32", "cand_i_ptr": "*i32",
+                "draw_score_ptr": "*fp32", "draw_at_ptr": "*i32", "row_z_ptr": "*fp32", "row_i_ptr": "*i32"}
     penalty_args = ("state_slot_ptr", "rep_ptr", "pres_ptr", "freq_ptr", "active_ptr", "counts_ptr", "seen_ptr",
                     "bias_ptr")
     for pen, mask in ((False, False), (True, False), (False, True), (True, True)):
@@ -40,17 +42,28 @@ def cases():
         slots = pen or mask
         absent = dict.fromkeys((() if pen else penalty_args) + (() if mask else ("mask_ptr", "mask_words"))
                                + (() if slots else ("proc_ptr", "slot_ptr")))
-        yield f"sampling penalties={pen} bitmask={mask}", S._sample_kernel, sampling, dict(
-            BLOCK_V=4096, SEARCH_STEPS=33, BLOCK_C=1024, HAS_SLOTS=slots, HAS_PENALTIES=pen, HAS_MASK=mask, **absent)
+        yield f"sampling tiles penalties={pen} bitmask={mask}", S._tile_kernel, sampling, dict(
+            TILE=4096, CAND=S.TILE_CANDIDATES, HAS_SLOTS=slots, HAS_PENALTIES=pen, HAS_MASK=mask, **absent)
+    for slots in (False, True):
+        absent = {} if slots else {"slot_ptr": None}
+        yield f"sampling tile draws slots={slots}", S._tile_draw_kernel, sampling, dict(
+            TILE=4096, BLOCK_T=32, HAS_SLOTS=slots, **absent)
+        yield f"sampling finish slots={slots}", S._finish_kernel, sampling, dict(
+            CAND=S.TILE_CANDIDATES, BLOCK_T=32, BLOCK_V=4096, SEARCH_STEPS=33, BLOCK_C=S.CANDIDATES,
+            HAS_SLOTS=slots, **absent)
     for dt, tdt in DTYPES.items():
         kv = {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}", "pt_ptr": "*i32", "lens_ptr": "*i32",
               "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sm_scale_log2": "fp32", "cu_ptr": "*i32",
               "out_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "slot_ptr": "*i64"}
         for block_n in ((32, 64, 128) if dt == "bf16" else (64,)):
             yield f"decode split {dt} n={block_n}", DA._decode_split_kernel, kv, dict(
-                GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, SPLIT=256, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=128, DOT_DTYPE=tdt)
+                GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=128, DOT_DTYPE=tdt,
+                WRITE_OUT=False)
+        # one split per sequence: the split kernel writes the output itself (no merge launch)
+        yield f"decode split direct {dt}", DA._decode_split_kernel, kv, dict(
+            GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_DTYPE=tdt, WRITE_OUT=True)
         yield f"decode merge {dt}", DA._decode_merge_kernel, kv, dict(HEAD_DIM=128, BLOCK_D=128,
-                                                                            SPLIT=256)
+                                                                            BLOCK_S=DA.MERGE_BLOCK)
         for bm, bn in (((64, 64), (128, 64), (128, 32), (64, 32)) if dt == "bf16" else ((64, 64),)):
             yield f"extend {dt} m={bm} n={bn}", EA._extend_kernel, kv, dict(
                 GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=bm // 4, BLOCK_N=bn, BLOCK_D=128,

@@ -74,7 +74,7 @@ def test_decode_extend_and_chunked_extend_give_the_same_bits(hq, hkv, d, page, s
     seq_of = torch.tensor([s for s, _ in rows])[order]
     pos_of = torch.tensor([spans[s][0] + i for s, i in rows])[order]
     dec = paged_decode_attention(q[order.to(DEVICE)], kc, vc, table[seq_of.to(DEVICE)],
-                                 (pos_of + 1).to(torch.int32).to(DEVICE), backend="triton")
+                                 (pos_of + 1).to(torch.int32).to(DEVICE), backend="triton", deterministic=True)
     decoded = torch.empty_like(whole)
     decoded[order.to(DEVICE)] = dec
 
