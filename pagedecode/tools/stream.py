@@ -184,8 +184,8 @@ class ToolStreamParser:
         if isinstance(delta, ContentDelta) and isinstance(last, ContentDelta):
             self._out[-1] = ContentDelta(last.text + delta.text)
         elif (isinstance(delta, ToolCallDelta) and isinstance(last, ToolCallDelta) and delta.id is None
-              and last.index == delta.index):
-            self._out[-1] = ToolCallDelta(last.index, last.arguments + delta.arguments, last.id, last.name)
+              and last.id is None and last.index == delta.index):      # a call's first delta stays alone
+            self._out[-1] = ToolCallDelta(last.index, last.arguments + delta.arguments)
         else:
             self._out.append(delta)
 
