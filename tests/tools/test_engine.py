@@ -96,11 +96,15 @@ def test_auto_calls_parse_and_validate_once_started(engine_factory, tools):
 
 
 def test_speculation_on_and_off_give_the_same_calls(engine_factory, tools):
-    reqs = requests(tools[:24])[:16] + requests(tools[:24])[24:]
-    plain = generate(engine_factory(), reqs)
-    spec = generate(engine_factory(speculative=pd.SpeculativeConfig(method="ngram", num_tokens=4, min_ngram=1)),
-                    reqs)
+    """Required calls, parallel: repeated calls give the n-gram proposer text to draft from
+    (at most 8 requests: speculation proposes nothing for larger batches)."""
+    reqs = [(fmt, tools[i:i + 3], {"tools": tools[i:i + 3], "tool_choice": "required"})
+            for i, fmt in zip(range(0, 24, 3), FMTS * 2)]
+    plain = generate(engine_factory(), reqs, max_tokens=120)
+    engine = engine_factory(speculative=pd.SpeculativeConfig(method="ngram", num_tokens=4, min_ngram=2))
+    spec = generate(engine, reqs, max_tokens=120)
+    assert engine.snapshot().spec_decode_num_accepted_tokens > 0
     for (fmt, _, _), a, b in zip(reqs, plain, spec):
         calls_a, calls_b = parse_tool_output(a.text, fmt).calls, parse_tool_output(b.text, fmt).calls
-        assert [(c.name, c.arguments) for c in calls_a] == [(c.name, c.arguments) for c in calls_b]
+        assert calls_a and [(c.name, c.arguments) for c in calls_a] == [(c.name, c.arguments) for c in calls_b]
         assert a.selected_token_ids == b.selected_token_ids
