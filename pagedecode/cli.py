@@ -1,6 +1,8 @@
-"""`pagedecode generate` streams one completion; `pagedecode demo` runs several concurrent
-requests with a progress display and prints throughput, time to first token and
-inter-token latency. Ctrl-C ends either with what was produced, a summary and exit 130."""
+"""`pagedecode generate` streams one completion (--chat: the prompt rendered through the chat
+template); `pagedecode chat` holds a conversation (terminal_chat.py); `pagedecode demo` runs
+several concurrent requests with a progress display and prints throughput, time to first token
+and inter-token latency. Ctrl-C ends generate or demo with what was produced, a summary and
+exit 130, and stops chat's current reply only."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +15,7 @@ from .errors import ModelLoadError, PageDecodeError
 from .params import SamplingParams
 from .runtime.events import DeltaEvent, TerminalEvent
 from .runtime.snapshot import EngineSnapshot
+from .terminal_chat import ChatSetupError
 
 DEMO_PROMPTS = ["The lighthouse keeper", "In the village below,", "A small river", "The old library",
                 "When the storm came,", "The market opened", "Good tools are", "Numbers have"]
@@ -75,8 +78,13 @@ def _summary(end: TerminalEvent | None, label: str | None = None) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .terminal_chat import Conversation, load_chat_template, render_ids
+    template = load_chat_template(args.model or _default_model(), args.chat_template) if args.chat else None
     engine = _engine(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt: str | list[int] = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if template is not None:
+        turn = Conversation(args.system, [{"role": "user", "content": str(prompt)}])
+        prompt = render_ids(engine.tokenizer, template, turn.messages())
     rid = engine.add_request(prompt, _sampling(args))
     end: TerminalEvent | None = None
     logprobs: list[float] = []
@@ -107,6 +115,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.logprobs and logprobs:
         print(f"[logprobs: mean {statistics.mean(logprobs):.4f}, min {min(logprobs):.4f}]", file=sys.stderr)
     return 0 if end.error is None else 1
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .terminal_chat import Conversation, chat_loop, chat_params, load_chat_template, read_terminal_line
+    template = load_chat_template(args.model or _default_model(), args.chat_template)
+    engine = _engine(args)
+    try:
+        return chat_loop(engine, template, chat_params(args), Conversation(args.system), read_terminal_line,
+                         sys.stdout, sys.stderr)
+    finally:
+        engine.shutdown()
+
+
+def _default_model() -> str:
+    from .model.default_model import default_model_path
+    return str(default_model_path())
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -192,6 +216,7 @@ def _report(ids: list[str], arrival: dict[str, float], stamps: dict[str, list[tu
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .server.flags import HelpFormatter, add_arguments, add_model_arguments, add_speculative_arguments, positive
+    from .terminal_chat import add_chat_arguments
     ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--version", action="version", version=f"pagedecode {__version__}")
@@ -222,8 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
         add_speculative_arguments(p)
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")
+            p.add_argument("--chat", action="store_true", help="render the prompt as a user message through "
+                           "the chat template")
+            p.add_argument("--system", default=None, help="with --chat: a system prompt before it")
+            p.add_argument("--chat-template", default=None, help="with --chat: a Jinja chat template file "
+                           "(default: the model's)")
         else:
             p.add_argument("--requests", type=positive, default=8, help="number of concurrent requests")
+    what = "an interactive conversation through the model's chat template"
+    c = sub.add_parser("chat", help=what, description=what, formatter_class=HelpFormatter)
+    add_model_arguments(c)
+    add_chat_arguments(c)
+    c.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's element type (as generate's)")
+    add_speculative_arguments(c)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pagedecode[server])",
                        formatter_class=HelpFormatter)
     add_arguments(s)
@@ -240,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                 from .ray import serve_main as serve_on_ray
                 return serve_on_ray(args)
             return serve_main(parsed=args)
-        return cmd_generate(args) if args.cmd == "generate" else cmd_demo(args)
-    except (CliError, PageDecodeError, ModelLoadError) as e:
+        return {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo}[args.cmd](args)
+    except (CliError, PageDecodeError, ModelLoadError, ChatSetupError) as e:
         print(f"pagedecode: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:                 # before the first step (loading)
