@@ -135,7 +135,7 @@ def test_serve_takes_every_engine_option_as_a_flag():
     assert args.engine_max_batch_size == 5 and args.engine_max_finished_bytes == 1000
     assert ap.parse_args(["serve", "--kv-cache-dtype", "float16"]).engine_kv_cache_dtype == "float16"
     for f in fields(pd.EngineConfig):
-        if f.name not in ("model_name", "speculative"):     # speculative: --speculative-method and co.
+        if f.name not in ("model_name", "speculative", "num_threads"):   # --speculative-method and co., --threads
             assert hasattr(args, "engine_" + f.name)
     assert args.host == "127.0.0.1" and args.port == 8000
 

@@ -9,6 +9,7 @@ import torch
 
 from ..kernels._backend import BACKENDS
 from ..model.cpu_forward import default_cpu_matmul, default_cpu_pack_weights
+from .threads import default_num_threads
 from .trace import TRACE_LEVELS
 
 BACKPRESSURE_POLICIES = ("pause", "fail")
@@ -69,12 +70,20 @@ class EngineConfig:
     cpu_keep_freed_memory: bool = field(default_factory=default_keep_freed_memory)
                                              # glibc keeps what a step frees for the next (mallopt, applied
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
+    num_threads: int | None = None           # the CPU forward's threads (torch's intra-op count, which the
+                                             # compiled forward's pool takes): set by the engine, put back
+                                             # when it shuts down; None: the physical cores this process
+                                             # may use, within its cgroup quota (runtime/threads.py)
     speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
     kv_cache_dtype: "str | torch.dtype" = "auto"   # the KV cache's element type: "auto" (the model's dtype),
                                              # "bfloat16" / "float16" (half a float32 model's cache bytes:
                                              # K/V rounded once when written, attention still in float32)
                                              # or "float32"; an alias (bf16, fp16, ...) or a torch
                                              # dtype is kept as that name
+
+    def threads(self) -> int:
+        """num_threads, or the default for this process when it is None."""
+        return self.num_threads if self.num_threads is not None else default_num_threads()
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's torch dtype for a model computing in model_dtype."""
@@ -96,7 +105,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_cache_tokens is not None and self.memory_budget_bytes is not None:
             raise ValueError("give max_cache_tokens or memory_budget_bytes, not both")
-        for name in ("max_cache_tokens", "memory_budget_bytes", "max_context"):
+        for name in ("max_cache_tokens", "memory_budget_bytes", "max_context", "num_threads"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")

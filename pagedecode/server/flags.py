@@ -10,13 +10,16 @@ from typing import Any
 
 from ..runtime.config import EngineConfig
 
-ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name", "speculative")]
+# num_threads is --threads (add_model_arguments), as llama.cpp and vLLM name it
+ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name", "speculative", "num_threads")]
 
 
 def engine_options(args: argparse.Namespace, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
     """The EngineConfig fields the flags give, checked now (a bad one raises ValueError naming it,
     before any model loads or cluster starts)."""
     options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS if f.name not in leave_out}
+    if getattr(args, "threads", None) is not None:
+        options["num_threads"] = args.threads
     EngineConfig(**options)
     return options
 
@@ -45,7 +48,7 @@ def positive(text: str) -> int:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """What to load and where: --model, --quantization, --tokenizer, --device, --dtype,
-    --tensor-parallel-size (generate, demo and serve)."""
+    --tensor-parallel-size, --threads (generate, demo, chat and serve)."""
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
     p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0"],
@@ -57,6 +60,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--tensor-parallel-size", type=positive, default=1,
                    help="ranks the model is sharded over (processes started by the engine)")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="CPU threads of the forward (EngineConfig.num_threads; default: the physical cores this "
+                        "process may use, within its cgroup CPU quota)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
