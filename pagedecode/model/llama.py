@@ -70,7 +70,7 @@ class LlamaModel:
         self._deterministic = False
         c = config
 
-        def take(name: str, required: bool = True) -> Any:
+        def take(name: str, required: bool = True, own: bool = True) -> Any:
             t = weights.get(name)
             if t is None:
                 if required:
@@ -78,10 +78,13 @@ class LlamaModel:
                 return None
             if isinstance(t, QuantizedWeight):
                 return t.to(self.device)
-            return t.to(device=self.device, dtype=dtype).contiguous()
+            out = t.to(device=self.device, dtype=dtype).contiguous()
+            # never the caller's memory (own): a safetensors file's memory map would stay mapped for
+            # it, every page the stacked layers read resident beside their stacked copies
+            return out.clone() if own and out.data_ptr() == t.data_ptr() else out
 
         def stack(*names: str) -> Weight:
-            w = cat_rows([take(n) for n in names], dtype)
+            w = cat_rows([take(n, own=False) for n in names], dtype)       # a copy
             if quantization and isinstance(w, torch.Tensor) and w.shape[1] % BLOCK == 0:
                 return QuantizedWeight.quantize(w, quantization)
             return w

@@ -14,7 +14,9 @@ from .trace import TRACE_LEVELS
 
 BACKPRESSURE_POLICIES = ("pause", "fail")
 SPECULATIVE_METHODS = ("ngram", "draft")
-DEFAULT_CACHE_TOKENS = 16384
+# the KV cache's default size: a full context per batch slot, within this many bytes, but never less
+# than one full context (so that one request can always reach the context)
+DEFAULT_KV_BUDGET_BYTES = 256 << 20
 CPU_MATMULS = ("onednn", "aten")
 # kv_cache_dtype: "auto" (the model's dtype) or a float type, under its usual names (kept as the first)
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
@@ -66,7 +68,9 @@ class EngineConfig:
                                              # (at::mm); PAGEDECODE_CPU_MATMUL=aten sets the default
     cpu_pack_weights: bool = field(default_factory=default_cpu_pack_weights)
                                              # a second copy of each float weight in oneDNN's blocked
-                                             # layout (faster matmuls); PAGEDECODE_CPU_PACK=0: none
+                                             # layout: 8-52-row float32 matmuls 1.3-2.5x faster, at twice
+                                             # the weights' memory; off by default (one resident copy),
+                                             # PAGEDECODE_CPU_PACK=1 turns it on
     cpu_keep_freed_memory: bool = field(default_factory=default_keep_freed_memory)
                                              # glibc keeps what a step frees for the next (mallopt, applied
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
@@ -91,11 +95,17 @@ class EngineConfig:
 
     def kv_pages(self, bytes_per_token: int, model_context: int) -> int:
         """How many KV pages the engine allocates: memory_budget_bytes or max_cache_tokens, else
-        a full context per batch slot up to DEFAULT_CACHE_TOKENS."""
+        what the batch and the context need, max_batch_size x context tokens, within
+        DEFAULT_KV_BUDGET_BYTES and at least one context:
+            min(max_batch_size x context, max(context, DEFAULT_KV_BUDGET_BYTES / bytes_per_token))
+        (rounded down to whole pages; `context` is max_context, else the model's)."""
         if self.memory_budget_bytes is not None:
             tokens = self.memory_budget_bytes // bytes_per_token
+        elif self.max_cache_tokens is not None:
+            tokens = self.max_cache_tokens
         else:
-            tokens = self.max_cache_tokens or min(self.max_batch_size * model_context, DEFAULT_CACHE_TOKENS)
+            tokens = min(self.max_batch_size * model_context,
+                         max(model_context, DEFAULT_KV_BUDGET_BYTES // bytes_per_token))
         if tokens < self.page_size:
             raise ValueError(f"KV capacity of {tokens} tokens holds no page of {self.page_size}")
         return tokens // self.page_size
