@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from .errors import ModelLoadError, PageDecodeError
+from .model.hub import is_hub_name, resolve_model
 from .params import SamplingParams
 from .runtime.events import DeltaEvent, TerminalEvent
 from .runtime.snapshot import EngineSnapshot
@@ -269,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.model is not None and is_hub_name(args.model):      # ORG/NAME: fetched once, here
+            if args.cmd == "serve" and args.served_model_name is None:
+                args.served_model_name = args.model
+            args.model = str(resolve_model(args.model))
         if args.cmd == "serve":
             from .server.serve import main as serve_main
             _check_device(args.device)

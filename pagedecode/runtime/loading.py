@@ -19,12 +19,15 @@ E = TypeVar("E", bound="Engine")
 def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: Any = None,
                     tensor_parallel_size: int = 1, quantization: str | None = None,
                     tokenizer: str | Path | None = None, **engine_options: Any) -> E:
-    """path: a Hugging Face directory or a GGUF file. quantization "q8_0" / "q4_0" keeps the
+    """path: a Hugging Face directory or a GGUF file, or a Hugging Face repository id (ORG/NAME,
+    ORG/NAME:FILE.gguf: model/hub.py). quantization "q8_0" / "q4_0" keeps the
     layer weights quantized in memory; tokenizer: a folder holding tokenizer.json to use
     instead of the model's own. tensor_parallel_size N > 1 starts N - 1 worker processes
     (model/parallel.py); the engine and every request stay in this one."""
+    from ..model.hub import resolve_model
     from ..model.loader import load_model
     config = EngineConfig(**{"model_name": str(path), **engine_options})
+    path = resolve_model(path)                 # ORG/NAME[:FILE.gguf]: from the Hugging Face cache
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
     if tensor_parallel_size == 1:

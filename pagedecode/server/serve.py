@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     import pagedecode as pd
 
     from ..model.default_model import default_model_path
+    from ..model.hub import resolve_model
     from .transport import ConnectionLimits, default_max_connections
     if parsed is None:
         ap = argparse.ArgumentParser(prog="pagedecode serve", formatter_class=HelpFormatter)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     except OSError as e:
         print(f"pagedecode serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    model_dir = Path(args.model) if args.model else default_model_path()
+    model_dir = resolve_model(args.model) if args.model else default_model_path()
     options["speculative"] = speculative
     name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
     try:
