@@ -129,6 +129,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         engine.shutdown()
 
 
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    from .model.tokenizer_export import export_tokenizer
+    for path in export_tokenizer(args.model, args.dir):
+        print(path)
+    return 0
+
+
 def _default_model() -> str:
     from .model.default_model import default_model_path
     return str(default_model_path())
@@ -261,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_arguments(c)
     c.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's element type (as generate's)")
     add_speculative_arguments(c)
+    what = "write the model's tokenizer as tokenizer.json + tokenizer_config.json (for Hugging Face tools)"
+    e = sub.add_parser("export-tokenizer", help=what, description=what, formatter_class=HelpFormatter)
+    e.add_argument("model", help="a GGUF file, a model directory or ORG/NAME[:FILE.gguf]")
+    e.add_argument("dir", help="the folder to write (made if missing)")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pagedecode[server])",
                        formatter_class=HelpFormatter)
     add_arguments(s)
@@ -281,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 from .ray import serve_main as serve_on_ray
                 return serve_on_ray(args)
             return serve_main(parsed=args)
-        return {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo}[args.cmd](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo,
+                "export-tokenizer": cmd_export_tokenizer}[args.cmd](args)
     except (CliError, PageDecodeError, ModelLoadError, ChatSetupError) as e:
         print(f"pagedecode: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from .responses import now
 from .responses_api import ROUTES as RESPONSES_ROUTES
 from .sse import check_resume, last_event_id, one_sse, pin
 from .state import ServerOptions, ServerState, state_of
+from .tokenize import ROUTES as TOKENIZE_ROUTES
 
 
 async def health(request: Request) -> Response:
@@ -80,7 +81,7 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/requests/{request_id}/events", events), Route("/v1/requests/{request_id}/trace", trace),
-    *RESPONSES_ROUTES,
+    *RESPONSES_ROUTES, *TOKENIZE_ROUTES,
 ]
 
 
