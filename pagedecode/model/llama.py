@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._backend import use_triton
+from ..progress import progress
 from ..kernels.decode_attention import attend_gathered, context_slots, paged_decode_attention
 from ..kernels.extend_attention import paged_extend_attention
 from ..kernels.kv_write import write_kv
@@ -31,6 +32,17 @@ from .quant import BLOCK, QuantizedWeight, Weight, cat_rows, embedding_rows, lin
 # read at call time (a test switches the compiled forward off by setting cpu_forward._cpu_ext)
 from . import cpu_forward as compiled
 from .cpu_forward import default_cpu_matmul, default_cpu_pack_weights
+
+
+def _storage_key(w: Weight) -> int:
+    """One key per block of memory: the tied LM head is the embedding, the compiled forward's
+    list holds the model's own tensors and quantized blocks; oneDNN's packed copies have no plain
+    storage (their own id)."""
+    if isinstance(w, QuantizedWeight):
+        return int(w.blocks.data_ptr())
+    if w.is_mkldnn:
+        return id(w)
+    return int(w.data_ptr()) or id(w)
 
 
 @dataclass
@@ -98,7 +110,7 @@ class LlamaModel:
         self.lm_head = lm
         self.final_norm = take("model.norm.weight")
         self.layers = []
-        for i in range(c.num_layers):
+        for i in progress(range(c.num_layers), "loading layers", total=c.num_layers):
             p = f"model.layers.{i}."
             biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
             self.layers.append(_Layer(
@@ -167,6 +179,23 @@ class LlamaModel:
                                 L.gate_up_w, L.down_w) if t is not None]
         return out
 
+    def weight_formats(self) -> dict[str, int]:
+        """Bytes of the weights by the format they are held in ("q8_0", "float32", ...), and the
+        compiled forward's derived copies (transposed small layers, packed copies) as "copies";
+        they add up to weight_bytes."""
+        seen: dict[int, tuple[str, int]] = {}
+        own = self._weights()
+        for w in own:
+            kind = w.kind if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
+            seen.setdefault(_storage_key(w), (kind, weight_bytes(w)))
+        for w in self._compiled.tensors() if self._compiled is not None else []:
+            seen.setdefault(_storage_key(w), ("copies", weight_bytes(w)))    # the model's own are seen already
+        out: dict[str, int] = {}
+        for kind, size in seen.values():
+            if size:
+                out[kind] = out.get(kind, 0) + size
+        return out
+
     @property
     def weight_bytes(self) -> int:
         """Bytes the weights take in memory, as the forward holds them (quantized blocks at their
@@ -174,13 +203,7 @@ class LlamaModel:
         seen: dict[int, int] = {}
         extra = self._compiled.tensors() if self._compiled is not None else []
         for w in self._weights() + extra:
-            if isinstance(w, QuantizedWeight):
-                key = w.blocks.data_ptr()            # the compiled forward's list holds the same blocks
-            elif w.is_mkldnn:                    # oneDNN's packed copies have no plain storage
-                key = id(w)
-            else:
-                key = w.data_ptr() or id(w)      # the tied LM head is the embedding: counted once
-            seen[key] = weight_bytes(w)
+            seen[_storage_key(w)] = weight_bytes(w)
         return sum(seen.values())
 
     def uses_cpu_extension(self) -> bool:
