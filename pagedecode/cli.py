@@ -51,7 +51,8 @@ def _engine(args: argparse.Namespace) -> Any:
         raise CliError(str(e)) from None
     options = {"max_batch_size": max(8, getattr(args, "requests", 1)), "speculative": speculative,
                "deterministic": getattr(args, "deterministic", False),
-               "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"), "num_threads": args.threads}
+               "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"), "num_threads": args.threads,
+               "memory_budget_bytes": args.kv_cache_memory}
     try:
         return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
                                       tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,

@@ -140,7 +140,12 @@ def chat_loop(engine: Any, template: Any, params: SamplingParams, conversation: 
         if not text:
             continue
         conversation.turns.append({"role": "user", "content": line})
-        ids = render_ids(engine.tokenizer, template, conversation.messages())
+        try:
+            ids = render_ids(engine.tokenizer, template, conversation.messages())
+        except ChatSetupError as e:          # the template refused this history: the turn is dropped
+            conversation.turns.pop()
+            print(f"[{e}]", file=err)
+            continue
         room = engine.max_context - len(ids)
         if room < 1:
             conversation.turns.pop()

@@ -157,3 +157,16 @@ def test_generate_chat_renders_the_prompt_through_the_template(stories_path, tem
 def test_no_template_is_one_clear_line(stories_path, capsys):
     assert cli.main(["chat", "--model", str(stories_path)]) == 2
     assert "has no chat template; give one with --chat-template FILE" in capsys.readouterr().err
+
+
+def test_a_turn_the_template_refuses_is_dropped_with_a_message(stories_path, tmp_path):
+    import pagedecode as pd
+    f = tmp_path / "short.jinja"
+    f.write_text("{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+                 "{{ bos_token }}{{ messages[0]['content'] }}")
+    engine = pd.Engine.from_pretrained(stories_path)
+    conv, err = Conversation(), io.StringIO()
+    assert chat_loop(engine, load_chat_template(stories_path, f), pd.SamplingParams(max_tokens=4, temperature=0),
+                     conv, scripted([TURNS[0], TURNS[1], "/reset", TURNS[1]]), io.StringIO(), err) == 0
+    assert "the chat template refused these messages: one message only" in err.getvalue()
+    assert [t["role"] for t in conv.turns] == ["user", "assistant"] and conv.turns[0]["content"] == TURNS[1]

@@ -20,6 +20,8 @@ def engine_options(args: argparse.Namespace, leave_out: tuple[str, ...] = ()) ->
     options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS if f.name not in leave_out}
     if getattr(args, "threads", None) is not None:
         options["num_threads"] = args.threads
+    if getattr(args, "kv_cache_memory", None) is not None:
+        options["memory_budget_bytes"] = args.kv_cache_memory
     EngineConfig(**options)
     return options
 
@@ -46,6 +48,20 @@ def positive(text: str) -> int:
     return n
 
 
+def byte_size(text: str) -> int:
+    """argparse's type for a size: bytes, or a number with K, M, G (powers of 1024), e.g. 512M."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if t[-1:] in units else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512M or 2G, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return n
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """What to load and where: --model, --quantization, --tokenizer, --device, --dtype,
     --tensor-parallel-size, --threads (generate, demo, chat and serve)."""
@@ -60,6 +76,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--tensor-parallel-size", type=positive, default=1,
                    help="ranks the model is sharded over (processes started by the engine)")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
+                   help="the KV cache's bytes (512M, 2G, or a number of bytes; EngineConfig.memory_budget_bytes). "
+                        "Default: max batch x context tokens within 256 MiB, at least one context")
     p.add_argument("--threads", type=positive, default=None,
                    help="CPU threads of the forward (EngineConfig.num_threads; default: the physical cores this "
                         "process may use, within its cgroup CPU quota)")

@@ -95,3 +95,27 @@ def test_resident_memory_is_what_the_formula_says(big_model):
     if packed["weight_bytes"] > checkpoint_bytes:                      # oneDNN present: its copy is counted
         want = packed["weight_bytes"] + packed["kv_bytes"]
         assert 0.9 * want < packed["grew"] < 1.1 * want + (40 << 20), packed
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "demo", "serve"])
+def test_kv_cache_memory_on_every_command(command, monkeypatch):
+    import pagedecode as pd
+    from pagedecode import cli
+    from pagedecode.server.flags import engine_options
+    args = cli.build_parser().parse_args([command, "--kv-cache-memory", "512M"] + (["--prompt", "x"]
+                                                                                   if command == "generate" else []))
+    assert args.kv_cache_memory == 512 << 20
+    if command == "serve":
+        assert engine_options(args)["memory_budget_bytes"] == 512 << 20
+        return
+    made = {}
+    monkeypatch.setattr(pd.Engine, "from_pretrained", classmethod(lambda cls, *a, **k: made.update(k)))
+    cli._engine(args)
+    assert made["memory_budget_bytes"] == 512 << 20
+
+
+@pytest.mark.parametrize("text, size", [("1024", 1024), ("2K", 2048), ("1.5G", 3 << 29), ("256MiB", 256 << 20),
+                                        ("64mb", 64 << 20)])
+def test_byte_sizes(text, size):
+    from pagedecode.server.flags import byte_size
+    assert byte_size(text) == size
