@@ -66,7 +66,10 @@ class Engine:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a tensor-parallel model's KV cache is "
                              f"its own dtype ({model.dtype}); use kv_cache_dtype='auto'")
         configure(model, config)
-        self.num_threads = config.threads()
+        # a tensor-parallel model's other ranks run one thread each (model/parallel.py): by default
+        # this rank takes the rest of the cores, so that no more workers spin than there are cores
+        world = int(getattr(model, "world", 1))
+        self.num_threads = config.num_threads or max(1, config.threads() - (world - 1))
         self._threads_before: int | None = apply_num_threads(self.num_threads)    # put back by shutdown()
         mc = model.config
         self.device = torch.device(getattr(model, "device", "cpu"))

@@ -123,3 +123,19 @@ def test_every_command_takes_threads(command, monkeypatch):
         monkeypatch.setattr(pd.Engine, "from_pretrained", classmethod(lambda cls, *a, **k: made.update(k)))
         cli._engine(args)
         assert made["num_threads"] == 3
+
+
+def test_a_tensor_parallel_rank_leaves_the_other_ranks_their_cores(stories_engine_factory, monkeypatch):
+    """The worker ranks run one thread each: rank 0's default is the rest of the cores."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr("pagedecode.runtime.config.default_num_threads", lambda: 4)
+    try:
+        engine = stories_engine_factory()
+        model = engine.model
+        monkeypatch.setattr(model, "world", 3, raising=False)
+        again = __import__("pagedecode").Engine(model, engine.tokenizer)
+        assert (engine.num_threads, again.num_threads) == (4, 2)
+        assert __import__("pagedecode").Engine(model, engine.tokenizer,
+                                               EngineConfig(num_threads=3)).num_threads == 3   # as given
+    finally:
+        torch.set_num_threads(before)
