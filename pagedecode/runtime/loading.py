@@ -3,6 +3,7 @@ in this process or over tensor-parallel worker processes; and what an EngineConf
 model it is given."""
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -34,6 +35,7 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
         model, tok = load_model(path, device=device, dtype=dtype, attention_backend=config.attention_backend,
                                 quantization=quantization, tokenizer=tokenizer, cpu_matmul=config.cpu_matmul,
                                 cpu_pack_weights=config.cpu_pack_weights)
+        return_freed_memory()
         return _engine(cls, model, tok, config)
     if quantization is not None or tokenizer is not None or Path(path).is_file():
         raise ValueError("tensor_parallel_size > 1 takes a Hugging Face directory, without quantization "
@@ -42,6 +44,20 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
     model, tok = load_tensor_parallel(path, tensor_parallel_size, device=device, dtype=dtype,
                                       attention_backend=config.attention_backend)
     return _engine(cls, model, tok, config)
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap memory a load freed back to the kernel (glibc's malloc_trim): the checkpoint's
+    tensors, the float copies a quantization or a dequantized format made, the layers before they
+    were stacked. glibc keeps freed blocks below its mmap threshold (which its frees of large
+    blocks raise, up to 32 MiB) for reuse, so without this the process would hold the load's peak
+    for good, not what the model holds. False where there is no malloc_trim (not glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def _engine(cls: type[E], model: Any, tok: Any, config: EngineConfig) -> E:
