@@ -120,10 +120,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from .runtime.footprint import describe
     from .terminal_chat import Conversation, chat_loop, chat_params, load_chat_template, read_terminal_line
     template = load_chat_template(args.model or _default_model(), args.chat_template)
     engine = _engine(args)
-    from .runtime.footprint import describe
     print(f"[{describe(engine)}]", file=sys.stderr)
     try:
         return chat_loop(engine, template, chat_params(args), Conversation(args.system), read_terminal_line,
