@@ -14,9 +14,10 @@ from .trace import TRACE_LEVELS
 
 BACKPRESSURE_POLICIES = ("pause", "fail")
 SPECULATIVE_METHODS = ("ngram", "draft")
-# the KV cache's default size: a full context per batch slot, within this many bytes, but never less
-# than one full context (so that one request can always reach the context)
-DEFAULT_KV_BUDGET_BYTES = 256 << 20
+# the KV cache's default size: a full context per batch slot, within this many bytes (as llama.cpp's
+# default context is 4,096 tokens whatever the model's: SmolLM2-135M's float32 KV then holds 2,912
+# tokens, and the server stays near 600 MB resident); --kv-cache-memory / max_cache_tokens for more
+DEFAULT_KV_BUDGET_BYTES = 128 << 20
 CPU_MATMULS = ("onednn", "aten")
 # kv_cache_dtype: "auto" (the model's dtype) or a float type, under its usual names (kept as the first)
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
@@ -96,16 +97,16 @@ class EngineConfig:
     def kv_pages(self, bytes_per_token: int, model_context: int) -> int:
         """How many KV pages the engine allocates: memory_budget_bytes or max_cache_tokens, else
         what the batch and the context need, max_batch_size x context tokens, within
-        DEFAULT_KV_BUDGET_BYTES and at least one context:
-            min(max_batch_size x context, max(context, DEFAULT_KV_BUDGET_BYTES / bytes_per_token))
-        (rounded down to whole pages; `context` is max_context, else the model's)."""
+        DEFAULT_KV_BUDGET_BYTES:
+            min(max_batch_size x context, DEFAULT_KV_BUDGET_BYTES / bytes_per_token)
+        (rounded down to whole pages; `context` is max_context, else the model's). A pool smaller
+        than the context also bounds the context (Engine.max_context)."""
         if self.memory_budget_bytes is not None:
             tokens = self.memory_budget_bytes // bytes_per_token
         elif self.max_cache_tokens is not None:
             tokens = self.max_cache_tokens
         else:
-            tokens = min(self.max_batch_size * model_context,
-                         max(model_context, DEFAULT_KV_BUDGET_BYTES // bytes_per_token))
+            tokens = min(self.max_batch_size * model_context, DEFAULT_KV_BUDGET_BYTES // bytes_per_token)
         if tokens < self.page_size:
             raise ValueError(f"KV capacity of {tokens} tokens holds no page of {self.page_size}")
         return tokens // self.page_size

@@ -78,7 +78,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="ranks the model is sharded over (processes started by the engine)")
     p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
                    help="the KV cache's bytes (512M, 2G, or a number of bytes; EngineConfig.memory_budget_bytes). "
-                        "Default: max batch x context tokens within 256 MiB, at least one context")
+                        "Default: max batch x context tokens, within 128 MiB")
     p.add_argument("--threads", type=positive, default=None,
                    help="CPU threads of the forward (EngineConfig.num_threads; default: the physical cores this "
                         "process may use, within its cgroup CPU quota)")

@@ -1,8 +1,8 @@
 """Memory a user can predict: after a request, the process holds what it held before loading plus
 weight_bytes (one copy of each weight, unless cpu_pack_weights asks for oneDNN's second one; a
 quantized load's float layers handed back) plus
-the KV cache, whose default size is min(max_batch_size x context, max(context, 256 MiB / bytes
-per token)) tokens. Measured as RSS in a fresh process over a 180 MB float32 model."""
+the KV cache, whose default size is min(max_batch_size x context, 128 MiB / bytes per token)
+tokens. Measured as RSS in a fresh process over a 180 MB float32 model."""
 import json
 import shutil
 import subprocess
@@ -76,8 +76,9 @@ def grown(path, **options):
 
 def test_kv_cache_default_is_the_batch_times_the_context_within_the_budget():
     c = EngineConfig(max_batch_size=4)
+    assert DEFAULT_KV_BUDGET_BYTES == 128 << 20
     assert c.kv_pages(8192, 512) * 16 == 4 * 512                       # what 4 full contexts need
-    assert EngineConfig().kv_pages(46080, 8192) * 16 == 8192          # one context (SmolLM2's, 64 slots, f32):
+    assert EngineConfig().kv_pages(46080, 8192) * 16 == 2912          # SmolLM2-135M, float32: the budget binds
     assert EngineConfig().kv_pages(1280, 512) * 16 == 64 * 512        # stories260k: 64 slots fit the budget
     tokens = DEFAULT_KV_BUDGET_BYTES // 4096
     assert EngineConfig().kv_pages(4096, 2048) * 16 == tokens // 16 * 16         # the budget binds
