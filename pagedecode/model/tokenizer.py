@@ -232,6 +232,10 @@ class Tokenizer:
             return False
         return not (skip_special_tokens and token_id in self.special_ids)
 
+    def save(self, path: str | Path) -> None:
+        """The `tokenizers` tokenizer as a tokenizer.json file (model/tokenizer_export.py)."""
+        self._tok.save(str(path))
+
     def id_to_token(self, token_id: int) -> str | None:
         token: str | None = self._tok.id_to_token(token_id)
         return token

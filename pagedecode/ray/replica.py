@@ -27,7 +27,8 @@ class EngineReplica:
         self.index, self.name = index, f"replica-{index}"
         self.spec = spec
         engine = pd.Engine.from_pretrained(spec.model, model_name=spec.served_model_name,
-                                           request_id_prefix=f"req-r{index}-", **spec.load, **spec.engine)
+                                           request_id_prefix=f"req-r{index}-", **spec.load,
+                                           **{"num_threads": spec.torch_threads, **spec.engine})
         source, specials = load_template(spec.model, spec.chat_template)
         self.template = (source, specials)
         self.ae = pd.AsyncEngine(engine)

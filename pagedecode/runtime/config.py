@@ -10,11 +10,15 @@ import torch
 from ..kernels._backend import BACKENDS
 from ..model.cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 from ..model.quant import QUANTIZATIONS
+from .threads import default_num_threads
 from .trace import TRACE_LEVELS
 
 BACKPRESSURE_POLICIES = ("pause", "fail")
 SPECULATIVE_METHODS = ("ngram", "draft")
-DEFAULT_CACHE_TOKENS = 16384
+# the KV cache's default size: a full context per batch slot, within this many bytes (as llama.cpp's
+# default context is 4,096 tokens whatever the model's: SmolLM2-135M's float32 KV then holds 2,912
+# tokens, and the server stays near 600 MB resident); --kv-cache-memory / max_cache_tokens for more
+DEFAULT_KV_BUDGET_BYTES = 128 << 20
 CPU_MATMULS = ("onednn", "aten")
 # kv_cache_dtype: "auto" (the model's dtype) or a float type, under its usual names (kept as the first)
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
@@ -67,10 +71,16 @@ class EngineConfig:
                                              # (at::mm); PAGEDECODE_CPU_MATMUL=aten sets the default
     cpu_pack_weights: bool = field(default_factory=default_cpu_pack_weights)
                                              # a second copy of each float weight in oneDNN's blocked
-                                             # layout (faster matmuls); PAGEDECODE_CPU_PACK=0: none
+                                             # layout: 8-52-row float32 matmuls 1.3-2.5x faster, at twice
+                                             # the weights' memory; off by default (one resident copy),
+                                             # PAGEDECODE_CPU_PACK=1 turns it on
     cpu_keep_freed_memory: bool = field(default_factory=default_keep_freed_memory)
                                              # glibc keeps what a step frees for the next (mallopt, applied
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
+    num_threads: int | None = None           # the CPU forward's threads (torch's intra-op count, which the
+                                             # compiled forward's pool takes): set by the engine, put back
+                                             # when it shuts down; None: the physical cores this process
+                                             # may use, within its cgroup quota (runtime/threads.py)
     speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
     kv_cache_dtype: "str | torch.dtype" = "auto"   # the KV cache's element type: "auto" (the model's dtype),
                                              # "bfloat16" / "float16" (half a float32 model's cache bytes:
@@ -78,17 +88,27 @@ class EngineConfig:
                                              # or "float32"; an alias (bf16, fp16, ...) or a torch
                                              # dtype is kept as that name
 
+    def threads(self) -> int:
+        """num_threads, or the default for this process when it is None."""
+        return self.num_threads if self.num_threads is not None else default_num_threads()
+
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's torch dtype for a model computing in model_dtype."""
         return KV_CACHE_DTYPES[str(self.kv_cache_dtype)] or model_dtype
 
     def kv_pages(self, bytes_per_token: int, model_context: int) -> int:
         """How many KV pages the engine allocates: memory_budget_bytes or max_cache_tokens, else
-        a full context per batch slot up to DEFAULT_CACHE_TOKENS."""
+        what the batch and the context need, max_batch_size x context tokens, within
+        DEFAULT_KV_BUDGET_BYTES:
+            min(max_batch_size x context, DEFAULT_KV_BUDGET_BYTES / bytes_per_token)
+        (rounded down to whole pages; `context` is max_context, else the model's). A pool smaller
+        than the context also bounds the context (Engine.max_context)."""
         if self.memory_budget_bytes is not None:
             tokens = self.memory_budget_bytes // bytes_per_token
+        elif self.max_cache_tokens is not None:
+            tokens = self.max_cache_tokens
         else:
-            tokens = self.max_cache_tokens or min(self.max_batch_size * model_context, DEFAULT_CACHE_TOKENS)
+            tokens = min(self.max_batch_size * model_context, DEFAULT_KV_BUDGET_BYTES // bytes_per_token)
         if tokens < self.page_size:
             raise ValueError(f"KV capacity of {tokens} tokens holds no page of {self.page_size}")
         return tokens // self.page_size
@@ -98,7 +118,7 @@ class EngineConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_cache_tokens is not None and self.memory_budget_bytes is not None:
             raise ValueError("give max_cache_tokens or memory_budget_bytes, not both")
-        for name in ("max_cache_tokens", "memory_budget_bytes", "max_context"):
+        for name in ("max_cache_tokens", "memory_budget_bytes", "max_context", "num_threads"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")

@@ -48,6 +48,7 @@ from .selector import TokenSelector
 from .slots import SlotTable
 from .snapshot import EngineSnapshot, take_snapshot
 from .speculative import Speculator
+from .threads import apply_num_threads
 from .trace import now_us
 
 
@@ -66,6 +67,11 @@ class Engine:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a tensor-parallel model's KV cache is "
                              f"its own dtype ({model.dtype}); use kv_cache_dtype='auto'")
         configure(model, config)
+        # a tensor-parallel model's other ranks run one thread each (model/parallel.py): by default
+        # this rank takes the rest of the cores, so that no more workers spin than there are cores
+        world = int(getattr(model, "world", 1))
+        self.num_threads = config.num_threads or max(1, config.threads() - (world - 1))
+        self._threads_before: int | None = apply_num_threads(self.num_threads)    # put back by shutdown()
         mc = model.config
         self.device = torch.device(getattr(model, "device", "cpu"))
         self.bytes_per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
@@ -150,6 +156,9 @@ class Engine:
         close = getattr(self.model, "close", None)
         if callable(close):
             close()
+        if self._threads_before is not None:
+            apply_num_threads(self._threads_before)
+            self._threads_before = None
         return events
 
     def close(self) -> None:

@@ -3,6 +3,7 @@ in this process or over tensor-parallel worker processes; and what an EngineConf
 model it is given."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -20,21 +21,25 @@ E = TypeVar("E", bound="Engine")
 def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: Any = None,
                     tensor_parallel_size: int = 1, quantization: str | None = None,
                     tokenizer: str | Path | None = None, **engine_options: Any) -> E:
-    """path: a Hugging Face directory or a GGUF file. quantization "q8_0" / "q4_0" keeps the
+    """path: a Hugging Face directory or a GGUF file, or a Hugging Face repository id (ORG/NAME,
+    ORG/NAME:FILE.gguf: model/hub.py). quantization "q8_0" / "q4_0" keeps the
     layer weights quantized in memory; tokenizer: a folder holding tokenizer.json to use
     instead of the model's own. tensor_parallel_size N > 1 starts N - 1 worker processes
     (model/parallel.py); the engine and every request stay in this one."""
+    from ..model.hub import resolve_model
     from ..model.loader import load_model
-    spec = engine_options.get("speculative")
-    if spec is not None and getattr(spec, "method", None) == "draft" and spec.draft_model is None:
-        engine_options["speculative"] = replace(spec, draft_model=path)     # a self-draft: this checkpoint
     config = EngineConfig(**{"model_name": str(path), **engine_options})
+    path = resolve_model(path)                 # ORG/NAME[:FILE.gguf]: from the Hugging Face cache
+    spec = config.speculative
+    if spec is not None and spec.method == "draft" and spec.draft_model is None:
+        config.speculative = replace(spec, draft_model=path)        # a self-draft: this checkpoint
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
     if tensor_parallel_size == 1:
         model, tok = load_model(path, device=device, dtype=dtype, attention_backend=config.attention_backend,
                                 quantization=quantization, tokenizer=tokenizer, cpu_matmul=config.cpu_matmul,
                                 cpu_pack_weights=config.cpu_pack_weights)
+        return_freed_memory()
         return _engine(cls, model, tok, config)
     if quantization is not None or tokenizer is not None or Path(path).is_file():
         raise ValueError("tensor_parallel_size > 1 takes a Hugging Face directory, without quantization "
@@ -43,6 +48,20 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
     model, tok = load_tensor_parallel(path, tensor_parallel_size, device=device, dtype=dtype,
                                       attention_backend=config.attention_backend)
     return _engine(cls, model, tok, config)
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap memory a load freed back to the kernel (glibc's malloc_trim): the checkpoint's
+    tensors, the float copies a quantization or a dequantized format made, the layers before they
+    were stacked. glibc keeps freed blocks below its mmap threshold (which its frees of large
+    blocks raise, up to 32 MiB) for reuse, so without this the process would hold the load's peak
+    for good, not what the model holds. False where there is no malloc_trim (not glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def _engine(cls: type[E], model: Any, tok: Any, config: EngineConfig) -> E:

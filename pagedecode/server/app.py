@@ -32,6 +32,7 @@ from .reader import Reader
 from .responses_api import ROUTES as RESPONSES_ROUTES
 from .sse import check_resume, last_event_id, one_sse
 from .state import ServerOptions, ServerState, state_of
+from .tokenize import ROUTES as TOKENIZE_ROUTES
 
 
 async def health(request: Request) -> Response:
@@ -84,7 +85,7 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/requests/{request_id}/events", events), Route("/v1/requests/{request_id}/trace", trace),
-    *RESPONSES_ROUTES,
+    *RESPONSES_ROUTES, *TOKENIZE_ROUTES,
 ]
 
 

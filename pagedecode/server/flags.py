@@ -10,13 +10,18 @@ from typing import Any
 
 from ..runtime.config import EngineConfig
 
-ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name", "speculative")]
+# num_threads is --threads (add_model_arguments), as llama.cpp and vLLM name it
+ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name not in ("model_name", "speculative", "num_threads")]
 
 
 def engine_options(args: argparse.Namespace, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
     """The EngineConfig fields the flags give, checked now (a bad one raises ValueError naming it,
     before any model loads or cluster starts)."""
     options = {f.name: getattr(args, "engine_" + f.name) for f in ENGINE_FLAGS if f.name not in leave_out}
+    if getattr(args, "threads", None) is not None:
+        options["num_threads"] = args.threads
+    if getattr(args, "kv_cache_memory", None) is not None:
+        options["memory_budget_bytes"] = args.kv_cache_memory
     EngineConfig(**options)
     return options
 
@@ -43,9 +48,23 @@ def positive(text: str) -> int:
     return n
 
 
+def byte_size(text: str) -> int:
+    """argparse's type for a size: bytes, or a number with K, M, G (powers of 1024), e.g. 512M."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if t[-1:] in units else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512M or 2G, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return n
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """What to load and where: --model, --quantization, --tokenizer, --device, --dtype,
-    --tensor-parallel-size (generate, demo and serve)."""
+    --tensor-parallel-size, --threads (generate, demo, chat and serve)."""
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
     p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0"],
@@ -57,6 +76,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: float32 on CPU, the checkpoint's on CUDA)")
     p.add_argument("--tensor-parallel-size", type=positive, default=1,
                    help="ranks the model is sharded over (processes started by the engine)")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="SIZE",
+                   help="the KV cache's bytes (512M, 2G, or a number of bytes; EngineConfig.memory_budget_bytes). "
+                        "Default: max batch x context tokens, within 128 MiB")
+    p.add_argument("--threads", type=positive, default=None,
+                   help="CPU threads of the forward (EngineConfig.num_threads; default: the physical cores this "
+                        "process may use, within its cgroup CPU quota)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

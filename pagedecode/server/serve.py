@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from ..runtime.footprint import describe
 from ..runtime.heap import thaw_heap
 from .flags import HelpFormatter, add_arguments, api_keys, engine_options, server_options, speculative_config
 
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     import pagedecode as pd
 
     from ..model.default_model import default_model_path
+    from ..model.hub import resolve_model
     from .transport import ConnectionLimits, default_max_connections
     if parsed is None:
         ap = argparse.ArgumentParser(prog="pagedecode serve", formatter_class=HelpFormatter)
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     except OSError as e:
         print(f"pagedecode serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    model_dir = Path(args.model) if args.model else default_model_path()
+    model_dir = resolve_model(args.model) if args.model else default_model_path()
     options["speculative"] = speculative
     name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
     try:
@@ -84,10 +86,7 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
             return 2
         pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        capacity = engine.snapshot().pages_total * engine.config.page_size
-        log.info("%s: %s weights (%.1f MB), KV cache of %d tokens in %s (%.1f MB)", name,
-                 str(engine.model.dtype).removeprefix("torch."), engine.weight_bytes / 1e6, capacity,
-                 str(engine.kv_cache_dtype).removeprefix("torch."), capacity * engine.bytes_per_token_total / 1e6)
+        log.info("%s: %s", name, describe(engine))
         if publisher is not None:
             log.info("KV events on %s (replay: %s)", publisher.address, publisher.replay_address)
         run_uvicorn(args, app, ae, sock, limits)

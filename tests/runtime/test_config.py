@@ -19,13 +19,13 @@ def clean_env(monkeypatch):
 
 
 def test_defaults_come_from_the_environment(clean_env):
-    c = EngineConfig()
-    assert (c.cpu_matmul, c.cpu_pack_weights, c.cpu_keep_freed_memory) == ("onednn", True, True)
+    c = EngineConfig()          # one resident copy of each weight unless asked (memory a user can predict)
+    assert (c.cpu_matmul, c.cpu_pack_weights, c.cpu_keep_freed_memory) == ("onednn", False, True)
     clean_env.setenv("PAGEDECODE_CPU_MATMUL", "aten")
-    clean_env.setenv("PAGEDECODE_CPU_PACK", "0")
+    clean_env.setenv("PAGEDECODE_CPU_PACK", "1")
     clean_env.setenv("PAGEDECODE_MALLOC", "default")
     c = EngineConfig()          # read when a config is made, not when the module was imported
-    assert (c.cpu_matmul, c.cpu_pack_weights, c.cpu_keep_freed_memory) == ("aten", False, False)
+    assert (c.cpu_matmul, c.cpu_pack_weights, c.cpu_keep_freed_memory) == ("aten", True, False)
 
 
 def test_an_explicit_field_wins_over_the_environment(clean_env):
@@ -64,7 +64,8 @@ def test_cpu_matmul_aten_runs_at_mm_with_the_same_logits(clean_env, stories_path
     """cpu_matmul="aten" (at::mm for the larger matmuls) per engine, in one process: the same
     logits within float32 rounding as oneDNN's."""
     eng = pd.Engine.from_pretrained(stories_path, cpu_matmul="aten")
-    assert eng.model._compiled.onednn is False and eng.weight_bytes < pd.Engine.from_pretrained(stories_path).weight_bytes
+    packed = pd.Engine.from_pretrained(stories_path, cpu_pack_weights=True)      # aten needs no oneDNN copy
+    assert eng.model._compiled.onednn is False and eng.weight_bytes < packed.weight_bytes
     params = pd.SamplingParams(max_tokens=8, logprobs=0, ignore_eos=True, prompt_logprobs=0)
     prompt = "Once upon a time there was a little girl named Lily who loved to play outside"
     a = eng.generate(prompt, params)[0]

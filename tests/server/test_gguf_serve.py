@@ -34,8 +34,8 @@ def test_serve_a_gguf_file(stories_path, extra):
             url = m.group(1) if m else None
         assert url, f"server did not start (exit {proc.poll()})"
         cache = "float16" if extra else "float32"
-        assert any(re.search(rf"stories260K: float32 weights .* KV cache of \d+ tokens in {cache} ", ln)
-                   for ln in lines), "".join(lines)
+        assert any(re.search(rf"stories260K: weights [\d.]+ MB \(float32 [\d.]+ MB.*\), KV cache of \d+ tokens in "
+                             rf"{cache} \([\d.]+ MB\), \d+ threads", ln) for ln in lines), "".join(lines)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         assert [m.id for m in client.models.list().data] == ["stories260K"]
         r = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=16, temperature=0)

@@ -96,3 +96,29 @@ def test_lm_eval_local_completions_equal_its_hf_backend(stories_path, lm_eval_en
                                                                                                g, w)
     finally:
         stop_server(s)
+
+
+def test_lm_eval_runs_on_a_gguf_only_model_with_the_exported_tokenizer(stories_path, lm_eval_env, tmp_path):
+    """`pagedecode export-tokenizer` makes a GGUF file usable by lm-eval's `local-completions`
+    (whose tokenizer is transformers'): the same per-item loglikelihoods as with the checkpoint's
+    own Hugging Face tokenizer, against a server over the GGUF."""
+    from pagedecode import cli
+    lm_eval, tasks = lm_eval_env
+    gguf = stories_path / "source" / "stories260K.gguf"
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} not found")
+    assert cli.main(["export-tokenizer", str(gguf), str(tmp_path / "tok")]) == 0
+    s = start_server(gguf)
+    try:
+        def run(tokenizer):
+            return per_item(lm_eval.simple_evaluate(
+                model="local-completions",
+                model_args=(f"base_url={s.url}/v1/completions,model=stories260k,tokenizer={tokenizer},"
+                            "tokenizer_backend=huggingface,tokenized_requests=True,add_bos_token=True,max_retries=1"),
+                tasks=["pd_mc", "pd_ll"], task_manager=tasks, log_samples=True))
+        got, want = run(tmp_path / "tok"), run(stories_path)
+    finally:
+        stop_server(s)
+    for task in ("pd_mc", "pd_ll"):
+        assert len(got[task]) == len({"pd_mc": MC, "pd_ll": LL}[task])
+        assert got[task] == want[task]
