@@ -91,13 +91,16 @@ class ChatTemplate:
 
 
 def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
-                allow_special_tokens_in_content: bool = False) -> list[int]:
-    """The prompt ids a chat's messages become: the server's prompt and the Ray router's prefix
-    key both come from here, so they agree. Special-token text typed in content ("</s>") stays
-    plain text, unless allow_special_tokens_in_content (or a tokenizer that cannot escape)."""
+                allow_special_tokens_in_content: bool = False, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt ids a chat's messages become: the server's prompt, the Ray router's prefix key
+    and /tokenize's count all come from here, so they agree. Special-token text typed in content
+    ("</s>") stays plain text, unless allow_special_tokens_in_content (or a tokenizer that cannot
+    escape)."""
     if allow_special_tokens_in_content or not isinstance(tokenizer, EscapesSpecialTokens):
-        return list(tokenizer.encode(template.render(messages), add_special_tokens=False))
-    return list(tokenizer.encode_escaped(template.render(messages, escape=tokenizer.escape_specials)))
+        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, escape=tokenizer.escape_specials)
+    return list(tokenizer.encode_escaped(text))
 
 
 def _escaped(value: Any, escape: Callable[[str], str]) -> Any:

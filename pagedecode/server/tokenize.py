@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..model.tokenizer import EscapesSpecialTokens
+from .chat import ChatTemplate, encode_chat
 from .errors import ApiError, bad
-from .state import ServerState, state_of
+from .state import state_of
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -30,25 +30,20 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _body(state: ServerState, parsed: Any) -> dict[str, Any]:
+def _body(parsed: Any) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ApiError(400, "the body must be a JSON object")
-    state.check_model(parsed)
     return parsed
 
 
-def _chat_ids(state: ServerState, messages: Any, add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+def _chat_ids(tok: Any, template: ChatTemplate | None, messages: Any, allow_specials: bool,
+              add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad("messages", "messages must be a non-empty array of objects")
-    if state.chat_template is None:
+    if template is None:
         raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
                        param="messages")
-    tok = state.engine.tokenizer
-    if state.options.allow_special_tokens_in_content or not isinstance(tok, EscapesSpecialTokens):
-        text = state.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-        return list(tok.encode(text, add_special_tokens=add_special_tokens))
-    text = state.chat_template.render(messages, add_generation_prompt=add_generation_prompt, escape=tok.escape_specials)
-    ids = tok.encode_escaped(text)
+    ids = encode_chat(tok, template, messages, allow_specials, add_generation_prompt)
     bos = tok.bos_token_id
     if add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
@@ -58,7 +53,8 @@ def _chat_ids(state: ServerState, messages: Any, add_generation_prompt: bool, ad
 async def tokenize(request: Request) -> Response:
     state = state_of(request)
     state.tenants.check(request)
-    body = _body(state, (await state.read_body(request))[0])
+    body = _body((await state.read_body(request))[0])
+    state.check_model(body)
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
         raise ApiError(400, "give either prompt or messages")
@@ -68,8 +64,8 @@ async def tokenize(request: Request) -> Response:
             raise bad("prompt", "prompt must be a string")
         ids = list(tok.encode(body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True)))
     else:
-        ids = _chat_ids(state, body["messages"], _flag(body, "add_generation_prompt", True),
-                        _flag(body, "add_special_tokens", False))
+        ids = _chat_ids(tok, state.chat_template, body["messages"], state.options.allow_special_tokens_in_content,
+                        _flag(body, "add_generation_prompt", True), _flag(body, "add_special_tokens", False))
     strs = None
     if _flag(body, "return_token_strs", False):
         to_str = getattr(tok, "id_to_token", None)
@@ -81,7 +77,8 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     state = state_of(request)
     state.tenants.check(request)
-    body = _body(state, (await state.read_body(request))[0])
+    body = _body((await state.read_body(request))[0])
+    state.check_model(body)
     tokens = body.get("tokens")
     vocab = state.engine.vocab_size
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
