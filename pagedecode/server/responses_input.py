@@ -45,11 +45,16 @@ class StoredResponse:
     temperature: float
     top_p: float
     tool_choice: str
-    text: dict[str, Any] = field(default_factory=dict)
+    text_json: str = '{"format": {"type": "text"}}'   # the response's `text`, kept as its compact JSON
     deleted: bool = False
 
+    @property
+    def text(self) -> dict[str, Any]:
+        return json.loads(self.text_json)
+
     def kept_bytes(self) -> int:
-        return 300 + len(json.dumps([self.instructions, self.metadata, self.text]))
+        """Its size as held: the strings' bytes (a parsed object would take tens of times its JSON)."""
+        return 300 + len(json.dumps([self.instructions, self.metadata])) + len(self.text_json)
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -85,10 +90,9 @@ def parse_body(body: Any, defaults: Mapping[str, Any], limits: Limits) -> tuple[
     except ApiError as e:
         raise renamed(e) from None
     p = parsed.params
-    text: dict[str, Any] = body["text"] if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}
     return parsed, StoredResponse(store, background, body.get("instructions"), metadata(body.get("metadata")),
                                   body.get("max_output_tokens"), p.temperature, p.top_p,
-                                  body.get("tool_choice") or "auto", text)
+                                  body.get("tool_choice") or "auto", kept_text(body.get("text")))
 
 
 def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -155,6 +159,18 @@ def text_format(text: Any) -> dict[str, Any] | None:
         raise bad("text.format.schema", "must be a JSON schema object")
     return {"type": "json_schema", "json_schema": {"schema": fmt["schema"], "name": fmt.get("name"),
                                                    "strict": fmt.get("strict")}}
+
+
+FORMAT_KEYS = ("type", "name", "description", "schema", "strict")
+
+
+def kept_text(text: Any) -> str:
+    """What a stored response keeps of the request's `text` (checked by text_format already):
+    its format's own keys, as compact JSON; whatever else the object held is dropped."""
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict):
+        fmt = {"type": "text"}
+    return json.dumps({"format": {k: fmt[k] for k in FORMAT_KEYS if k in fmt}}, separators=(",", ":"))
 
 
 def metadata(value: Any) -> dict[str, str]:
