@@ -162,6 +162,8 @@ def _stop_strings(v: Any) -> tuple[str, ...]:
 def _stop_id_seqs(v: Any) -> tuple[tuple[int, ...], ...]:
     if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
         raise _bad("stop_token_ids", "must be a list of token ids or of id sequences", v)
+    if len(v) > MAX_STOPS:                       # bounded before any entry is looked at
+        raise _bad("stop_token_ids", f"at most {MAX_STOPS} stops (strings and id sequences together)", len(v))
     seqs = []
     for item in v:
         seq = (item,) if is_int(item) else tuple(item) if isinstance(item, (list, tuple)) else None

@@ -148,6 +148,7 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._alphabet = byte_alphabet() if self.kind == "bytelevel" else None
         self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._max_token_bytes: int | None = None
         self._byte_values: dict[int, int | None] = {}
         self._escape: SpecialTokenEscape | None = None
 
@@ -180,6 +181,16 @@ class Tokenizer:
                    bos_token_id=bos_token_id, eos_token_ids=eos)
 
     # -- encode / decode ---------------------------------------------------------------------
+    @property
+    def max_token_bytes(self) -> int:
+        """At least the UTF-8 bytes of text any one token stands for: its vocabulary string's (a
+        byte-level token's characters stand for a byte each, a SentencePiece piece writes a space
+        as the 3-byte U+2581, a byte-fallback token "<0x41>" is 6). So a text of more than
+        max_context times this many bytes cannot fit the context: refused before encoding it."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(len(s.encode()) for s in self._tok.get_vocab(with_added_tokens=True))
+        return self._max_token_bytes
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of `text`. With add_special_tokens, BOS (and EOS) are added by tokenizer_config's
         add_bos_token / add_eos_token when it has them, else by the tokenizer's own

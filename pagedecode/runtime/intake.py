@@ -24,6 +24,17 @@ from .trace import Trace
 MAX_REQUEST_ID_CHARS = 256
 
 
+def check_prompt_bytes(text: str, tokenizer: object, max_context: int) -> None:
+    """A text too long for the context whatever it tokenizes to (Tokenizer.max_token_bytes),
+    refused before the tokenizer spends a second per MiB on it."""
+    most = getattr(tokenizer, "max_token_bytes", None)
+    if isinstance(most, int) and len(text) > max_context * most:      # chars <= bytes: no encode yet
+        size = len(text.encode())
+        if size > max_context * most:
+            raise InvalidRequestError(f"prompt of {size} bytes exceeds the context limit of {max_context} tokens "
+                                      f"(a token stands for at most {most} bytes of this tokenizer's text)")
+
+
 def prompt_ids(prompt: object, tokenizer: TokenizerLike, vocab_size: int, max_context: int) -> list[int]:
     bad = InvalidRequestError
     if isinstance(prompt, str):
@@ -32,6 +43,7 @@ def prompt_ids(prompt: object, tokenizer: TokenizerLike, vocab_size: int, max_co
         why = unicode_error(prompt)
         if why is not None:
             raise bad(f"the prompt {why}")
+        check_prompt_bytes(prompt, tokenizer, max_context)
         try:
             ids = list(tokenizer.encode(prompt))
         except Exception as e:

@@ -65,15 +65,18 @@ class Admitted:
 
 async def admit(state: ServerState, request: Request, endpoint: Endpoint) -> Admitted:
     tenant = state.tenants.check(request)
-    body, raw = await read_body(state, request)
+    raw = await read_bytes(state, request)
+    # the body's parse, the chat's render and the prompt's encoding take ~1 s per MiB: in a
+    # worker thread, so /health and every stream go on meanwhile (cheap bounds refuse first)
+    body = await asyncio.to_thread(jsonbody.load, raw)
     check_model(state, body)
-    parsing = endpoint.parse(request, body, state.options)
+    parsing = await asyncio.to_thread(endpoint.parse, request, body, state.options)
     await prepare_grammar(state, parsing)
     header = request.headers.get("idempotency-key") if endpoint.idempotent else None
     key, entry = state.keys.lookup(header, tenant, endpoint.name, raw)
     if entry is not None:
         return Admitted(parsing, attach(state, entry, endpoint, parsing), retried=True)
-    prompts = prompts_of(state, parsing.parsed)
+    prompts = await asyncio.to_thread(prompts_of, state, parsing.parsed)
     check_room(state, len(prompts) * parsing.parsed.n)
     tracks = start(state, prompts, parsing, endpoint, tenant)
     state.keys.remember(key, raw, [t.request_id for t in tracks])
@@ -82,6 +85,12 @@ async def admit(state: ServerState, request: Request, endpoint: Endpoint) -> Adm
 
 async def read_body(state: ServerState, request: Request) -> tuple[Any, bytes]:
     """The request's JSON body (jsonbody.py's checks) and its bytes; 413 past max_body_bytes."""
+    raw = await read_bytes(state, request)
+    return jsonbody.load(raw), raw
+
+
+async def read_bytes(state: ServerState, request: Request) -> bytes:
+    """The request's body; 413 past max_body_bytes."""
     most = state.options.max_body_bytes
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > most:
@@ -94,7 +103,7 @@ async def read_body(state: ServerState, request: Request) -> tuple[Any, bytes]:
                 raise ApiError(413, f"request body over {most} bytes")
     except ClientDisconnect:        # gone, or cut off by the body timeout: nothing was queued
         raise ApiError(408, "the client went away before sending the whole body") from None
-    return jsonbody.load(bytes(data)), bytes(data)
+    return bytes(data)
 
 
 def check_model(state: ServerState, body: object) -> None:
@@ -165,7 +174,7 @@ def prompts_of(state: ServerState, parsed: Parsed) -> list[Prompt]:
         raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
                        param="messages")
     return [encode_chat(state.engine.tokenizer, state.chat_template, parsed.messages,
-                        state.options.allow_special_tokens_in_content)]
+                        state.options.allow_special_tokens_in_content, max_context=state.engine.max_context)]
 
 
 def start(state: ServerState, prompts: list[Prompt], parsing: Parsing, endpoint: Endpoint, tenant: str

@@ -10,7 +10,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import InvalidRequestError
 from ..model.tokenizer import EscapesSpecialTokens
+from ..runtime.intake import check_prompt_bytes
 from .errors import ApiError
 from .template_sandbox import BoundedEnvironment, TemplateLimitError, TemplateLimits, render_bounded
 
@@ -91,16 +93,21 @@ class ChatTemplate:
 
 
 def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
-                allow_special_tokens_in_content: bool = False, add_generation_prompt: bool = True) -> list[int]:
+                allow_special_tokens_in_content: bool = False, add_generation_prompt: bool = True,
+                max_context: int | None = None) -> list[int]:
     """The prompt ids a chat's messages become: the server's prompt, the Ray router's prefix key
     and /tokenize's count all come from here, so they agree. Special-token text typed in content
     ("</s>") stays plain text, unless allow_special_tokens_in_content (or a tokenizer that cannot
     escape)."""
-    if allow_special_tokens_in_content or not isinstance(tokenizer, EscapesSpecialTokens):
-        text = template.render(messages, add_generation_prompt=add_generation_prompt)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    text = template.render(messages, add_generation_prompt=add_generation_prompt, escape=tokenizer.escape_specials)
-    return list(tokenizer.encode_escaped(text))
+    escape = not allow_special_tokens_in_content and isinstance(tokenizer, EscapesSpecialTokens)
+    text = template.render(messages, add_generation_prompt=add_generation_prompt,
+                           escape=tokenizer.escape_specials if escape else None)
+    if max_context is not None:                  # max_context: a prompt that cannot fit is refused unencoded
+        try:
+            check_prompt_bytes(text, tokenizer, max_context)
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+    return list(tokenizer.encode_escaped(text) if escape else tokenizer.encode(text, add_special_tokens=False))
 
 
 def _escaped(value: Any, escape: Callable[[str], str]) -> Any:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .admission import check_model, read_body
 from .chat import ChatTemplate, encode_chat
 from .errors import ApiError, bad
 from .state import state_of
@@ -53,8 +54,8 @@ def _chat_ids(tok: Any, template: ChatTemplate | None, messages: Any, allow_spec
 async def tokenize(request: Request) -> Response:
     state = state_of(request)
     state.tenants.check(request)
-    body = _body((await state.read_body(request))[0])
-    state.check_model(body)
+    body = _body((await read_body(state, request))[0])
+    check_model(state, body)
     has_prompt, has_messages = "prompt" in body, "messages" in body
     if has_prompt == has_messages:
         raise ApiError(400, "give either prompt or messages")
@@ -77,8 +78,8 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     state = state_of(request)
     state.tenants.check(request)
-    body = _body((await state.read_body(request))[0])
-    state.check_model(body)
+    body = _body((await read_body(state, request))[0])
+    check_model(state, body)
     tokens = body.get("tokens")
     vocab = state.engine.vocab_size
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
