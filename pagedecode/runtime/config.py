@@ -175,7 +175,8 @@ class SpeculativeConfig:
                                              # lasts as long as its slowest request: 16 concurrent
                                              # stories260k requests took 256 steps with drafts or without)
     min_acceptance: float = 0.3              # per request: rolling acceptance below this turns
-                                             # proposals off for it ...
+                                             # proposals off for it (0: never; and every run
+                                             # proposes k, not the length its runs earned) ...
     backoff_steps: int = 8                   # ... for this many steps, doubled on every new miss
     min_gain: float = 0.97                   # per batch size: output tokens/s of steps that verify below
                                              # this times that of steps that do not turns proposals off

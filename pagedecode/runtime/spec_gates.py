@@ -5,12 +5,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+FIRST_DRAFT = 2                  # a request's first run proposes at most this many tokens
+
+
 @dataclass
 class Gate:
-    """One request's acceptance gate."""
+    """One request's acceptance gate and draft length. A verify run costs its k rows whatever
+    is kept, so a request earns its length: it starts at FIRST_DRAFT, doubles (up to k) after a
+    run kept whole, and falls to one past what was kept after a miss. Below `min_acceptance`
+    (rolling) it proposes nothing for `backoff` steps, doubling on each new miss; when it tries
+    again one short run decides (its rate restarts at the bound: a miss turns it off again).
+    So a workload whose drafts fail (sampling at a high temperature over a repetitive prompt)
+    spends a run of one or two rows each 8, 16, 32, ... steps, not k rows each step."""
+    most: int                    # k: the configured draft tokens per run
+    backoff: int                 # steps off after the next miss
     rate: float = 1.0            # rolling acceptance (accepted / proposed, exponentially weighted)
     off_until: int = 0           # no proposals before this step
-    backoff: int = 0             # steps off after the next miss
+    length: int = FIRST_DRAFT    # drafts the next run may propose
+
+    def __post_init__(self) -> None:
+        self.length = min(self.length, self.most)
+
+    def record(self, accepted: int, proposed: int, step: int, min_acceptance: float, first_backoff: int) -> bool:
+        """A verify run's outcome; True when it turns the request's proposals off. With
+        min_acceptance 0 the gate is off: every run proposes k."""
+        self.rate = 0.5 * self.rate + 0.5 * accepted / proposed
+        if min_acceptance == 0:
+            self.length = self.most
+            return False
+        if accepted == proposed:
+            self.backoff = first_backoff
+            self.length = min(self.most, max(self.length, 2 * proposed))
+            return False
+        self.length = min(self.most, accepted + 1)
+        if self.rate >= min_acceptance:
+            return False
+        self.off_until = step + self.backoff
+        self.backoff = min(2 * self.backoff, 1024)
+        self.rate = min_acceptance
+        return True
 
 
 class CostGate:

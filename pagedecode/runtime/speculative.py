@@ -25,10 +25,11 @@ greedy decoding, verified as above, or, for a sampling request that needs nothin
 beyond temperature / top-k / top-p / min-p (spec_rejection.takes_rejection), sampled from a
 distribution q it records and verified by the rejection rule (spec_rejection.py; those runs
 carry draft_probs). Gates keep speculation where it pays: no proposals while more than
-`max_batch` requests decode, and a request whose rolling acceptance falls below `min_acceptance`
-proposes nothing for `backoff_steps` steps (doubling on each new miss, reset by a fully
-accepted run); a measured step-cost gate stops them at a batch size where they do not pay
-(spec_gates.py).
+`max_batch` requests decode; a request proposes as many tokens as its runs have earned (from 2,
+doubling up to k on a run kept whole), and one whose rolling acceptance falls below
+`min_acceptance` proposes nothing for `backoff_steps` steps (doubling on each new miss, reset by
+a fully accepted run); a measured step-cost gate stops them at a batch size where they do not
+pay (spec_gates.py).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from .request import Request
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .selector import SampleRows, Selection, TokenSelector, uses_penalties
 from .ngram import NgramProposer
-from .spec_gates import CostGate, Gate
+from .spec_gates import FIRST_DRAFT, CostGate, Gate
 from .spec_rejection import verify_sampled
 from .spec_run import Host, VerifyRun
 
@@ -60,6 +61,7 @@ class SpecCounters:
     drafts: int = 0              # verify runs (a request with k > 0 drafts in a step)
     draft_tokens: int = 0        # tokens proposed and verified
     accepted_tokens: int = 0     # ... and of them selected
+    gated: int = 0               # times a request's acceptance gate turned its proposals off
 
 
 class Speculator:
@@ -145,12 +147,11 @@ class Speculator:
         """Drafts that can still matter: y_{t+1+j} must stay within max_tokens, and the positions
         written within the context (the context-limit ending then fires where it would anyway)."""
         t = len(req.output_ids)
-        return min(self.config.num_tokens, req.params.max_tokens - t - 1, self.max_context - req.num_tokens - 1)
+        return min(self._gate(req).length, req.params.max_tokens - t - 1, self.max_context - req.num_tokens - 1)
 
     def _open(self, req: Request) -> bool:
         """Decoding, and not turned off by its acceptance gate."""
-        gate = self._gates.get(req)
-        return req.state == RequestState.DECODING and (gate is None or gate.off_until <= self._step)
+        return req.state == RequestState.DECODING and self._gate(req).off_until <= self._step
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
         """A request with a prediction drafts from it; the others from the n-gram or the draft model."""
@@ -302,14 +303,13 @@ class Speculator:
         c.draft_tokens += k
         c.accepted_tokens += accepted
         self.cost.add_tokens(accepted)
+        if self._gate(req).record(accepted, k, self._step, self.config.min_acceptance, self.config.backoff_steps):
+            c.gated += 1
+            req.trace.add("spec.gated", steps=self._gate(req).off_until - self._step)
+
+    def _gate(self, req: Request) -> Gate:
         gate = self._gates.get(req)
         if gate is None:
-            gate = self._gates[req] = Gate(backoff=self.config.backoff_steps)
-        gate.rate = 0.5 * gate.rate + 0.5 * accepted / k
-        if accepted == k:
-            gate.backoff = self.config.backoff_steps
-        elif gate.rate < self.config.min_acceptance:
-            gate.off_until = self._step + gate.backoff
-            gate.backoff = min(2 * gate.backoff, 1024)
-            gate.rate = 1.0                              # a fresh start when it tries again
-            req.trace.add("spec.gated", steps=gate.off_until - self._step)
+            first = self.config.num_tokens if self.config.min_acceptance == 0 else FIRST_DRAFT
+            gate = self._gates[req] = Gate(self.config.num_tokens, self.config.backoff_steps, length=first)
+        return gate
