@@ -17,6 +17,7 @@ from starlette.routing import Route
 from ..errors import UnknownRequestError
 from ..runtime.result import RequestOutput
 from .admission import Endpoint, Parsing, admit
+from .integers import parse_decimal
 from .errors import ApiError, bad
 from .reader import Reader
 from .responses import id_headers
@@ -87,11 +88,8 @@ def starting_after(request: Request) -> int | None:
     value = request.query_params.get("starting_after")
     if value is None:
         return None
-    try:
-        after = int(value)
-    except ValueError:
-        after = -2
-    if after < -1:
+    after = parse_decimal(value)
+    if after is None or after < -1:
         raise bad("starting_after", f"must be a sequence number (an integer >= -1), got {value!r}")
     return None if after == -1 else after
 

@@ -25,6 +25,7 @@ from ..runtime.engine import Engine
 from ..runtime.events import DeltaEvent, TerminalEvent
 from ..runtime.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
+from .integers import parse_decimal
 from .errors import ApiError
 from .responses import chunk_body, finish_fields, logprobs_body, reason_name, sse, sum_usage, usage_body
 from .reader import Reader
@@ -51,10 +52,9 @@ def last_event_id(request: Request) -> int | None:
     name, value = ("Last-Event-ID", header) if header else ("after", request.query_params.get("after"))
     if value is None:
         return None
-    try:
-        after = int(value)
-    except ValueError:
-        raise ApiError(400, f"{name} must be an event id (an integer >= -1), got {value!r}", param=name) from None
+    after = parse_decimal(value)
+    if after is None:
+        raise ApiError(400, f"{name} must be an event id (an integer >= -1), got {value!r}", param=name)
     if after < -1:
         raise ApiError(400, f"{name} must be an event id (an integer >= -1), got {after}", param=name)
     return None if after == -1 else after

@@ -102,8 +102,6 @@ def test_the_server_answers_400_and_keeps_serving(looping):
     assert ok.status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason="the render still runs on the event loop: the lead's hook (completions.py, responses_api.py) "
-                                       "is await asyncio.to_thread(state.prompts_of, parsed)")
 def test_health_answers_while_a_template_renders(stories_path):
     s = start_server(stories_path, template=NESTED_LOOPS)
     s.state.chat_template.limits = TemplateLimits(time_s=1.5, max_steps=10**12)   # a render of 1.5 s
