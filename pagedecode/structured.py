@@ -1,5 +1,7 @@
 """StructuredOutput: a constraint on what a request may generate (JSON schema, regex, EBNF,
-choice, any JSON object), enforced by xgrammar (the `pagedecode[structured]` extra).
+choice, any JSON object, an xgrammar structural tag), enforced by xgrammar (the
+`pagedecode[structured]` extra). A structural tag is how tool calls are constrained
+(pagedecode/tools/constraint.py): free text until a trigger, then a call's schema.
 
 Checks that need nothing else (exactly one constraint, types, schema keywords xgrammar cannot
 enforce) are made on construction; the grammar itself is parsed at `add_request`, compiled off
@@ -74,6 +76,26 @@ def check_schema(schema: Any) -> None:
                 stack.append((value, f"{where}/{key}"))
 
 
+def _check_structural_tag(tag: Any) -> int:
+    """Check a structural tag's JSON schemas as a json_schema constraint's (keywords the grammar
+    cannot enforce are refused); its depth is its deepest schema's, the grammar's cost (the
+    tag's own nesting is a few fixed levels). Iterative, like check_schema."""
+    if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+        raise _bad('structural_tag must be an object {"type": "structural_tag", "format": {...}}')
+    deepest, stack = 0, [tag["format"]]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                check_schema(node["json_schema"])
+                deepest = max(deepest, nesting_depth(node["json_schema"]))
+            else:
+                stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+    return deepest
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     json_schema: dict[str, Any] | str | None = None   # a JSON schema (object or its JSON text)
@@ -81,15 +103,17 @@ class StructuredOutput:
     ebnf: str | None = None                           # a GBNF/EBNF grammar with a `root` rule
     choice: tuple[str, ...] | list[str] | None = None  # the output is exactly one of these
     json_object: bool = False                         # any JSON object
-    kind: str = field(init=False, repr=False, compare=False)  # which one of the five is given
+    structural_tag: dict[str, Any] | None = None      # xgrammar's {"type": "structural_tag", "format": ...}
+    kind: str = field(init=False, repr=False, compare=False)  # which one of the six is given
     depth: int = field(init=False, repr=False, compare=False)  # JSON nesting depth (json_schema; else 0)
 
     def __post_init__(self) -> None:
-        given = [n for n in ("json_schema", "regex", "ebnf", "choice") if getattr(self, n) is not None]
+        given = [n for n in ("json_schema", "regex", "ebnf", "choice", "structural_tag") if getattr(self, n) is not None]
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
-            raise _bad(f"set exactly one of json_schema, regex, ebnf, choice, json_object (got {given or 'none'})")
+            raise _bad(f"set exactly one of json_schema, regex, ebnf, choice, json_object, structural_tag "
+                       f"(got {given or 'none'})")
         kind = given[0]
         if kind == "json_schema":
             schema = self.json_schema
@@ -113,19 +137,21 @@ class StructuredOutput:
                     or not all(isinstance(c, str) and c for c in choices)):
                 raise _bad("choice must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(choices))
+        elif kind == "structural_tag":
+            object.__setattr__(self, "depth", _check_structural_tag(self.structural_tag))
         elif self.json_object is not True:
             raise _bad("json_object must be a bool")
         object.__setattr__(self, "kind", kind)
-        if kind != "json_schema":
+        if kind not in ("json_schema", "structural_tag"):
             object.__setattr__(self, "depth", 0)
 
     @cached_property
     def _canonical(self) -> tuple[str, int]:
         """(digest, size) of the canonical form. A JSON schema is serialised here, not at
         construction: the engine checks its depth first (the encoder recurses)."""
-        if self.kind == "json_schema":
+        if self.kind in ("json_schema", "structural_tag"):
             try:
-                text = json.dumps(self.json_schema, sort_keys=True)
+                text = json.dumps(getattr(self, self.kind), sort_keys=True)
             except RecursionError:
                 raise _bad("json_schema nests too deeply to be serialised") from None
         elif self.kind == "choice":

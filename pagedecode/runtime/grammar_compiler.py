@@ -76,6 +76,8 @@ def parse(xgr: Any, so: StructuredOutput) -> Any:
                                                 strict_mode=True)
         if so.kind == "json_object":             # any object, whitespace as bounded as for a schema
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=True)
+        if so.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(json.dumps(so.structural_tag))
         if so.kind == "regex":
             return xgr.Grammar.from_regex(so.regex)
         if so.kind == "ebnf":
