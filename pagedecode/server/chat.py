@@ -53,6 +53,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
         env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        self.source = source
         self._template = env.from_string(source)
         self._specials = {k: (v or "") for k, v in specials.items()}
 
@@ -74,6 +75,7 @@ class ChatTemplate:
             message = {**m, "content": content}
             msgs.append(message if escape is None else _escaped(message, escape))
         try:
+            extra = extra if escape is None else _escaped(extra or {}, escape)
             return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                          **self._specials, **(extra or {}))
         except TemplateError as e:
@@ -84,13 +86,14 @@ class ChatTemplate:
 
 
 def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
-                allow_special_tokens_in_content: bool = False) -> list[int]:
+                allow_special_tokens_in_content: bool = False, extra: dict[str, Any] | None = None) -> list[int]:
     """The prompt ids a chat's messages become: the server's prompt and the Ray router's prefix
     key both come from here, so they agree. Special-token text typed in content ("</s>") stays
-    plain text, unless allow_special_tokens_in_content (or a tokenizer that cannot escape)."""
+    plain text, unless allow_special_tokens_in_content (or a tokenizer that cannot escape).
+    extra: more template variables (a tool-calling request's `tools`), escaped alike."""
     if allow_special_tokens_in_content or not isinstance(tokenizer, EscapesSpecialTokens):
-        return list(tokenizer.encode(template.render(messages), add_special_tokens=False))
-    return list(tokenizer.encode_escaped(template.render(messages, escape=tokenizer.escape_specials)))
+        return list(tokenizer.encode(template.render(messages, extra=extra), add_special_tokens=False))
+    return list(tokenizer.encode_escaped(template.render(messages, extra=extra, escape=tokenizer.escape_specials)))
 
 
 def _escaped(value: Any, escape: Callable[[str], str]) -> Any:
