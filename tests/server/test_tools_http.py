@@ -32,9 +32,10 @@ TIME = {"type": "function", "function": {
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
-def start(template):
+def start(template, **options):
     from pagedecode.model.default_model import default_model_path
-    return start_server(default_model_path(), template=template, engine_options={"model_name": "stories260k"})
+    return start_server(default_model_path(), template=template, engine_options={"model_name": "stories260k"},
+                        **options)
 
 
 @pytest.fixture(scope="module", params=["hermes", "generic"])
