@@ -174,3 +174,49 @@ def test_bad_tools_are_400_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=full, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+# -- the Responses API's function tools ---------------------------------------------------------------
+FLAT = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+
+
+def test_responses_function_call_items(client):
+    r = client.responses.create(model="stories260k", input="time?", tools=FLAT, max_output_tokens=120,
+                                tool_choice={"type": "function", "name": "get_time"}, temperature=0)
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and call.name == "get_time" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_time"])
+    again = client.responses.retrieve(r.id)
+    assert [o.model_dump() for o in again.output] == [o.model_dump() for o in r.output]
+
+
+def test_responses_stream_function_call_arguments(client):
+    events = list(client.responses.create(model="stories260k", input="w", tools=FLAT, tool_choice="required",
+                                          parallel_tool_calls=False, max_output_tokens=120, stream=True,
+                                          temperature=1.0, extra_body={"seed": 4}))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    [call] = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert deltas == done.arguments == call.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_tool_loop(client):
+    first = client.responses.create(model="stories260k", input="weather?", tools=FLAT, tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    [call] = [o for o in first.output if o.type == "function_call"]
+    second = client.responses.create(
+        model="stories260k", tools=FLAT, tool_choice="none", max_output_tokens=6,
+        input=[{"role": "user", "content": "weather?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert [o.type for o in second.output] == ["message"]
+
+
+def test_responses_bad_tool_names_the_flat_field(server):
+    body = {"model": "stories260k", "input": "x", "tools": [{"type": "function", "name": "f",
+                                                              "parameters": {"type": "array"}}]}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters", r.text
