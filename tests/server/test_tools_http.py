@@ -220,3 +220,20 @@ def test_responses_bad_tool_names_the_flat_field(server):
                                                               "parameters": {"type": "array"}}]}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters", r.text
+
+
+def test_langchain_bind_tools_agent_loop(server):
+    """langchain-openai's bind_tools loop, unchanged: call, ToolMessage back, answer."""
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    llm = lc.ChatOpenAI(model="stories260k", base_url=server.url + "/v1", api_key="none", max_tokens=120,
+                        temperature=0, max_retries=0)
+    bound = llm.bind_tools([WEATHER], tool_choice="get_weather", parallel_tool_calls=False)
+    messages = [HumanMessage("weather in Paris?")]
+    ai = bound.invoke(messages)
+    [call] = ai.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], SCHEMAS["get_weather"])
+    messages += [ai, ToolMessage("sunny", tool_call_id=call["id"])]
+    answer = llm.bind_tools([WEATHER], tool_choice="none").invoke(messages, max_tokens=6)
+    assert isinstance(answer.content, str) and not answer.tool_calls
