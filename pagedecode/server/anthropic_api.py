@@ -20,13 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import InvalidRequestError
 from ..runtime.events import DeltaEvent
+from ..runtime.result import RequestOutput
 from ..tools import ContentDelta, Delta, ToolOutput, ToolStreamParser
 from .admission import Endpoint, Parsing, admit, check_model, prompts_of, read_body
-from .anthropic_shapes import (BlockEvents, chat_body, error_body, event, message_body, renamed, stop_of,
-                               usage_of)
+from .anthropic_shapes import PING, MessageEvents, api_error, chat_request, error, message, sse
 from .errors import ApiError
-from .protocol import parse_request
+from .protocol import invalid, parse_request
 from .reader import Reader
 from .sse import ends_in_error
 from .state import ServerOptions, state_of
@@ -36,8 +37,12 @@ from .tracks import Track
 TOOL_ID_PREFIX = "toolu_"
 
 
-def parse(request: Request, body: Any, options: ServerOptions, count_only: bool = False) -> Parsing:
-    parsed = parse_request(chat_body(body, count_only), True, options.generation_defaults, options.limits,
+def parse(request: Request, body: Any, options: ServerOptions) -> Parsing:
+    try:
+        chat = chat_request(body)
+    except InvalidRequestError as e:
+        raise invalid(e, {}) from None
+    parsed = parse_request(chat, True, options.generation_defaults, options.limits,
                            tool_format=state_of(request).tool_format)
     return Parsing(parsed, "tools")
 
@@ -46,12 +51,20 @@ MESSAGES = Endpoint("messages", chat=True, parse=parse, new_id=lambda options: "
 
 
 def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(renamed(e)), status_code=e.status, headers=e.headers)
+    return JSONResponse(api_error(e), status_code=e.status, headers=e.headers)
 
 
 def output_of(track: Track, text: str) -> ToolOutput:
     fmt = track.reply.tool_format
     return ToolOutput(text) if fmt is None else parsed_output(text, fmt, track.request_id, TOOL_ID_PREFIX)
+
+
+def stop_sequence(out: RequestOutput) -> str | None:
+    return out.stop_reason if isinstance(out.stop_reason, str) else None
+
+
+def reason(out: RequestOutput) -> str:
+    return out.finish_reason.value if out.finish_reason is not None else "eos"
 
 
 async def messages(request: Request) -> Response:
@@ -70,9 +83,9 @@ async def messages(request: Request) -> Response:
             return Response(status_code=499)
         out = reader.result(track)
         if ends_in_error(out):
-            return JSONResponse({"type": "error", "error": {"type": "api_error", "message": out.error}},
-                                status_code=500, headers=headers)
-        return JSONResponse(message_body(track.request_id, reader.model_name, output_of(track, out.text), out),
+            return JSONResponse(error(500, out.error or "the request failed"), status_code=500, headers=headers)
+        return JSONResponse(message(track.request_id, reader.model_name, output_of(track, out.text), reason(out),
+                                    stop_sequence(out), out.usage.prompt_tokens, out.usage.returned_tokens),
                             headers=headers)
 
 
@@ -81,46 +94,31 @@ async def stream(reader: Reader, track: Track) -> AsyncIterator[str]:
     async with reader:
         fmt = track.reply.tool_format
         parser = ToolStreamParser(fmt, call_ids(track.request_id, TOOL_ID_PREFIX)) if fmt is not None else None
-        blocks, output = BlockEvents(), ToolOutput()
+        output = ToolOutput()               # what was sent (a request without tools: its text)
 
         def deltas(text: str | None) -> list[Delta]:
-            if parser is None:
-                return [ContentDelta(text)] if text else []
-            found = parser.feed(text) if text is not None else parser.finish()
+            """The parser's deltas for this text (None: the end); without tools, the text."""
+            if parser is not None:
+                return parser.feed(text) if text is not None else parser.finish()
+            found: list[Delta] = [ContentDelta(text)] if text else []
+            for d in found:
+                output.apply(d)
             return found
-        sent_start = False
+        # the prompt's tokens are known once admitted
+        events = MessageEvents(track.request_id, reader.model_name, reader.result(track).usage.prompt_tokens)
+        yield "".join(map(sse, events.start() + [PING]))
         async for ev in reader.events(track):
-            if not sent_start:
-                yield opening(reader, track)
-                sent_start = True
             if isinstance(ev, DeltaEvent):
-                found = deltas(ev.text)
-                for d in found:
-                    output.apply(d)
-                frames = blocks.frames(found)
+                frames = events.feed(deltas(ev.text))
                 if frames:
-                    yield "".join(frames)
+                    yield "".join(map(sse, frames))
         out = reader.result(track)
-        if not sent_start:
-            yield opening(reader, track)
         if ends_in_error(out):
-            yield event("error", {"error": {"type": "api_error", "message": out.error}})
+            yield sse(error(500, out.error or "the request failed"))
             return
-        found = deltas(None)
-        for d in found:
-            output.apply(d)
-        stop_reason, stop_sequence = stop_of(out, parser.output if parser is not None else output)
-        yield "".join(blocks.frames(found) + blocks.stop()) + event("message_delta", {
-            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": usage_of(out)["output_tokens"]}}) + event("message_stop", {})
-
-
-def opening(reader: Reader, track: Track) -> str:
-    """message_start (the prompt's tokens: known once the request was admitted) and a ping."""
-    start: dict[str, Any] = {"id": track.request_id, "type": "message", "role": "assistant", "model": reader.model_name,
-             "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": reader.result(track).usage.prompt_tokens, "output_tokens": 0}}
-    return event("message_start", {"message": start}) + event("ping", {})
+        last = events.feed(deltas(None))
+        sent = parser.output if parser is not None else output
+        yield "".join(map(sse, last + events.finish(reason(out), sent, stop_sequence(out), out.usage.returned_tokens)))
 
 
 async def count_tokens(request: Request) -> Response:
@@ -130,7 +128,9 @@ async def count_tokens(request: Request) -> Response:
         state.tenants.check(request)
         body, _ = await read_body(state, request)
         check_model(state, body)
-        parsed = parse(request, body, state.options, count_only=True).parsed
+        if isinstance(body, dict) and body.get("max_tokens") is None:
+            body = {**body, "max_tokens": 1}            # count_tokens' body has none
+        parsed = parse(request, body, state.options).parsed
         [prompt] = prompts_of(state, parsed)
     except ApiError as e:
         return error_response(e)
