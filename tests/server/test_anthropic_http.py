@@ -134,3 +134,30 @@ def test_keys_and_errors(server):
     client = anthropic.Anthropic(base_url=server.url, api_key="sekret", max_retries=0)
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="other", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_idempotency_metering_and_disconnect(server):
+    """The same admission and reading as every endpoint: an Idempotency-Key retry is one
+    generation with the same message; each request is metered once; a stream the client
+    leaves is cancelled."""
+    url, h = server.url + "/v1/messages", {"x-api-key": "sekret", "Idempotency-Key": "m-1"}
+    body = {"model": "stories260k", "max_tokens": 10, "temperature": 1.0, "messages": [{"role": "user", "content": "x"}]}
+    before = len(server.state.tracks)
+    a = httpx.post(url, json=body, headers=h, timeout=60).json()
+    b = httpx.post(url, json=body, headers=h, timeout=60).json()
+    assert a == b and len(server.state.tracks) == before + 1
+    assert httpx.post(url, json={**body, "max_tokens": 11}, headers=h, timeout=60).status_code == 409
+    assert server.state.tracks[a["id"]].metered
+    long = {**body, "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": "y"}]}
+    with httpx.stream("POST", url, json=long, headers={"x-api-key": "sekret"}, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if "content_block_delta" in line:
+                break
+    import time
+    for _ in range(200):
+        out = server.engine.result(rid)
+        if out.state.terminal and server.state.tracks[rid].metered:
+            break
+        time.sleep(0.05)
+    assert out.finish_reason.value == "transport_error" and server.state.tracks[rid].metered

@@ -103,6 +103,21 @@ def test_streamed_deltas_equal_the_body(client, parallel):
     assert content == (body.message.content or "")
 
 
+def test_a_resumed_tool_stream_sends_what_followed(server):
+    """Last-Event-ID resumes a tool-calling stream: the parser is fed what the client had, so
+    the rest is byte-identical to the first stream's rest (the same call ids)."""
+    body = {"messages": [{"role": "user", "content": "w"}], "max_tokens": 120, "tools": [WEATHER, TIME],
+            "tool_choice": "required", "parallel_tool_calls": False, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        rid = r.headers["x-request-id"]
+        frames = [f for f in r.read().decode().split("\n\n") if f]
+    ids = [int(f.split("\n")[0][4:]) for f in frames if f.startswith("id: ")]
+    cut = ids[len(ids) // 2]
+    rest = httpx.get(f"{server.url}/v1/requests/{rid}/events", headers={"Last-Event-ID": str(cut)}, timeout=60)
+    assert [f for f in rest.text.split("\n\n") if f] == frames[frames.index(next(
+        f for f in frames if f.startswith(f"id: {cut}\n"))) + 1:]
+
+
 def test_cut_call_is_length(client):
     short = client.chat.completions.create(model="stories260k", messages=[{"role": "user", "content": "w"}],
                                            tools=[WEATHER], tool_choice="required", max_tokens=3)
