@@ -94,6 +94,7 @@ def test_raw_events_in_order(server):
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     names = [e["type"] for e in events]
     assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert events[0]["message"]["usage"]["input_tokens"] > 0 and events[0]["message"]["content"] == []
     start = next(e for e in events if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use")
     partial = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
                       and e["delta"]["type"] == "input_json_delta")
