@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from ..errors import InvalidRequestError
 from . import jsonbody
+from ..tools import check_grammars
 from .chat import encode_chat
 from .errors import ApiError
 from .idempotency import IdempotencyEntry
@@ -44,6 +45,7 @@ class Parsing:
     grammar_param: str = "response_format"       # the field a grammar that does not parse is named by
     after: int | None = None                     # the event a retry's stream resumes after (Last-Event-ID)
     response: StoredResponse | None = None       # a /v1/responses request's own fields, kept with its Track
+    flat_tools: bool = False                     # its tools are the Responses API's flat shape (errors' names)
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,22 @@ async def prepare_grammar(state: ServerState, parsing: Parsing) -> None:
         assert job is not None
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.parsed)), timeout)
     except InvalidRequestError as e:
-        raise ApiError(400, str(e), param=param, code="invalid_value") from None
+        raise name_tool(parsing, e) from None
     except asyncio.TimeoutError:
         raise ApiError(400, f"parsing the grammar took longer than grammar_compile_timeout_s={timeout}s",
                        param=param, code="invalid_value") from None
+
+
+def name_tool(parsing: Parsing, e: InvalidRequestError) -> ApiError:
+    """A grammar that does not parse, as a 400 naming the field: a tool-calling request's is
+    one of its tools (each schema parsed alone finds which: only on this error path)."""
+    tools = parsing.parsed.tools
+    if tools is not None and tools.calls_possible:
+        try:
+            check_grammars(tools, flat=parsing.flat_tools)
+        except InvalidRequestError as named:
+            return invalid(named, {})
+    return ApiError(400, str(e), param=parsing.grammar_param, code="invalid_value")
 
 
 def attach(state: ServerState, entry: IdempotencyEntry, endpoint: Endpoint, parsing: Parsing) -> Reader:
@@ -174,7 +188,8 @@ def prompts_of(state: ServerState, parsed: Parsed) -> list[Prompt]:
         raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
                        param="messages")
     return [encode_chat(state.engine.tokenizer, state.chat_template, parsed.messages,
-                        state.options.allow_special_tokens_in_content, max_context=state.engine.max_context)]
+                        state.options.allow_special_tokens_in_content, parsed.template_extra,
+                        max_context=state.engine.max_context)]
 
 
 def start(state: ServerState, prompts: list[Prompt], parsing: Parsing, endpoint: Endpoint, tenant: str

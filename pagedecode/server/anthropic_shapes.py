@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from ..errors import InvalidFieldError
 from ..tools.calls import ContentDelta, Delta, ToolCallDelta, ToolCallEnd, ToolOutput
+from .errors import ApiError
 
 SAMPLED = ("temperature", "top_p", "top_k")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -251,3 +252,22 @@ PING: dict[str, Any] = {"type": "ping"}
 def sse(event: Mapping[str, Any]) -> str:
     """An event as server-sent event text (Anthropic names each event by its type)."""
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+# -- errors of the chat path, under the Messages API's names ---------------------------------------
+FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}   # chat's -> the Messages API's
+
+
+def renamed(e: ApiError) -> ApiError:
+    """An ApiError naming a chat field, renamed to the Messages API's (`stop` -> `stop_sequences`,
+    `tools[i].function.parameters` -> `tools[i].input_schema`, ...)."""
+    if e.param is None:
+        return e
+    ours = FIELD_NAMES.get(e.param, e.param.replace(".function.parameters", ".input_schema").replace(".function.", "."))
+    return ApiError(e.status, e.message.replace(e.param, ours), ours, e.code, e.type, e.headers)
+
+
+def api_error(e: ApiError) -> dict[str, Any]:
+    """An ApiError in Anthropic's shape: the field in error named in the message."""
+    e = renamed(e)
+    return error(e.status, e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}")

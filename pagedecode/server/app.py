@@ -23,6 +23,7 @@ from starlette.routing import Route
 from ..errors import UnknownRequestError
 from ..runtime.async_engine import AsyncEngine
 from ..runtime.trace import to_chrome
+from .anthropic_api import ROUTES as MESSAGES_ROUTES
 from .chat import ChatTemplate
 from .completions import chat_completions, completions
 from .errors import ApiError
@@ -85,7 +86,7 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/requests/{request_id}/events", events), Route("/v1/requests/{request_id}/trace", trace),
-    *RESPONSES_ROUTES, *TOKENIZE_ROUTES,
+    *RESPONSES_ROUTES, *TOKENIZE_ROUTES, *MESSAGES_ROUTES,
 ]
 
 

@@ -58,6 +58,7 @@ class ChatTemplate:
         env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True)      # its tojson is transformers'
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
+        self.source = source
         self._template = env.from_string(source)
         self.limits = limits
         self._specials = {k: (v or "") for k, v in specials.items()}
@@ -80,6 +81,7 @@ class ChatTemplate:
             message = {**m, "content": content}
             msgs.append(message if escape is None else _escaped(message, escape))
         try:
+            extra = extra if escape is None else _escaped(extra or {}, escape)
             return render_bounded(self._template, self.limits, {
                 "messages": msgs, "add_generation_prompt": add_generation_prompt, **self._specials, **(extra or {})})
         except TemplateLimitError as e:
@@ -93,16 +95,17 @@ class ChatTemplate:
 
 
 def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
-                allow_special_tokens_in_content: bool = False, add_generation_prompt: bool = True,
-                max_context: int | None = None) -> list[int]:
+                allow_special_tokens_in_content: bool = False, extra: dict[str, Any] | None = None,
+                add_generation_prompt: bool = True, max_context: int | None = None) -> list[int]:
     """The prompt ids a chat's messages become: the server's prompt, the Ray router's prefix key
     and /tokenize's count all come from here, so they agree. Special-token text typed in content
     ("</s>") stays plain text, unless allow_special_tokens_in_content (or a tokenizer that cannot
-    escape)."""
+    escape). extra: more template variables (a tool-calling request's `tools`), escaped alike;
+    max_context: a prompt that cannot fit is refused before it is encoded."""
     escape = not allow_special_tokens_in_content and isinstance(tokenizer, EscapesSpecialTokens)
-    text = template.render(messages, add_generation_prompt=add_generation_prompt,
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, extra=extra,
                            escape=tokenizer.escape_specials if escape else None)
-    if max_context is not None:                  # max_context: a prompt that cannot fit is refused unencoded
+    if max_context is not None:
         try:
             check_prompt_bytes(text, tokenizer, max_context)
         except InvalidRequestError as e:

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..runtime.result import RequestOutput
+from ..tools import tool_finish_reason
 from .admission import Endpoint, Parsing, admit
 from .errors import ApiError
 from .protocol import parse_request
@@ -17,14 +18,17 @@ from .responses import (chat_choice, completion_choice, id_headers, echo_logprob
                         sum_usage)
 from .sse import check_resume, choices_sse, last_event_id, one_sse
 from .state import ServerOptions, state_of
+from .tool_calls import message_body, parsed_output
 from .tracks import Track
 
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 
 def parse(request: Request, body: Any, options: ServerOptions, chat: bool) -> Parsing:
-    parsed = parse_request(body, chat, options.generation_defaults, options.limits, options.max_prompts_per_request)
-    grammar_param = "response_format" if body.get("response_format") is not None else "structured_outputs"
+    parsed = parse_request(body, chat, options.generation_defaults, options.limits, options.max_prompts_per_request,
+                           state_of(request).tool_format)
+    grammar_param = "tools" if parsed.tool_format is not None else \
+        "response_format" if body.get("response_format") is not None else "structured_outputs"
     return Parsing(parsed, grammar_param, after=last_event_id(request) if parsed.sse else None)
 
 
@@ -82,6 +86,11 @@ def completion_body(tracks: list[Track], outs: list[RequestOutput], n: int, mode
         else:
             lps = logprobs_body(tokenizer, out, chat, reply.top_logprobs) if reply.logprobs else None
         choices.append((chat_choice if chat else completion_choice)(i, out, text, lps))
+        fmt = tracks[i].reply.tool_format
+        if fmt is not None:             # the calls parsed out of the text, and the reason that agrees
+            output = parsed_output(text, fmt, tracks[i].request_id)
+            choices[-1]["message"] = message_body(output)
+            choices[-1]["finish_reason"] = tool_finish_reason(output, choices[-1]["finish_reason"])
         if reply.prompt_logprobs is not None:
             choices[-1]["prompt_logprobs"] = prompt_logprobs_body(tokenizer, out)
     body: dict[str, Any] = {"id": tracks[0].request_id, "object": "chat.completion" if chat else "text_completion",

@@ -137,6 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-compat", default=None, choices=["vllm"],
                    help="also export the gauges an inference gateway reads under vLLM's names "
                         "(vllm:num_requests_waiting, ...), so llm-d / KServe can route to this server")
+    p.add_argument("--tool-format", default=None, choices=["hermes", "llama3", "mistral", "generic"],
+                   help="how the model writes tool calls (default: chosen from its chat template; generic for "
+                        "a template without tool support)")
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish the prefix cache's changes in vLLM's KV-event format on this ZeroMQ endpoint "
                         "(tcp://*:5557 binds every interface, tcp://host:port connects; pagedecode[ray]). The events "
@@ -206,7 +209,7 @@ def server_options(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str,
                 max_prompts_per_request=args.max_prompts_per_request, log_text=args.log_text,
                 resume_grace_s=args.resume_grace, on_disconnect=args.on_disconnect,
                 idempotency_ttl_s=args.idempotency_ttl, idempotency_max_keys=args.idempotency_max_keys,
-                metrics_compat=args.metrics_compat)
+                metrics_compat=args.metrics_compat, tool_format=args.tool_format)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -16,6 +16,8 @@ from typing import Any, Callable, Mapping
 
 from ..errors import InvalidFieldError, InvalidRequestError
 from ..params import MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams, check_field, int_error, is_int, is_real, show
+from ..tools import (GENERIC, ToolFormat, ToolLimits, ToolSpec, parse_tool_fields, prepare_messages, template_kwargs,
+                     tool_constraint)
 from .constraints import structured_output
 from .errors import ApiError, bad
 from .integers import parse_decimal
@@ -55,6 +57,9 @@ class Parsed:
     prompts: list[Prompt] = field(default_factory=list)         # completions: every prompt of the batch
     echo: bool = False                    # completions: the prompt comes back before the completion
     prompt_logprobs: int | None = None    # vLLM's prompt_logprobs field: the choices carry them
+    tools: ToolSpec | None = None         # chat: the request's tools (None: it has none)
+    tool_format: ToolFormat | None = None   # how the output's calls are parsed (None: they are not)
+    template_extra: dict[str, Any] = field(default_factory=dict)   # more chat template variables (`tools`)
 
 
 @dataclass
@@ -283,7 +288,7 @@ FIELDS: tuple[Field, ...] = (
     Field("prompt_logprobs", _prompt_logprobs),
     Field("best_of", _unsupported("best_of", lambda v: v == 1)),
     Field("suffix", _unsupported("suffix", lambda v: not v)),
-    Field("tools", _unsupported("tools", lambda v: not v)),
+    Field("tools", _unsupported("tools", lambda v: not v), COMPLETIONS),
     Field("user", _user),
     Field("messages", _messages, CHAT, required=True),
     Field("prompt", _prompts, COMPLETIONS, required=True),
@@ -308,9 +313,10 @@ DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pr
              "frequency_penalty", "seed")
 
 
-def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits, max_prompts: int = 64
-                  ) -> Parsed:
-    """max_prompts: the most prompts one completions request may batch (--max-prompts-per-request)."""
+def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Limits, max_prompts: int = 64,
+                  tool_format: ToolFormat = GENERIC) -> Parsed:
+    """max_prompts: the most prompts one completions request may batch (--max-prompts-per-request);
+    tool_format: how the model writes tool calls (the server's, from its chat template)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     d = Draft(chat, limits, max_prompts)
@@ -322,10 +328,33 @@ def parse_request(body: Any, chat: bool, defaults: Mapping[str, Any], limits: Li
             value = body.get(f.name)
             if value is not None or f.required:
                 f.read(value, d)
-    return _conclude(body, d, defaults)
+    return _conclude(body, d, defaults, tool_format)
 
 
-def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any]) -> Parsed:
+def _tools(body: Mapping[str, Any], d: Draft, fmt: ToolFormat) -> tuple[ToolSpec | None, dict[str, Any]]:
+    """A chat's tools (tools/spec.py), its history's tool turns prepared for the template
+    (d.messages), and the template's extra variables; a 400 naming the field."""
+    if not d.chat:
+        return None, {}
+    try:
+        spec = parse_tool_fields(body, ToolLimits())
+        if d.messages is not None:
+            d.messages = prepare_messages([_null_content(m) for m in d.messages], spec, fmt)
+    except InvalidRequestError as e:
+        raise invalid(e, {}) from None
+    if spec is not None and spec.calls_possible and structured_output(body) is not None:
+        raise bad("tool_choice", "tools that may be called and response_format / structured_outputs together "
+                                 'are not supported: send tool_choice "none", or no constraint')
+    return spec, template_kwargs(spec, fmt)
+
+
+def _null_content(m: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn that only called tools has content null: the template gets "" (many
+    templates concatenate it)."""
+    return {**m, "content": ""} if m.get("content") is None and m.get("role") == "assistant" else m
+
+
+def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any], fmt: ToolFormat = GENERIC) -> Parsed:
     """The rules that join fields, then SamplingParams (every type and range) and the caps that
     need its checked values."""
     if d.echo and d.sse:
@@ -341,14 +370,16 @@ def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any]) ->
     sampling.setdefault("max_tokens", min(d.limits.max_tokens, 16 if not d.chat else d.limits.max_tokens))
     d.fields.setdefault("max_tokens", "max_tokens")
     _cap_seconds(sampling, d.limits.max_request_seconds)
-    structured = structured_output(body)
+    tools, extra = _tools(body, d, fmt)
+    structured = structured_output(body) if tools is None or not tools.calls_possible else tool_constraint(tools, fmt)
     # the engine's prompt logprobs: echoed with logprobs N, asked by vLLM's field, or all that
     # max_tokens 0 with echo computes (it still runs the prefill)
     asked = [v for v in (logprobs if d.echo else None, d.vllm_prompt_logprobs) if v is not None]
     prompt_logprobs = max(asked) if asked else 0 if d.echo and sampling["max_tokens"] == 0 else None
     fields = {**d.fields, "prompt": "messages" if d.chat else "prompt", "logprobs": "top_logprobs" if d.chat
               else "logprobs",
-              "structured_output": "structured_outputs" if body.get("response_format") is None else "response_format"}
+              "structured_output": "tools" if tools is not None and tools.calls_possible
+              else "structured_outputs" if body.get("response_format") is None else "response_format"}
     try:
         params = SamplingParams(structured_output=structured, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                 **sampling)
@@ -356,7 +387,8 @@ def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any]) ->
         raise invalid(e, fields) from None
     return Parsed(d.prompts[0] if d.prompts else None, d.messages, params, d.sse, d.include_usage, d.n,
                   params.first_token_timeout_s,
-                  d.on_disconnect, top_logprobs, fields, d.prompts, d.echo, d.vllm_prompt_logprobs)
+                  d.on_disconnect, top_logprobs, fields, d.prompts, d.echo, d.vllm_prompt_logprobs, tools,
+                  fmt if tools is not None and tools.calls_possible else None, extra)
 
 
 def _logprobs(d: Draft) -> tuple[int, int | None]:

@@ -28,8 +28,9 @@ from .tracks import Track
 
 
 def parse(request: Request, body: Any, options: ServerOptions) -> Parsing:
-    parsed, meta = parse_body(body, options.generation_defaults, options.limits)
-    return Parsing(parsed, "response_format", response=meta)
+    parsed, meta = parse_body(body, options.generation_defaults, options.limits, state_of(request).tool_format)
+    return Parsing(parsed, "tools" if parsed.tool_format is not None else "response_format", response=meta,
+                   flat_tools=True)
 
 
 # no Idempotency-Key (OpenAI's Responses API has none); the response id is ours, made here

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .errors import ApiError, bad
+from ..tools import GENERIC, ToolFormat
 from .protocol import Limits, Parsed, boolean, parse_request
 
 # the request's fields under their chat names, for parse_request; errors name the Responses field
@@ -19,20 +20,19 @@ RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "r
 PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
           "timeout", "first_token_timeout", "on_disconnect", "ignore_eos", "min_tokens")
 # taken and not acted on (a server without tools or tiers has nothing to do with them)
-IGNORED = ("parallel_tool_calls", "user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options",
+IGNORED = ("user", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options",
            "truncation")
 UNSUPPORTED = {
-    "tools": "tools are not supported by this server",
     "reasoning": "reasoning (and reasoning items) is not supported by this server",
     "previous_response_id": "previous_response_id is not supported: send the conversation as input messages",
     "conversation": "conversations are not supported: send the conversation as input messages",
     "prompt": "prompt templates are not supported",
     "include": "include is not supported",
     "top_logprobs": "top_logprobs is not supported on /v1/responses (use /v1/chat/completions)",
-    "max_tool_calls": "tools are not supported by this server",
+    "max_tool_calls": "max_tool_calls is not supported (parallel_tool_calls: false gives at most one)",
 }
 TAKEN = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "store",
-         "background", "metadata", "text", "tool_choice", *PASSED, *IGNORED, *UNSUPPORTED}
+         "background", "metadata", "text", "tools", "tool_choice", "parallel_tool_calls", *PASSED, *IGNORED, *UNSUPPORTED}
 
 @dataclass
 class StoredResponse:
@@ -44,8 +44,9 @@ class StoredResponse:
     max_output_tokens: int | None
     temperature: float
     top_p: float
-    tool_choice: str
+    tool_choice: Any
     text_json: str = '{"format": {"type": "text"}}'   # the response's `text`, kept as its compact JSON
+    parallel_tool_calls: bool = True
     deleted: bool = False
 
     @property
@@ -58,7 +59,8 @@ class StoredResponse:
 
 
 # -- parsing --------------------------------------------------------------------------------------
-def parse_body(body: Any, defaults: Mapping[str, Any], limits: Limits) -> tuple[Parsed, StoredResponse]:
+def parse_body(body: Any, defaults: Mapping[str, Any], limits: Limits, tool_format: ToolFormat = GENERIC
+               ) -> tuple[Parsed, StoredResponse]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in body:
@@ -67,9 +69,6 @@ def parse_body(body: Any, defaults: Mapping[str, Any], limits: Limits) -> tuple[
     for name, why in UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}, 0):
             raise ApiError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise ApiError(400, 'tool_choice: only "none" or "auto" (there are no tools here)', param="tool_choice",
-                       code="unsupported_parameter")
     if body.get("truncation") not in (None, "disabled", "auto"):
         raise bad("truncation", 'must be "disabled" or "auto"')
     store = boolean(body, "store", True)
@@ -79,20 +78,22 @@ def parse_body(body: Any, defaults: Mapping[str, Any], limits: Limits) -> tuple[
     chat: dict[str, Any] = {"messages": messages(body), "stream": body.get("stream"),
                             "max_completion_tokens": body.get("max_output_tokens"),
                             "response_format": text_format(body.get("text"))}
-    for name in ("temperature", "top_p", *PASSED):
+    for name in ("temperature", "top_p", "parallel_tool_calls", *PASSED):
         if body.get(name) is not None:
             chat[name] = body[name]
+    chat.update(nested_tools(body))
     if background:
         chat["on_disconnect"] = "continue"      # it outlives the connection that made it
     try:
         parsed = parse_request({k: v for k, v in chat.items() if v is not None}, True,
-                               defaults, limits)
+                               defaults, limits, tool_format=tool_format)
     except ApiError as e:
         raise renamed(e) from None
     p = parsed.params
     return parsed, StoredResponse(store, background, body.get("instructions"), metadata(body.get("metadata")),
                                   body.get("max_output_tokens"), p.temperature, p.top_p,
-                                  body.get("tool_choice") or "auto", kept_text(body.get("text")))
+                                  body.get("tool_choice") or "auto", kept_text(body.get("text")),
+                                  parallel_tool_calls=body.get("parallel_tool_calls") is not False)
 
 
 def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,14 +114,55 @@ def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise bad(where, "must be a message object {role, content}")
         kind = item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):
+            tool_turn(out, item, where)
+            continue
         if kind != "message":
-            raise ApiError(400, f"{where}.type: {kind!r} items are not supported (only messages)",
+            raise ApiError(400, f"{where}.type: {kind!r} items are not supported (only messages and function calls)",
                            param=f"{where}.type", code="unsupported_parameter")
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
             raise bad(f"{where}.role", f'must be "user", "assistant", "system" or "developer", got {role!r}')
         out.append({"role": "system" if role == "developer" else role,
                     "content": content_text(item.get("content"), where)})
+    return out
+
+
+def tool_turn(out: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
+    """A function_call item joins the assistant turn before it (calls in a row are one turn);
+    a function_call_output is a `tool` message."""
+    if not isinstance(item.get("call_id"), str):
+        raise bad(f"{where}.call_id", "must be the call's id")
+    if item["type"] == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            output = content_text(output, where)
+        out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        return
+    if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+        raise bad(where, "a function_call item needs a string name and arguments")
+    call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+        out[-1]["tool_calls"].append(call)
+    else:
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def nested_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """The flat function tools and named choice as chat's nested ones (their errors are renamed
+    back: `tools[i].parameters`)."""
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("tools", "must be a list of function tools")
+        out["tools"] = [{"type": t.get("type"), "function": {k: v for k, v in t.items() if k != "type"}}
+                        if isinstance(t, dict) else t for t in tools]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice is not None:
+        out["tool_choice"] = choice
     return out
 
 
@@ -185,6 +227,9 @@ def metadata(value: Any) -> dict[str, str]:
 
 def renamed(e: ApiError) -> ApiError:
     """An error of the chat path, naming the Responses field."""
+    if e.param is not None and ".function." in e.param:
+        e.message = e.message.replace(e.param, e.param.replace(".function.", "."))
+        e.param = e.param.replace(".function.", ".")
     if e.param in RENAMED:
         old = e.param
         e.param = RENAMED[old]

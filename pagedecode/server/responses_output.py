@@ -23,6 +23,7 @@ from ..runtime.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
 from .responses import reason_name
 from .reader import Reader
+from .responses_tools import ToolItemEvents, message_item, output_items, output_text
 from .tracks import Track
 
 INCOMPLETE = {FinishReason.MAX_OUTPUT_TOKENS: "max_output_tokens", FinishReason.CONTEXT_LIMIT: "max_output_tokens"}
@@ -44,15 +45,6 @@ def status_of(out: RequestOutput) -> str:
     return "incomplete"                   # ended early without an error (a deadline)
 
 
-def message_item(rid: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": "msg_" + rid.removeprefix("resp_"), "status": status, "role": "assistant",
-            "content": [output_text(text)]}
-
-
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
 def item_status(status: str) -> str:
     return {"completed": "completed", "queued": "in_progress", "in_progress": "in_progress"}.get(status, "incomplete")
 
@@ -64,13 +56,15 @@ def response_body(track: Track, model_name: str, status: str, out: RequestOutput
     assert meta is not None
     rid = track.request_id
     output: list[dict[str, Any]] = []
+    fmt = track.reply.tool_format
     if out is not None and (out.state.terminal or out.text):
-        output.append(message_item(rid, out.text, item_status(status)))
+        output = [message_item(rid, out.text, item_status(status))] if fmt is None else \
+            output_items(rid, out.text, fmt, item_status(status))
     return {"id": rid, "object": "response", "created_at": track.created, "status": status,
             "background": meta.background, "error": _error(status, out), "incomplete_details": _incomplete(status, out),
             "instructions": meta.instructions, "max_output_tokens": meta.max_output_tokens,
             "metadata": meta.metadata, "model": model_name, "output": output,
-            "parallel_tool_calls": False, "previous_response_id": None, "reasoning": None, "store": meta.store,
+            "parallel_tool_calls": meta.parallel_tool_calls, "previous_response_id": None, "reasoning": None, "store": meta.store,
             "temperature": meta.temperature, "text": meta.text, "tool_choice": meta.tool_choice, "tools": [],
             "top_p": meta.top_p, "truncation": "disabled",
             "usage": _usage(out) if out is not None and out.state.terminal else None}
@@ -97,10 +91,14 @@ def _incomplete(status: str, out: RequestOutput | None) -> dict[str, Any] | None
             else reason_name(out.finish_reason)}
 
 
-def stream_events(track: Track, model_name: str, ev: Event, out: RequestOutput | None) -> list[dict[str, Any]]:
+def stream_events(track: Track, model_name: str, ev: Event, out: RequestOutput | None,
+                  items: ToolItemEvents | None = None) -> list[dict[str, Any]]:
     """The response events one engine event makes (see the module doc), without their numbers;
-    out is the request's result, for its terminal event."""
+    out is the request's result, for its terminal event. A tool-calling response's items come
+    from `items` (responses_tools.py), fed every event in order."""
     item_id = "msg_" + track.request_id.removeprefix("resp_")
+    if items is not None:
+        return _tool_events(track, model_name, ev, out, items)
     events = _opening(track, model_name, item_id) if ev.seq == 0 else []     # seq 0: the start event
     if isinstance(ev, DeltaEvent) and ev.text:
         events.append({"type": "response.output_text.delta", "item_id": item_id, "output_index": 0,
@@ -108,6 +106,19 @@ def stream_events(track: Track, model_name: str, ev: Event, out: RequestOutput |
     elif isinstance(ev, TerminalEvent):
         assert out is not None
         events += _closing(track, model_name, item_id, out)
+    return events
+
+
+def _tool_events(track: Track, model_name: str, ev: Event, out: RequestOutput | None, items: ToolItemEvents
+                 ) -> list[dict[str, Any]]:
+    events = _opening(track, model_name, "")[:2] if ev.seq == 0 else []     # its items open as they come
+    if isinstance(ev, DeltaEvent) and ev.text:
+        events += items.feed(ev.text)
+    elif isinstance(ev, TerminalEvent):
+        assert out is not None
+        status = status_of(out)
+        events += items.feed(None) + [{"type": f"response.{status}",
+                                       "response": response_body(track, model_name, status, out)}]
     return events
 
 
@@ -139,9 +150,15 @@ def frame(event: dict[str, Any], seq: int) -> str:
 
 async def response_sse(reader: Reader, track: Track, after: int | None) -> AsyncIterator[str]:
     """The response's events numbered after `after` (None: all), live to the end."""
+    fmt = track.reply.tool_format
+    tool_items = ToolItemEvents(track.request_id, fmt) if fmt is not None else None
+    made_at: dict[int, list[dict[str, Any]]] = {}     # each event's, made once (the tool items are fed once)
+
     def made(ev: Event) -> list[dict[str, Any]]:
-        return stream_events(track, reader.model_name, ev, reader.result(track) if isinstance(ev, TerminalEvent)
-                             else None)
+        if ev.seq not in made_at:
+            made_at[ev.seq] = stream_events(track, reader.model_name, ev, reader.result(track)
+                                            if isinstance(ev, TerminalEvent) else None, tool_items)
+        return made_at[ev.seq]
     seen = -1 if after is None else after          # the last number the client has
     async with reader:
         n, cursor = 0, -1

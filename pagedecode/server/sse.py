@@ -29,6 +29,7 @@ from .integers import parse_decimal
 from .errors import ApiError
 from .responses import chunk_body, finish_fields, logprobs_body, reason_name, sse, sum_usage, usage_body
 from .reader import Reader
+from .tool_calls import ToolChoiceStream
 from .tracks import Track
 
 FAILURES = (FinishReason.MODEL_ERROR, FinishReason.CONTENT_INTERRUPTED, FinishReason.TRANSPORT_ERROR)
@@ -85,13 +86,18 @@ def ends_in_error(out: RequestOutput) -> bool:
     return bool(out.error) and (out.finish_reason in FAILURES or out.state == RequestState.FAILED)
 
 
-def finish_chunk(out: RequestOutput, head: dict[str, Any], chat: bool, index: int, seq: int | None) -> str:
-    """A choice's last chunk: its finish reason, or the error it failed with."""
+def finish_chunk(out: RequestOutput, head: dict[str, Any], chat: bool, index: int, seq: int | None,
+                 tools: ToolChoiceStream | None = None) -> str:
+    """A choice's last chunk: its finish reason (with tools: the text the parser held back, and
+    the reason that agrees with the calls), or the error it failed with."""
     if ends_in_error(out):
         return sse({"error": {"message": out.error, "type": "server_error", "param": None,
                               "code": reason_name(out.finish_reason)}}, seq)
     fin: dict[str, Any] = {"index": index, **finish_fields(out), "logprobs": None}
-    if chat:
+    if tools is not None:
+        fin["delta"] = tools.finish()
+        fin["finish_reason"] = tools.finish_reason(fin["finish_reason"])
+    elif chat:
         fin["delta"] = {}
     else:
         fin["text"] = ""
@@ -105,12 +111,32 @@ def head_of(track: Track, model_name: str) -> dict[str, Any]:
 
 
 def delta_chunk(tokenizer: Any, head: dict[str, Any], track: Track, ev: DeltaEvent, index: int,
-                sent_chars: int) -> dict[str, Any]:
+                sent_chars: int, tools: ToolChoiceStream | None = None) -> dict[str, Any] | None:
+    """The chunk of one delta event; with tools, its delta is what the parser made known (None:
+    nothing yet, and no logprobs to send)."""
     chunk = chunk_body(head["id"], head["object"], head["created"], head["model"], track.chat, ev.text, index)
+    if tools is not None:
+        chunk["choices"][0]["delta"] = tools.feed(ev.text)
+        if not chunk["choices"][0]["delta"] and ev.logprobs is None:
+            return None
     if ev.logprobs is not None:
         chunk["choices"][0]["logprobs"] = logprobs_body(tokenizer, ev, track.chat, track.reply.top_logprobs,
                                                         sent_chars)
     return chunk
+
+
+def tool_stream(reader: Reader, track: Track, after: int | None) -> ToolChoiceStream | None:
+    """A tool-calling choice's parser, fed what a resumed client already has (so what follows
+    is what the first stream sent)."""
+    fmt = track.reply.tool_format
+    if fmt is None:
+        return None
+    tools = ToolChoiceStream(fmt, track.request_id)
+    if after is not None:
+        for e in reader.history(track):
+            if isinstance(e, DeltaEvent) and e.seq <= after:
+                tools.feed(e.text)
+    return tools
 
 
 def role_chunk(head: dict[str, Any], index: int) -> dict[str, Any]:
@@ -131,17 +157,20 @@ async def one_sse(reader: Reader, track: Track, after: int | None) -> AsyncItera
     async with reader:
         head = head_of(track, reader.model_name)
         sent_chars = sent_chars_before(reader, track, after)
+        tools = tool_stream(reader, track, after)
         if track.chat and after is None:
             yield sse(role_chunk(head, 0), 0)
         async for ev in reader.events(track, cursor(after)):
             if isinstance(ev, DeltaEvent):
-                yield sse(delta_chunk(reader.tokenizer, head, track, ev, 0, sent_chars), ev.seq)
+                chunk = delta_chunk(reader.tokenizer, head, track, ev, 0, sent_chars, tools)
+                if chunk is not None:
+                    yield sse(chunk, ev.seq)
                 sent_chars += len(ev.text)
         _, terminal = sse_ids(reader.engine, track)
         assert terminal is not None
         out = reader.result(track)
         if before(after, terminal):
-            yield finish_chunk(out, head, track.chat, 0, terminal)
+            yield finish_chunk(out, head, track.chat, 0, terminal, tools)
         if track.reply.include_usage and before(after, terminal + 1):
             yield sse({**head, "choices": [], "usage": usage_body(out.usage)}, terminal + 1)
         yield DONE
@@ -158,6 +187,7 @@ async def choices_sse(reader: Reader, n: int) -> AsyncIterator[str]:
     async with reader:
         head = head_of(tracks[0], reader.model_name)
         sent_chars = [0] * len(tracks)
+        tools = [tool_stream(reader, t, None) for t in tracks]
         if tracks[0].chat:
             for i in range(len(tracks)):
                 yield sse(role_chunk(head, i))
@@ -165,10 +195,12 @@ async def choices_sse(reader: Reader, n: int) -> AsyncIterator[str]:
             async for i, ev in events:
                 track = tracks[i]
                 if isinstance(ev, DeltaEvent):
-                    yield sse(delta_chunk(reader.tokenizer, head, track, ev, i, sent_chars[i]))
+                    chunk = delta_chunk(reader.tokenizer, head, track, ev, i, sent_chars[i], tools[i])
+                    if chunk is not None:
+                        yield sse(chunk)
                     sent_chars[i] += len(ev.text)
                 elif isinstance(ev, TerminalEvent):
-                    yield finish_chunk(reader.result(track), head, track.chat, i, None)
+                    yield finish_chunk(reader.result(track), head, track.chat, i, None, tools[i])
         if tracks[0].reply.include_usage:
             yield sse({**head, "choices": [], "usage": sum_usage([reader.result(t) for t in tracks], n)})
         yield DONE

@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from ..model.tokenizer import EscapesSpecialTokens
 from ..runtime.async_engine import AsyncEngine
+from ..tools import ToolFormat, detect_format
 from .chat import ChatTemplate
 from .errors import ApiError
 from .idempotency import IdempotencyKeys
@@ -41,6 +42,8 @@ class ServerOptions:
     idempotency_ttl_s: float = 600.0
     idempotency_max_keys: int = 10_000
     metrics_compat: str | None = None           # "vllm": the gateway gauges under vLLM's names too (metrics.py)
+    tool_format: str | None = None              # how the model writes tool calls (tools/formats.py); None: by
+                                                # its chat template
     response_id_prefix: str = "resp_"           # Responses API ids: this and 128 random bits (a Ray replica's
                                                 # names it, as its engine's request_id_prefix does)
 
@@ -55,6 +58,10 @@ class ServerState:
         self.draining = False
         self.tracks: weakref.WeakValueDictionary[str, Track] = weakref.WeakValueDictionary()
         self.keys = IdempotencyKeys(options.idempotency_ttl_s, options.idempotency_max_keys)
+        self.tool_format: ToolFormat = detect_format(
+            chat_template.source if chat_template is not None else None,
+            (lambda msgs, extra: chat_template.render(msgs, extra=extra)) if chat_template is not None else None,
+            options.tool_format)
         self.tenants = Tenants(list(options.api_keys) + ([options.api_key] if options.api_key is not None else []))
         tok = self.engine.tokenizer
         if chat_template is not None and not options.allow_special_tokens_in_content \

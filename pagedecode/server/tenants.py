@@ -31,12 +31,14 @@ class Tenants:
 
     def check(self, request: Request) -> str:
         """The tenant whose key the request carries (ANONYMOUS on a server without keys); 401
-        otherwise. Every key is compared, each in constant time."""
+        otherwise. The key is a Bearer token or an x-api-key header. Every key is compared, each in constant time."""
         if not self._keys:
             return ANONYMOUS
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # the scheme is case-insensitive (RFC 7235: "bearer" is "Bearer")
         given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not given:           # Anthropic's clients send the key as x-api-key
+            given = request.headers.get("x-api-key", "").strip().encode()
         found: str | None = None
         for expected, tenant in self._keys:
             if hmac.compare_digest(given, expected):

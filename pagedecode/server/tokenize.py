@@ -44,7 +44,7 @@ def _chat_ids(tok: Any, template: ChatTemplate | None, messages: Any, allow_spec
     if template is None:
         raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
                        param="messages")
-    ids = encode_chat(tok, template, messages, allow_specials, add_generation_prompt)
+    ids = encode_chat(tok, template, messages, allow_specials, add_generation_prompt=add_generation_prompt)
     bos = tok.bos_token_id
     if add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..tools import ToolFormat
 from .protocol import Parsed
 
 if TYPE_CHECKING:
@@ -32,11 +33,12 @@ class Reply:
     on_disconnect: str | None
     echo: str | None = None           # completions, echo: true: the prompt's text, put first
     prompt_logprobs: int | None = None   # vLLM's field: each choice carries prompt_logprobs
+    tool_format: ToolFormat | None = None   # the output's tool calls are parsed in this format (None: no tools)
 
     @classmethod
     def of(cls, parsed: Parsed) -> "Reply":
         return cls(parsed.include_usage, parsed.params.logprobs is not None, parsed.top_logprobs,
-                   parsed.on_disconnect, None, parsed.prompt_logprobs)
+                   parsed.on_disconnect, None, parsed.prompt_logprobs, parsed.tool_format)
 
 
 @dataclass

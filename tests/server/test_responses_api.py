@@ -155,11 +155,12 @@ def test_text_format_json_schema_gives_valid_json(server):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0]"),
     ({"input": ""}, "input"),
