@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PIP) --no-build-isolation -e ".[test]" "$(TORCH_SPEC)"   # the pin again: no extra (lm-eval's) moves torch
 	touch $@
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench sanitize clean
 install: $(BIN)/.installed
 
 demo: install
@@ -34,6 +34,12 @@ bench: $(BIN)/.bench-installed
 	$(BIN)/python -m pytest benchmarks/micro -p no:cacheprovider -o addopts="" -q \
 	  --benchmark-json=benchmarks/results/micro-$$(date +%F-%s).json $(PYTEST_ARGS)
 	$(BIN)/python benchmarks/engine_vs_hf.py $(ARGS)
+
+# The compiled extension under AddressSanitizer (build/sanitize/), its pooled kernels run at 1-4
+# threads with every input freed right after each call (tests/sanitize/pool_lifetime.py).
+sanitize: install
+	LD_PRELOAD=$$($(CXX) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0 \
+	  $(BIN)/python tests/sanitize/pool_lifetime.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

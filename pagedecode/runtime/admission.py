@@ -8,7 +8,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from ..params import SamplingParams
-from ..protocols import Model
+from ..protocols import Model, ModelParts
 from .delivery import Attachment, Delivery
 from .events import Event
 from .intake import Intake, paired
@@ -38,7 +38,7 @@ class Admission:
             attachment: Attachment | None, pinned: bool) -> Request:
         """Engine.add_request: refused when the model has failed; the constraint's parse is waited
         for outside the lock (the step loop goes on), then the request is made and queued."""
-        failure = getattr(self.model, "failure", None)
+        failure = ModelParts(self.model).failure
         if failure is not None:
             from ..model.parallel import ModelUnavailableError
             raise ModelUnavailableError(f"the engine serves no more requests: {failure}")
