@@ -3,8 +3,9 @@
 Covers Llama 2 / 3.x (rope scaling), Mistral, Qwen2 / 2.5 (q/k/v bias), Qwen3 (q/k RMSNorm),
 SmolLM and TinyLlama (Llama shapes); tied or untied embeddings. Attention never sees K/V
 except through the cache: each layer writes the new tokens' K/V, then attends over the pages.
-On CPU the whole stack runs as one compiled call where it applies (model/cpu_forward.py); the
-torch path here is what tests hold it to.
+One layer loop (forward) over the ops chosen at load (model/layer_ops.py: torch, Triton, their
+deterministic kinds). On CPU the whole stack runs as one compiled call where it applies
+(model/cpu_forward.py); the loop over the torch ops is what tests hold it to.
 """
 from __future__ import annotations
 
