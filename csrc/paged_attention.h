@@ -495,6 +495,9 @@ void decode_attention(const AttendArgs<T, C>& a, const std::vector<int64_t>& ite
 }
 
 // caches: the K / V tensors kc and vc point into (held by the pool for a late worker)
+// multiply-adds (rows x heads x context x head_dim) below which an attention runs on one thread
+constexpr int64_t kParallelWork = int64_t{1} << 17;
+
 template <typename T, typename C, int64_t kD>
 void paged_attention(const AttendArgs<T, C>& a, T* out, const work::Keep& caches) {
   std::vector<int64_t> block_seq, block_row;
@@ -524,11 +527,23 @@ void paged_attention(const AttendArgs<T, C>& a, T* out, const work::Keep& caches
   thread_local std::vector<int64_t> work_, order_, bin_start_;
   std::vector<int64_t>&work = work_, &order = order_, &bin_start = bin_start_;
   work.resize(items);
+  int64_t total = 0;
   for (int64_t it = 0; it < items; ++it) {
     const int64_t s = item[4 * it], r0 = item[4 * it + 1], r1 = std::min<int64_t>(r0 + kRowBlock, a.cu[s + 1]);
     work[it] = (r1 - r0) * item[4 * it + 3] * (a.lens[s] - (a.cu[s + 1] - r1));   // rows x heads x context
+    total += work[it];
   }
-  if (a.pool && items > 1 && threads > 1 && a.rows < work::kOpenMPRows && !at::in_parallel_region()) {
+  // Too little work for a second thread (a small model's decode: stories260k's layer is a few
+  // thousand multiply-adds) runs on the caller alone: no fork or join, so no wait on a thread the
+  // OS has descheduled (beside one busy neighbour, 2 threads ran such a step at a fraction of 1's speed).
+  if (total * a.D < kParallelWork || threads == 1) {
+    for (int64_t k = 0; k < items; ++k) {
+      const int64_t* it = item.data() + 4 * k;
+      attend_block<T, C, kD, T>(a, it[0], it[1], it[2], it[3], out + it[1] * a.H * a.D + it[2] * a.D, a.H * a.D);
+    }
+    return;
+  }
+  if (a.pool && items > 1 && a.rows < work::kOpenMPRows && !at::in_parallel_region()) {
     decode_attention<T, C, kD>(a, item, out, caches);
     return;
   }

@@ -266,7 +266,11 @@ class Pool {
     }
   }
 
-  static constexpr int64_t kSpinUs = 2000;   // a decode step's gaps between matmuls are far shorter
+  // A worker spins this long after a call, then sleeps on the condition variable: a decode step's
+  // pooled calls come microseconds apart, so it rarely sleeps inside a step, and between steps it
+  // leaves the core to whoever else needs it (2 ms of spinning after each step beside a busy
+  // neighbour took the caller's share of the cores).
+  static constexpr int64_t kSpinUs = 50;
 
   const int threads_;
   const pid_t pid_;
