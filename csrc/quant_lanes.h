@@ -219,37 +219,34 @@ struct Job {
   }
 };
 
-// out (T, N) float = x (T, K) @ W^T, W (N, K) packed as above in blocks of `block_bytes`. W must
-// stay allocated until work::Pool::get().quiesce() (work_pool.h).
-inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int64_t K, int64_t N, int64_t block_bytes) {
+// out (T, N) float = x (T, K) @ W^T, W (N, K) packed as above in blocks of `block_bytes`. keep: W's
+// tensor (work_pool.h: held until no worker reads it).
+inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int64_t K, int64_t N, int64_t block_bytes,
+                   work::Keep keep) {
   const int64_t nb = K / kBlock;
   work::Pool& pool = work::Pool::get();
-  // per thread, kept across calls: a worker left behind by an earlier call may still read them,
-  // so they are only reallocated (grown) once no worker is inside a chunk
-  thread_local std::vector<int8_t> qx_buf;
-  thread_local std::vector<float> dx_buf;
-  thread_local std::vector<int32_t> nc_buf;
-  if (static_cast<size_t>(T * K) > qx_buf.capacity() || static_cast<size_t>(T * nb) > dx_buf.capacity() ||
-      static_cast<size_t>(T * nb) > nc_buf.capacity())
-    work::Pool::quiesce_all();
-  qx_buf.resize(T * K);
-  dx_buf.resize(T * nb);
-  nc_buf.resize(T * nb);
-  quantize_rows(x, qx_buf.data(), dx_buf.data(), T, K);
+  // the activations as the workers read them, in memory this call owns (a late worker may still
+  // read them after the caller returns): qx, dx, nc
+  const int64_t o_dx = work::lines(T * K), o_nc = o_dx + work::lines(T * nb * 4);
+  unsigned char* mem = work::owned(keep, o_nc + T * nb * 4);
+  int8_t* qx = reinterpret_cast<int8_t*>(mem);
+  float* dx = reinterpret_cast<float*>(mem + o_dx);
+  int32_t* nc = reinterpret_cast<int32_t*>(mem + o_nc);
+  quantize_rows(x, qx, dx, T, K);
   const int32_t offset = is_q4(block_bytes) ? 8 : 128;
   for (int64_t i = 0; i < T * nb; ++i) {
     int32_t sum = 0;
-    for (int j = 0; j < kBlock; ++j) sum += qx_buf[i * kBlock + j];
-    nc_buf[i] = -offset * sum;
+    for (int j = 0; j < kBlock; ++j) sum += qx[i * kBlock + j];
+    nc[i] = -offset * sum;
   }
   const int64_t groups = N / kRows;
   const int64_t reads = nb * block_bytes * N * ((T + kTokens - 1) / kTokens);
   const int64_t chunks = std::max<int64_t>(1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread,
                                                         std::max<int64_t>(groups, 1), work::Pool::kMaxChunks}));
   const int64_t per_chunk = (std::max<int64_t>(groups, 1) + chunks - 1) / chunks;
-  Job job{w, qx_buf.data(), dx_buf.data(), nc_buf.data(), out, T, K, N, nb, block_bytes, groups, per_chunk, 0};
+  Job job{w, qx, dx, nc, out, T, K, N, nb, block_bytes, groups, per_chunk, 0};
   job.chunks = (std::max<int64_t>(groups, 1) + per_chunk - 1) / per_chunk;
-  work::run(job.chunks, job, T);
+  work::run(job.chunks, job, T, std::move(keep));
 }
 
 }  // namespace quant::lanes
@@ -274,9 +271,9 @@ inline const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint
 
 }  // namespace quant
 
-// pagedecode._cpu.quant_linear(x (T, K) float32, blocks, N) -> (T, N) float32
-// quiesce=false: the caller keeps the blocks allocated until it calls work::Pool::get().quiesce()
-inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n_out, bool quiesce = true) {
+// pagedecode._cpu.quant_linear(x (T, K) float32, blocks, N) -> (T, N) float32; the caller may free
+// x and the blocks as soon as it returns (the pool keeps what its late workers read)
+inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "quant_linear: x must be (T, K) float32 on the CPU");
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == n_out, "quant_linear: blocks must have N rows");
@@ -285,11 +282,11 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, in
   at::Tensor out = at::empty({T, n_out}, x.options());
   if (T > 0 && n_out > 0) {
     if (blocks.scalar_type() == at::kChar)
-      quant::lanes::matmul(x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out, block_bytes);
+      quant::lanes::matmul(x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out, block_bytes,
+                           {blocks});
     else
-      quant::matmul(x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out, block_bytes);
+      quant::matmul(x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out, block_bytes, {blocks});
   }
-  if (quiesce) work::Pool::quiesce_all();     // the caller may free the blocks once this returns
   return out;
 }
 

@@ -465,52 +465,50 @@ struct MatmulJob {
 // out (T, N) float = x (T, K) @ W^T, W (N, K) in blocks of `block_bytes` (34: Q8_0, 18: Q4_0).
 // Rows go out in chunks through work::run (work_pool.h: the Pool, or OpenMP from 8 rows): several per thread, so that a thread
 // the OS has descheduled costs the call nothing; a call of under kInlineBytes of weight reads runs
-// on the caller alone. W must stay allocated until work::Pool::get().quiesce() (work_pool.h).
+// on the caller alone. keep: W's tensor (work_pool.h: held until no worker reads it).
 constexpr int64_t kInlineBytes = 32 << 10;
 constexpr int64_t kChunksPerThread = 8;
 
 inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int64_t K, int64_t N,
-                   int64_t block_bytes) {
+                   int64_t block_bytes, work::Keep keep) {
   const int64_t nb = K / kBlock;
   const bool q4 = block_bytes == 2 + kBlock / 2;
   work::Pool& pool = work::Pool::get();
-  // the activations, per thread, kept across calls: a worker left behind by an earlier call may
-  // still read them, so they are only reallocated (grown) once no worker is inside a chunk
-  thread_local std::vector<int8_t> qx_buf, xp_buf;
-  thread_local std::vector<uint8_t> xu_buf;
-  thread_local std::vector<float> dx_buf;
-  thread_local std::vector<int32_t> corr_buf;
-  if (static_cast<size_t>(T * K) > qx_buf.capacity() || static_cast<size_t>(T * nb) > dx_buf.capacity() ||
-      (q4 && (static_cast<size_t>(T * K) > xp_buf.capacity() || static_cast<size_t>(T * K / 4) > corr_buf.capacity())) ||
-      (!q4 && T >= 2 && static_cast<size_t>(T * K) > xu_buf.capacity()))
-    work::Pool::quiesce_all();
-  qx_buf.resize(T * K);
-  dx_buf.resize(T * nb);
-  quantize_rows(x, qx_buf.data(), dx_buf.data(), T, K);
-  MatmulJob job{w, qx_buf.data(), nullptr, nullptr, nullptr, dx_buf.data(), out, T, K, N, nb, block_bytes, N, q4};
+  // the activations as the workers read them, in memory this call owns (a late worker may still
+  // read them after the caller returns): qx, dx, then xu (Q8_0, 2+ rows) or xp and corr (Q4_0)
+  const bool pairs_q8 = !q4 && T >= 2;
+  const int64_t o_dx = work::lines(T * K), o_xu = o_dx + work::lines(T * nb * 4);
+  const int64_t o_corr = o_xu + work::lines(T * K);
+  unsigned char* mem = work::owned(keep, o_corr + (q4 ? T * K : 0));
+  int8_t* qx = reinterpret_cast<int8_t*>(mem);
+  float* dx = reinterpret_cast<float*>(mem + o_dx);
+  quantize_rows(x, qx, dx, T, K);
+  MatmulJob job{w, qx, nullptr, nullptr, nullptr, dx, out, T, K, N, nb, block_bytes, N, q4};
 #if defined(QUANT_Q4_PAIRS)
-  if (!q4 && T >= 2) {
-    xu_buf.resize(T * K);
+  if (pairs_q8) {
+    uint8_t* xu = mem + o_xu;
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     int64_t i = 0;
     for (; i + 64 <= T * K; i += 64)
-      _mm512_storeu_si512(xu_buf.data() + i, _mm512_xor_si512(_mm512_loadu_si512(qx_buf.data() + i), bias));
-    for (; i < T * K; ++i) xu_buf[i] = static_cast<uint8_t>(qx_buf[i]) ^ 0x80;
-    job.xu = xu_buf.data();
+      _mm512_storeu_si512(xu + i, _mm512_xor_si512(_mm512_loadu_si512(qx + i), bias));
+    for (; i < T * K; ++i) xu[i] = static_cast<uint8_t>(qx[i]) ^ 0x80;
+    job.xu = xu;
   }
   if (q4) {
-    xp_buf.resize(T * K);
-    corr_buf.resize(T * K / 4);
-    pair_layout(qx_buf.data(), xp_buf.data(), corr_buf.data(), T, K);
-    job.xp = xp_buf.data();
-    job.corr = corr_buf.data();
+    int8_t* xp = reinterpret_cast<int8_t*>(mem + o_xu);
+    int32_t* corr = reinterpret_cast<int32_t*>(mem + o_corr);
+    pair_layout(qx, xp, corr, T, K);
+    job.xp = xp;
+    job.corr = corr;
   }
+#else
+  (void)pairs_q8;
 #endif
   const int64_t reads = nb * block_bytes * N * ((T + kTile - 1) / kTile);
   const int64_t chunks = std::max<int64_t>(
       1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread, N, work::Pool::kMaxChunks}));
   job.per_chunk = (N + chunks - 1) / chunks;
-  work::run((N + job.per_chunk - 1) / job.per_chunk, job, T);
+  work::run((N + job.per_chunk - 1) / job.per_chunk, job, T, std::move(keep));
 }
 
 }  // namespace quant

@@ -15,13 +15,12 @@
 //   descheduled worker, only (rarely) on one in the middle of publishing a chunk.
 //
 // A worker whose chunk was taken back may still be reading the call's inputs when the caller has
-// moved on; it notices at its next row and stops. Those inputs must therefore stay allocated until
-// quiesce() returns, which waits until no worker is inside a chunk: the activations are per-thread
-// buffers grown only after it; the weights and KV pages are the model's (LlamaModel and KVCache call
-// pagedecode._cpu.quiesce before they can be freed); quant_linear, given blocks from Python, calls
-// it after each call.
-// Waiting there instead, at the end of every forward, put a descheduled worker's time slice back
-// into most steps on a loaded machine.
+// moved on; it notices at its next row and stops. So each call owns what its workers read: the
+// caller hands run() the tensors they read (Keep: weights, KV caches) and copies anything it will
+// rewrite or free (activations, tables) into a fresh buffer kept the same way (owned()). The pool
+// holds a call's inputs until no worker is inside it, then drops them on the caller's thread at
+// its next run() (or at drain()): freeing a model or a cache right after a call is safe, with no
+// quiesce before it and nobody waiting on a descheduled worker.
 //
 // That is for a gemv's few rows. From kOpenMPRows rows, run() below gives the chunks to OpenMP's
 // threads instead (claimed from one counter, then joined): the forward's other loops run there, and
@@ -35,6 +34,7 @@
 
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <unistd.h>
 
@@ -67,66 +67,74 @@ struct Live {
   bool operator()() const { return state == nullptr || state->load(std::memory_order_relaxed) == mine; }
 };
 
+// The tensors a pooled call's workers read, held until none of them is inside the call.
+using Keep = std::vector<at::Tensor>;
+
+// `bytes` of fresh memory that `keep` owns: a call's own copy of inputs the caller will rewrite
+// (activations, per-forward buffers, tables), never reused while a late worker may read it.
+inline unsigned char* owned(Keep& keep, int64_t bytes) {
+  keep.push_back(at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte)));
+  return keep.back().data_ptr<uint8_t>();
+}
+
+// bytes rounded up to whole cache lines: the offsets of several arrays carved from one owned()
+inline int64_t lines(int64_t bytes) { return (bytes + 63) & ~int64_t{63}; }
+
 class Pool {
  public:
   static constexpr int64_t kMaxChunks = 256;
   static constexpr size_t kJobBytes = 256;
+  // calls held at once: the running one and those a late worker is still inside (at most
+  // threads - 1 of them); with none free a call runs on the caller alone
+  static constexpr uint64_t kCalls = 16;
 
   // The pool for the current thread count (rebuilt when it changes, and in a forked child, which
-  // has none of its parent's threads). An old pool is left idle, never destroyed.
+  // has none of its parent's threads). An old pool is drained, then left idle, never destroyed.
   static Pool& get() {
     const int threads = std::max(1, at::get_num_threads());
     std::lock_guard<std::mutex> lock(registry_mutex());
     Pool*& pool = current();
     if (pool == nullptr || pool->threads_ != threads || pool->pid_ != getpid()) {
+      if (pool != nullptr && pool->pid_ == getpid()) pool->drain();
       pool = new Pool(threads);
-      every().push_back(pool);
     }
     return *pool;
   }
 
-  // Waits until no worker of any of this process's pools is inside a chunk (a worker of a pool
-  // left behind by a thread-count change may still be finishing one); starts no pool.
-  static void quiesce_all() {
-    std::vector<Pool*> pools;
-    {
-      std::lock_guard<std::mutex> lock(registry_mutex());
-      pools = every();
-    }
-    for (Pool* pool : pools)
-      if (pool->pid_ == getpid()) pool->quiesce();
+  // Waits until no worker of the current pool is inside a call and drops every call's inputs
+  // (tests; memory safety never needs it).
+  static void drain_current() {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    if (current() != nullptr && current()->pid_ == getpid()) current()->drain();
   }
 
   int threads() const { return threads_; }
 
   // For each chunk c in [0, n), exactly one of: job.compute(c, nullptr, live) writing the output
   // in place (the caller), or job.compute(c, scratch, live) into a worker's scratch followed by
-  // job.commit(c, scratch). Job: trivially copyable, at most kJobBytes; compute returns false if
-  // it stopped because live() turned false.
+  // job.commit(c, scratch) (while the caller is still inside run()). Job: trivially copyable, at
+  // most kJobBytes; compute returns false if it stopped because live() turned false. Every pointer
+  // the job holds points into `keep`'s tensors (or into `out`, written only by commit).
   template <typename Job>
-  void run(int64_t n, const Job& job) {
+  void run(int64_t n, const Job& job, Keep keep) {
     static_assert(std::is_trivially_copyable_v<Job> && sizeof(Job) <= kJobBytes);
     if (n <= 0) return;
-    if (n == 1 || workers_.empty() || n > kMaxChunks) {
+    Call* call = n == 1 || workers_.empty() || n > kMaxChunks ? nullptr : next_call();
+    if (call == nullptr) {                                  // on the caller alone: nobody reads late
       for (int64_t c = 0; c < n; ++c) job.compute(c, nullptr, Live{nullptr, 0});
       return;
     }
-    const uint64_t epoch = (ticket_.load(std::memory_order_relaxed) >> 32) + 1;
-    Slot& slot = slots_[epoch & 1];
-    slot.seq.store(0, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_release);
-    std::memcpy(slot.job, &job, sizeof(Job));
-    slot.run = [](const void* j, int64_t c, std::vector<float>* scratch, Live live) {
-      const Job& job = *static_cast<const Job*>(j);
-      if (!job.compute(c, scratch, live)) return false;
-      return true;
+    call->keep = std::move(keep);
+    std::memcpy(call->job, &job, sizeof(Job));
+    call->run = [](const void* j, int64_t c, std::vector<float>* scratch, Live live) {
+      return static_cast<const Job*>(j)->compute(c, scratch, live);
     };
-    slot.commit = [](const void* j, int64_t c, std::vector<float>* scratch) {
+    call->commit = [](const void* j, int64_t c, std::vector<float>* scratch) {
       static_cast<const Job*>(j)->commit(c, scratch);
     };
-    slot.seq.store(epoch, std::memory_order_release);
-    for (int64_t c = 0; c < n; ++c) state_[c].store(epoch << 2 | kComputing, std::memory_order_relaxed);
-    ticket_.store(epoch << 32 | static_cast<uint64_t>(n) << 16, std::memory_order_seq_cst);
+    for (int64_t c = 0; c < n; ++c) call->state[c].store(kComputing, std::memory_order_relaxed);
+    // publishes the call: a worker reads it only after claiming a chunk from this ticket
+    ticket_.store(epoch_ << 32 | static_cast<uint64_t>(n) << 16, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lock(m_);
       cv_.notify_all();
@@ -137,30 +145,21 @@ class Pool {
       if (next >= static_cast<uint64_t>(n)) break;
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
       job.compute(static_cast<int64_t>(next), nullptr, Live{nullptr, 0});
-      state_[next].store(epoch << 2 | kDone, std::memory_order_release);
+      call->state[next].store(kDone, std::memory_order_release);
       t = ticket_.load(std::memory_order_acquire);
     }
     for (int64_t c = 0; c < n; ++c) {                       // the workers': done, or taken back
-      uint64_t s = state_[c].load(std::memory_order_acquire);
-      if (s == (epoch << 2 | kComputing) &&
-          state_[c].compare_exchange_strong(s, epoch << 2 | kTaken, std::memory_order_acq_rel)) {
+      uint64_t s = call->state[c].load(std::memory_order_acquire);
+      if (s == kComputing && call->state[c].compare_exchange_strong(s, kTaken, std::memory_order_acq_rel)) {
         job.compute(c, nullptr, Live{nullptr, 0});
         continue;
       }
-      for (int64_t spins = 0; state_[c].load(std::memory_order_acquire) != (epoch << 2 | kDone); ++spins) {
+      for (int64_t spins = 0; call->state[c].load(std::memory_order_acquire) != kDone; ++spins) {
         if (spins < 4096) cpu_relax();                      // a worker is copying its chunk out
         else std::this_thread::yield();
       }
     }
-  }
-
-  // Waits until no worker of this pool is inside a chunk (see the top of this file; quiesce_all
-  // is what protects buffers).
-  void quiesce() {
-    for (int64_t spins = 0; active_.load(std::memory_order_acquire) > 0; ++spins) {
-      if (spins < 4096) cpu_relax();
-      else std::this_thread::yield();
-    }
+    if (call->inside.load(std::memory_order_acquire) == 0) call->keep.clear();
   }
 
  private:
@@ -174,16 +173,17 @@ class Pool {
     static Pool* pool = nullptr;
     return pool;
   }
-  static std::vector<Pool*>& every() {
-    static std::vector<Pool*> pools;
-    return pools;
-  }
 
-  struct Slot {
-    std::atomic<uint64_t> seq{0};                  // the epoch whose job this holds; 0 while written
+  // One call as its workers read it. Reused for a later call only once `inside` is 0: a worker
+  // counts itself in before it claims a chunk (and out again if the claim fails), and a claim
+  // succeeds only while the ticket still names this call, so no worker enters a finished call.
+  struct Call {
+    std::atomic<int64_t> inside{0};                 // workers between counting in and out
     alignas(64) unsigned char job[kJobBytes];
     bool (*run)(const void*, int64_t, std::vector<float>*, Live) = nullptr;
     void (*commit)(const void*, int64_t, std::vector<float>*) = nullptr;
+    std::atomic<uint64_t> state[kMaxChunks];        // per chunk: kComputing .. kDone
+    Keep keep;                                      // the inputs (written and dropped by the caller only)
   };
 
   explicit Pool(int threads) : threads_(threads), pid_(getpid()) {
@@ -191,36 +191,54 @@ class Pool {
     for (auto& w : workers_) w.detach();
   }
 
-  // a worker: claims chunks of job `epoch` until none is left
+  // The next call no worker is inside (its epoch in epoch_), the inputs of every finished call
+  // dropped on the way; nullptr when late workers hold all of them.
+  Call* next_call() {
+    for (uint64_t k = 1; k <= kCalls; ++k) {
+      Call& call = calls_[(epoch_ + k) % kCalls];
+      if (call.inside.load(std::memory_order_seq_cst) == 0) call.keep.clear();
+    }
+    for (uint64_t k = 1; k <= kCalls; ++k) {
+      Call& call = calls_[(epoch_ + k) % kCalls];
+      if (call.inside.load(std::memory_order_seq_cst) == 0) {
+        epoch_ = (epoch_ + k) & 0xffffffffu;
+        return &call;
+      }
+    }
+    return nullptr;
+  }
+
+  void drain() {
+    for (Call& call : calls_) {
+      for (int64_t spins = 0; call.inside.load(std::memory_order_acquire) > 0; ++spins) {
+        if (spins < 4096) cpu_relax();
+        else std::this_thread::yield();
+      }
+      call.keep.clear();
+    }
+  }
+
+  // a worker: claims chunks of call `epoch` until none is left
   void work(uint64_t epoch, std::vector<float>& scratch) {
+    Call& call = calls_[epoch % kCalls];
     uint64_t t = ticket_.load(std::memory_order_acquire);
     for (;;) {
       const uint64_t next = t & 0xffff, n = (t >> 16) & 0xffff;
       if ((t >> 32) != epoch || next >= n) return;
-      active_.fetch_add(1, std::memory_order_seq_cst);
+      call.inside.fetch_add(1, std::memory_order_seq_cst);
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
-        active_.fetch_sub(1, std::memory_order_release);
+        call.inside.fetch_sub(1, std::memory_order_release);
         continue;
       }
-      // the job as it was published (the slot is rewritten two jobs later: checked around the copy)
-      const Slot& slot = slots_[epoch & 1];
-      alignas(64) unsigned char job[kJobBytes];
-      bool ok = slot.seq.load(std::memory_order_acquire) == epoch;
-      auto* run = slot.run;
-      auto* commit = slot.commit;
-      std::memcpy(job, slot.job, kJobBytes);
-      std::atomic_thread_fence(std::memory_order_acquire);
-      ok = ok && slot.seq.load(std::memory_order_relaxed) == epoch;
-      std::atomic<uint64_t>& state = state_[next];
-      const uint64_t mine = epoch << 2 | kComputing;
-      if (ok && run(job, static_cast<int64_t>(next), &scratch, Live{&state, mine})) {
-        uint64_t s = mine;
-        if (state.compare_exchange_strong(s, epoch << 2 | kCommitting, std::memory_order_acq_rel)) {
-          commit(job, static_cast<int64_t>(next), &scratch);
-          state.store(epoch << 2 | kDone, std::memory_order_release);
+      std::atomic<uint64_t>& state = call.state[next];
+      if (call.run(call.job, static_cast<int64_t>(next), &scratch, Live{&state, kComputing})) {
+        uint64_t s = kComputing;
+        if (state.compare_exchange_strong(s, kCommitting, std::memory_order_acq_rel)) {
+          call.commit(call.job, static_cast<int64_t>(next), &scratch);
+          state.store(kDone, std::memory_order_release);
         }
       }
-      active_.fetch_sub(1, std::memory_order_release);
+      call.inside.fetch_sub(1, std::memory_order_release);
       t = ticket_.load(std::memory_order_acquire);
     }
   }
@@ -248,15 +266,18 @@ class Pool {
     }
   }
 
-  static constexpr int64_t kSpinUs = 2000;   // a decode step's gaps between matmuls are far shorter
+  // A worker spins this long after a call, then sleeps on the condition variable: a decode step's
+  // pooled calls come microseconds apart, so it rarely sleeps inside a step, and between steps it
+  // leaves the core to whoever else needs it (2 ms of spinning after each step beside a busy
+  // neighbour took the caller's share of the cores).
+  static constexpr int64_t kSpinUs = 50;
 
   const int threads_;
   const pid_t pid_;
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> ticket_{0};           // epoch (32 bits) | chunks n (16) | next unclaimed (16)
-  std::atomic<uint64_t> state_[kMaxChunks];   // per chunk: epoch << 2 | kComputing .. kDone
-  Slot slots_[2];                             // the jobs of even and odd epochs
-  std::atomic<int64_t> active_{0};            // workers inside a chunk
+  uint64_t epoch_ = 0;                        // the caller's last call (ticket_'s epoch)
+  Call calls_[kCalls];                        // call e lives in calls_[e % kCalls]
   std::mutex m_;
   std::condition_variable cv_;
   std::atomic<int> sleepers_{0};
@@ -290,9 +311,9 @@ inline void publish(float* out, int64_t N, int64_t T, int64_t begin, int64_t col
 constexpr int64_t kOpenMPRows = 8;
 
 template <typename Job>
-void run(int64_t chunks, const Job& job, int64_t rows) {
+void run(int64_t chunks, const Job& job, int64_t rows, Keep keep) {
   if (rows < kOpenMPRows) {
-    Pool::get().run(chunks, job);
+    Pool::get().run(chunks, job, std::move(keep));
     return;
   }
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);

@@ -2,16 +2,25 @@
 # compiler is present; absent otherwise, and pagedecode falls back to the torch path).
 import torch
 
+class Stack:
+    """A model's weights and shapes as forward() reads them, each shape checked here."""
+    def __init__(self, layers: list[list[torch.Tensor]], embed: torch.Tensor, final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, lm_head_t: torch.Tensor, lm_head_packed: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 scale: float) -> None: ...
+
+def layer_slots() -> list[str]: ...
+
 def forward(
-    ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, page_table: torch.Tensor,
-    seq_lens: torch.Tensor, cu_q: torch.Tensor, logits_indices: torch.Tensor, embed: torch.Tensor,
-    final_norm: torch.Tensor, lm_head: torch.Tensor, lm_head_t: torch.Tensor, lm_head_packed: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor, layers: list[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
-    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float, onednn: bool = ..., deterministic: bool = ...,
+    stack: Stack, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, cu_q: torch.Tensor, logits_indices: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, onednn: bool, deterministic: bool,
 ) -> torch.Tensor: ...
 
-def det_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor: ...
+def det_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               packed: torch.Tensor | None = None) -> torch.Tensor: ...
+
+def det_pack(w: torch.Tensor) -> torch.Tensor: ...
 
 def det_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -30,4 +39,4 @@ def quant_unpack(blocks: torch.Tensor, k: int) -> torch.Tensor: ...
 
 quant_packed_is_fast: bool
 
-def quiesce() -> None: ...
+def drain_pool() -> None: ...

@@ -180,3 +180,42 @@ def test_only_a_track_counts_its_clients():
              for node in ast.walk(ast.parse(p.read_text(), str(p)))
              if isinstance(node, (ast.AugAssign, ast.Assign)) and "attached" in ast.unparse(node).split("=")[0]]
     assert not found, "count clients with Track.attach / Track.detach:\n" + "\n".join(found)
+
+
+# A Llama layer's tensors are named on both sides of the compiled forward's boundary
+# (csrc/cpu_forward.cpp's Slot, model/cpu_forward.py's LAYER_SLOTS): a layer is never a run of
+# positions in a flat list, nor a projection a tuple of slot numbers.
+POSITIONAL_SLOTS = [
+    r"\[\s*16\s*\*",                             # flat_layers[16 * i + 12: ...]: 16 slots a layer
+    r"\bkPerLayer\b|\bflat_layers\b",
+    r"\bL\[\s*\d+\s*\]",                        # L[5]: a slot by number
+    r"\blayers\[[^\]]*\]\s*\[\s*\d+\s*\]",      # layers[i][6]
+    r"\bmm\(\s*\w+\s*,\s*-?\d",                 # mm(x, 1, 2, 8, 12, ...)
+]
+
+
+def positional_slots(text):
+    import re
+    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)
+            if any(re.search(p, line) for p in POSITIONAL_SLOTS)]
+
+
+def test_no_layer_slot_is_a_number_in_model_or_csrc():
+    files = sorted((PACKAGE / "model").rglob("*.py")) + sorted((PACKAGE.parent / "csrc").glob("*.[ch]*"))
+    found = [f"{p.name}:{n}: {line}" for p in files for n, line in positional_slots(p.read_text())]
+    assert not found, "name the slot (Slot / LAYER_SLOTS) instead:\n" + "\n".join(found)
+
+
+def test_the_slot_check_sees_what_it_forbids():
+    src = ("self.flat_layers[16 * i + 12:16 * i + 16] = packed\nTensor qkv = mm(x, 1, 2, 8, 12, L, buf);\n"
+           "add_then_norm(hp, o, L[5].data_ptr<T>());\nconst T* ln = layers[i + 1][0].data_ptr<T>();\n"
+           "mm(x, kQkv, L, buf); L[kLn2]; m.layers[0][kLn1]; a[i] = load(acc + 16 * i);\n")
+    assert [n for n, _ in positional_slots(src)] == [1, 2, 3, 4]
+
+
+def test_no_finalizer_in_model():
+    """What a model holds is freed when its last reference goes, by nobody's __del__: the compiled
+    pool keeps a call's inputs itself (csrc/work_pool.h)."""
+    found = [f"{p.relative_to(PACKAGE.parent)}:{node.lineno}" for p in sorted((PACKAGE / "model").rglob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.FunctionDef) and node.name == "__del__"]
+    assert not found, "no __del__ in model/: " + ", ".join(found)

@@ -195,7 +195,7 @@ def test_cpu_forward_decode_step(benchmark, copy_gbs, dtype, batch):
                      torch.arange(batch + 1, dtype=torch.int32), torch.arange(batch), num_decode=batch, max_new=1)
     assert model.uses_cpu_extension()
     benchmark(lambda: model.forward(b, kv))
-    weights = sum(t.numel() * t.element_size() for t in model._compiled.flat_layers) + model.lm_head.numel() * \
+    weights = sum(t.numel() * t.element_size() for t in model._compiled.tensors()) + model.lm_head.numel() * \
         model.lm_head.element_size()
     report(benchmark, weights, copy_gbs, tokens_per_s=round(batch / benchmark.stats.stats.median, 1),
            threads=torch.get_num_threads())

@@ -1,7 +1,7 @@
 """The compiled CPU forward's side of a Llama model (csrc/cpu_forward.cpp, `pagedecode._cpu`):
 whether this install has it, the engine's switches for it (EngineConfig.cpu_*), and
-CompiledForward -- the flat list of weights the one-call forward takes, their packed copies
-(oneDNN's blocked layout, or det_pack's in deterministic mode), and the call itself."""
+CompiledForward -- each layer's tensors by the slot names the extension declares, their packed
+copies (oneDNN's blocked layout, or det_pack's in deterministic mode), and the call itself."""
 from __future__ import annotations
 
 import os
@@ -20,12 +20,17 @@ try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
     from .. import _cpu as _cpu_ext
 except ImportError:  # pragma: no cover - depends on the install
     _cpu_ext = None
-# builds before EngineConfig.cpu_matmul read PAGEDECODE_CPU_MATMUL themselves; newer ones take the
-# choice as forward's last argument
-_TAKES_MATMUL_CHOICE = bool(getattr(_cpu_ext, "takes_matmul_choice", False))
-_TAKES_DETERMINISTIC = bool(getattr(_cpu_ext, "takes_deterministic", False))
-# builds before EngineConfig.kv_cache_dtype take only a cache of the model's own dtype
-_TAKES_KV_CACHE_DTYPE = bool(getattr(_cpu_ext, "takes_kv_cache_dtype", False))
+
+# What CompiledForward puts in each slot of a layer (csrc/cpu_forward.cpp's Slot). The extension
+# takes each layer as a list in its own order, by these names; a build whose names differ is from
+# another version of csrc/ (the install rebuilds it).
+LAYER_SLOTS = frozenset({"ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "down_w",
+                         "qkv_t", "o_t", "gate_up_t", "down_t",
+                         "qkv_packed", "o_packed", "gate_up_packed", "down_packed"})
+if _cpu_ext is not None and set(getattr(_cpu_ext, "layer_slots", lambda: ())()) != LAYER_SLOTS:
+    raise ImportError(f"pagedecode._cpu at {_cpu_ext.__file__} is from another version of csrc/ (its layer "
+                      "slots differ from model/cpu_forward.py's): rebuild it (make install, or "
+                      "python setup.py build_ext --inplace)")
 
 # weights of at most this many elements also go to the compiled forward transposed (small_t)
 SMALL_LAYER = 1 << 16
@@ -49,29 +54,12 @@ def keep_freed_memory() -> bool:
     return bool(_cpu_ext.keep_freed_memory()) if _cpu_ext is not None else False
 
 
-def configure_cpu_forward(model: object, matmul: str, pack_weights: bool, keep_freed: bool) -> None:
-    """What an engine asks of the compiled CPU forward (EngineConfig.cpu_*): the model's matmuls
-    and packed weights (any model with `configure_cpu`), and glibc's malloc setting when the
-    model runs that forward (applied here, by the engine, never by a model's constructor)."""
-    configure = getattr(model, "configure_cpu", None)
-    if callable(configure):
-        configure(matmul, pack_weights)
-    uses = getattr(model, "uses_cpu_extension", None)
-    if keep_freed and callable(uses) and uses():
-        keep_freed_memory()
-
-
 def cpu_extension_available() -> bool:
     return _cpu_ext is not None
 
 
-def deterministic_ext(device: torch.device) -> types.ModuleType:
-    """The compiled kernels deterministic mode runs on CPU (csrc/cpu_forward.cpp's det_*)."""
-    if device.type != "cpu":
-        raise NotImplementedError("deterministic mode on this device: only the CPU path has its kernels here")
-    if _cpu_ext is None or not _TAKES_DETERMINISTIC:
-        raise RuntimeError("deterministic mode on CPU needs the compiled extension pagedecode._cpu (built by "
-                           "setup.py with a C++ compiler); this install has none or an older build")
+def cpu_ext() -> types.ModuleType | None:
+    """The compiled extension, or None (read at call time: a test switches it off)."""
     return _cpu_ext
 
 
@@ -82,24 +70,24 @@ def plain(w: Weight) -> torch.Tensor:
 
 def quant_kernel(device: torch.device, attention_backend: str) -> Any:
     """The compiled int8 matmul (quant_linear) for quantized layers on CPU, unless "torch" asks for
-    the dequantizing reference; None on CUDA (kernels/quant_matmul.py's Triton GEMV / GEMM) or with
-    an older build."""
-    return getattr(_cpu_ext, "quant_linear", None) if device.type == "cpu" and attention_backend == "auto" else None
+    the dequantizing reference; None on CUDA (kernels/quant_matmul.py's Triton GEMV / GEMM) or without
+    the extension."""
+    if _cpu_ext is None or device.type != "cpu" or attention_backend != "auto":
+        return None
+    return _cpu_ext.quant_linear
 
 
 def applies(config: ModelConfig, device: torch.device, dtype: torch.dtype, quantized: bool) -> bool:
-    """The one-call forward takes float32 / bfloat16 Llama shapes on CPU without q / k norms, and
-    quantized weights only with a build that has their kernel."""
-    return (_cpu_ext is not None and device.type == "cpu" and not config.qk_norm
-            and dtype in (torch.float32, torch.bfloat16)
-            and (not quantized or hasattr(_cpu_ext, "quant_embedding_rows")))
+    """The one-call forward takes float32 / bfloat16 Llama shapes on CPU without q / k norms
+    (quantized weights too)."""
+    return _cpu_ext is not None and device.type == "cpu" and not config.qk_norm and dtype in (torch.float32, torch.bfloat16)
 
 
 def pack_quantized(model: Any) -> None:
     """Every quantized weight of `model` in the compiled kernel's packed layout (csrc/quant_lanes.h:
     the same bytes rearranged, the GGUF-layout blocks dropped; a tied head stays the embedding), where
     this build's packed kernel is the fast one (AVX-512 VNNI)."""
-    if not getattr(_cpu_ext, "quant_packed_is_fast", False):
+    if _cpu_ext is None or not _cpu_ext.quant_packed_is_fast:
         return
 
     def packed(w: Any) -> Any:
@@ -112,16 +100,17 @@ def pack_quantized(model: Any) -> None:
 
 
 class CompiledForward:
-    """A model's weights as pagedecode._cpu.forward takes them, and the call.
+    """A model's weights as pagedecode._cpu.forward takes them (a _cpu.Stack, which checks every
+    shape once), and the call.
 
-    layers: the model's layers (ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, down_w each). The flat
-    list holds, per layer, in forward_impl's order: ln1, qkv_w, qkv_b, o_w, o_b, ln2, gate_up_w,
-    down_w (float or quantized blocks), the four weights transposed for small layers (gemv over
+    layers: the model's layers (ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, down_w each). Each
+    layer's slots (LAYER_SLOTS): those, the four weights transposed for small layers (gemv over
     outputs), and the four packed copies of the running mode (empty tensors where absent)."""
 
     def __init__(self, config: ModelConfig, layers: Sequence[Any], embed: Weight, lm_head: Weight,
                  final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
-                 scale: float, quantized: bool) -> None:
+                 scale: float) -> None:
+        assert _cpu_ext is not None
         self.config, self.layers, self.lm_head, self.final_norm = config, layers, lm_head, final_norm
         self.dtype, self.scale = dtype, scale
         self.onednn = True
@@ -137,25 +126,33 @@ class CompiledForward:
                 return none
             return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
 
-        self.flat_layers = [t for L in layers for t in (
-            L.ln1, plain(L.qkv_w), none if L.qkv_b is None else L.qkv_b, plain(L.o_w),
-            none if L.o_b is None else L.o_b, L.ln2, plain(L.gate_up_w), plain(L.down_w),
-            small_t(L.qkv_w), small_t(L.o_w), small_t(L.gate_up_w), small_t(L.down_w),
-            none, none, none, none)]         # the packed copies: _pack
+        self.layer_slots: list[dict[str, torch.Tensor]] = [{
+            "ln1": L.ln1, "qkv_w": plain(L.qkv_w), "qkv_b": none if L.qkv_b is None else L.qkv_b,
+            "o_w": plain(L.o_w), "o_b": none if L.o_b is None else L.o_b, "ln2": L.ln2,
+            "gate_up_w": plain(L.gate_up_w), "down_w": plain(L.down_w),
+            "qkv_t": small_t(L.qkv_w), "o_t": small_t(L.o_w), "gate_up_t": small_t(L.gate_up_w),
+            "down_t": small_t(L.down_w),
+            "qkv_packed": none, "o_packed": none, "gate_up_packed": none, "down_packed": none,   # _pack's
+        } for L in layers]
         self.embed_plain = plain(embed)
         self.lm_head_plain = plain(lm_head)
         self.lm_head_t = small_t(lm_head)
         self.lm_head_packed = none
         self.cos32, self.sin32 = cos.float().contiguous(), sin.float().contiguous()
-        # held here: at interpreter exit the module's attributes may be gone before __del__ runs
-        self._quiesce = getattr(_cpu_ext, "quiesce", None) if quantized else None
+        self.stack = self._stack()
+
+    def _stack(self) -> Any:
+        """The extension's view of the weights: each layer's slots in its order, every shape checked."""
+        assert _cpu_ext is not None
+        c, order = self.config, _cpu_ext.layer_slots()
+        return _cpu_ext.Stack([[slots[name] for name in order] for slots in self.layer_slots], self.embed_plain,
+                              self.final_norm, self.lm_head_plain, self.lm_head_t, self.lm_head_packed,
+                              self.cos32, self.sin32, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                              self.scale)
 
     def configure(self, matmul: str, pack_weights: bool) -> None:
         """LlamaModel.configure_cpu's effect: oneDNN or at::mm for the larger matmuls, and whether
         the packed copies are kept."""
-        if matmul == "aten" and not _TAKES_MATMUL_CHOICE and default_cpu_matmul() != "aten":   # it reads the env
-            raise RuntimeError("this build of pagedecode._cpu predates the matmul choice: rebuild it "
-                               "(make install) to use cpu_matmul='aten'")
         self.onednn = matmul == "onednn"
         self.pack_weights = pack_weights
         self._pack()
@@ -168,7 +165,7 @@ class CompiledForward:
         """The packed weight copies for the mode that runs: det_pack's layout in deterministic
         mode, oneDNN's otherwise (one copy at a time, swapped when the mode changes)."""
         if self.deterministic:
-            kind = "det" if self.pack_weights and hasattr(_cpu_ext, "det_pack") else None
+            kind = "det" if self.pack_weights else None
         else:
             kind = "onednn" if self.onednn and self.pack_weights and torch.backends.mkldnn.is_available() else None
         if kind == self.packed_kind:
@@ -186,38 +183,25 @@ class CompiledForward:
             except (RuntimeError, AttributeError):      # a torch without the op: plain weights
                 return none
 
-        for i, L in enumerate(self.layers):    # each layer's last four entries (see forward_impl)
-            self.flat_layers[16 * i + 12:16 * i + 16] = [packed(L.qkv_w), packed(L.o_w), packed(L.gate_up_w),
-                                                         packed(L.down_w)]
+        for L, slots in zip(self.layers, self.layer_slots):
+            slots.update(qkv_packed=packed(L.qkv_w), o_packed=packed(L.o_w), gate_up_packed=packed(L.gate_up_w),
+                         down_packed=packed(L.down_w))
         self.lm_head_packed = packed(self.lm_head)
         self.packed_kind = kind
+        self.stack = self._stack()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the call reads beyond the model's own weights' (for weight_bytes)."""
-        return self.flat_layers + [self.lm_head_t, self.lm_head_packed]
+        return [t for slots in self.layer_slots for t in slots.values()] + [self.lm_head_t, self.lm_head_packed]
 
     def runs(self, kv: KVCache) -> bool:
         """Whether forward() takes this batch's cache: the model's dtype, or for a float32 model a
-        bfloat16 / float16 one (kv_cache_dtype); deterministic mode only with a build that has its
-        kernels."""
-        narrower = (torch.bfloat16, torch.float16) if self.dtype == torch.float32 and _TAKES_KV_CACHE_DTYPE else ()
-        takes = (self.dtype, *narrower)
-        return kv.k.dtype in takes and (_TAKES_DETERMINISTIC or not self.deterministic)
+        bfloat16 / float16 one (kv_cache_dtype)."""
+        narrower = (torch.bfloat16, torch.float16) if self.dtype == torch.float32 else ()
+        return kv.k.dtype in (self.dtype, *narrower)
 
     def forward(self, b: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits (N, vocab) float32 of the batch's logits rows, its K/V written into kv."""
         assert _cpu_ext is not None
-        c = self.config
-        return _cpu_ext.forward(b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens, b.cu_q,
-                                b.logits_indices, self.embed_plain, self.final_norm, self.lm_head_plain,
-                                self.lm_head_t, self.lm_head_packed, self.cos32, self.sin32, self.flat_layers,
-                                kv.k, kv.v, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, self.scale,
-                                *((self.onednn, self.deterministic) if _TAKES_DETERMINISTIC else
-                                  (self.onednn,) if _TAKES_MATMUL_CHOICE else ()))
-
-    def __del__(self) -> None:
-        # the compiled quantized matmuls' workers may still be finishing a row of a chunk the
-        # caller took back (csrc/work_pool.h): the blocks this holds are freed only once none is
-        quiesce = getattr(self, "_quiesce", None)
-        if quiesce is not None:
-            quiesce()
+        return _cpu_ext.forward(self.stack, b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens,
+                                b.cu_q, b.logits_indices, kv.k, kv.v, self.onednn, self.deterministic)

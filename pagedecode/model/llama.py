@@ -3,8 +3,9 @@
 Covers Llama 2 / 3.x (rope scaling), Mistral, Qwen2 / 2.5 (q/k/v bias), Qwen3 (q/k RMSNorm),
 SmolLM and TinyLlama (Llama shapes); tied or untied embeddings. Attention never sees K/V
 except through the cache: each layer writes the new tokens' K/V, then attends over the pages.
-On CPU the whole stack runs as one compiled call where it applies (model/cpu_forward.py); the
-torch path here is what tests hold it to.
+One layer loop (forward) over the ops chosen at load (model/layer_ops.py: torch, Triton, their
+deterministic kinds). On CPU the whole stack runs as one compiled call where it applies
+(model/cpu_forward.py); the loop over the torch ops is what tests hold it to.
 """
 from __future__ import annotations
 
@@ -13,21 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
-from ..kernels._backend import use_triton
 from ..progress import progress
-from ..kernels.decode_attention import attend_gathered, context_slots, paged_decode_attention
-from ..kernels.extend_attention import paged_extend_attention
-from ..kernels.kv_write import write_kv
-from ..kernels.matmul import deterministic_linear
-from ..kernels.quant_matmul import quant_matmul_deterministic
-from ..kernels.rmsnorm import rms_norm, rms_norm_triton
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .quant import BLOCK, QuantizedWeight, Weight, cat_rows, embedding_rows, linear, weight_bytes
+from .layer_ops import TorchOps, choose_ops
+from .quant import BLOCK, QuantizedWeight, Weight, cat_rows, embedding_rows, weight_bytes
 
 # read at call time (a test switches the compiled forward off by setting cpu_forward._cpu_ext)
 from . import cpu_forward as compiled
@@ -79,9 +73,6 @@ class LlamaModel:
         self.dtype = dtype
         self.attention_backend = attention_backend
         self.quantization = quantization
-        # batch-invariant kernels (EngineConfig.deterministic sets it): every reduction in one order
-        # whatever the batch, chunking or thread count
-        self._deterministic = False
         c = config
 
         def take(name: str, required: bool = True, own: bool = True) -> Any:
@@ -137,6 +128,11 @@ class LlamaModel:
         # quantized layers on CPU: the compiled int8 kernel, unless "torch" asks for the dequantizing
         # reference; on CUDA (kernel None) linear() takes kernels/quant_matmul.py's Triton GEMV / GEMM
         self._quant_kernel = compiled.quant_kernel(self.device, attention_backend)
+        # the layer's ops (model/layer_ops.py), chosen here and when deterministic mode is switched:
+        # batch-invariant kernels (EngineConfig.deterministic) order every reduction one way whatever
+        # the batch, chunking or thread count
+        self._deterministic = False
+        self.ops: TorchOps = self._choose_ops()
         # the one-call CPU forward (model/cpu_forward.py), not for a tensor-parallel shard (which
         # overrides _embed / _reduce / _logits)
         self._compiled: compiled.CompiledForward | None = None
@@ -144,7 +140,7 @@ class LlamaModel:
             if self.quantized and self._quant_kernel is not None:
                 compiled.pack_quantized(self)      # the compiled kernels multiply them (not "torch"'s reference)
             self._compiled = compiled.CompiledForward(c, self.layers, self.embed, self.lm_head, self.final_norm,
-                                                      cos, sin, dtype, self.scale, self.quantized)
+                                                      cos, sin, dtype, self.scale)
             self.configure_cpu(default_cpu_matmul() if cpu_matmul is None else cpu_matmul,
                                default_cpu_pack_weights() if cpu_pack_weights is None else cpu_pack_weights)
 
@@ -182,9 +178,14 @@ class LlamaModel:
 
     @deterministic.setter
     def deterministic(self, on: bool) -> None:
-        self._deterministic = bool(on)
+        ops = self._choose_ops(bool(on))         # raises where this device has no deterministic kernels
+        self._deterministic, self.ops = bool(on), ops
         if self._compiled is not None:
             self._compiled.set_deterministic(self._deterministic)
+
+    def _choose_ops(self, deterministic: bool = False) -> TorchOps:
+        return choose_ops(self.device, self.attention_backend, self.scale, self._quant_kernel, deterministic,
+                          compiled.cpu_ext())
 
     def _weights(self) -> list[Weight]:
         out: list[Weight] = [self.embed, self.final_norm]
@@ -229,104 +230,34 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        c = self.config
         self._cover_positions(batch, kv)
         if self._compiled is not None and self.attention_backend == "auto" and self._compiled.runs(kv):
             return self._compiled.forward(batch, kv)
-        if self.deterministic and not use_triton(batch.input_ids, self.attention_backend):
-            return self._forward_deterministic(batch, kv)
-        T = batch.num_tokens
+        c, ops = self.config, self.ops
+        T, H, Hkv, D = batch.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
+        q_end, k_end = self._q_size, self._q_size + self._kv_size       # qkv's columns: q | k | v
         h = self._embed(batch.input_ids)                                  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)
-        ctx = self._decode_context(batch, kv)
-        H, Hkv = c.num_heads, c.num_kv_heads
-        # deterministic on the Triton path: RMSNorm one row per program, float projections through
-        # kernels/matmul.py (one K order whatever the row count), attention in decode's order
-        norm = rms_norm_triton if self._triton_deterministic(h) else rms_norm
-        lin = self._linear
+        ctx = ops.context(batch, kv)
         for i, L in enumerate(self.layers):
-            x = norm(h, L.ln1, c.rms_norm_eps)
-            qkv = lin(x, L.qkv_w, L.qkv_b)                               # (T, (H + 2 Hkv) D)
-            v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, c.head_dim)
+            x = ops.norm(h, L.ln1, c.rms_norm_eps)
+            qkv = ops.linear(x, L.qkv_w, L.qkv_b)                         # (T, (H + 2 Hkv) D)
+            v = qkv[:, k_end:].view(T, Hkv, D)
             if L.q_norm is None:     # rotate q and k in one go
-                qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, c.head_dim), cos, sin)
+                qk = apply_rope(qkv[:, :k_end].view(T, H + Hkv, D), cos, sin)
                 q, k = qk[:, :H], qk[:, H:]
             else:
                 assert L.k_norm is not None
-                q = norm(qkv[:, :self._q_size].view(T, H, c.head_dim), L.q_norm, c.rms_norm_eps)
-                k = norm(qkv[:, self._q_size:self._q_size + self._kv_size].view(T, Hkv, c.head_dim),
-                         L.k_norm, c.rms_norm_eps)
+                q = ops.norm(qkv[:, :q_end].view(T, H, D), L.q_norm, c.rms_norm_eps)
+                k = ops.norm(qkv[:, q_end:k_end].view(T, Hkv, D), L.k_norm, c.rms_norm_eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend=self.attention_backend)
-            attn = self._attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, heads, head_dim)
-            h = h + self._reduce(lin(attn.reshape(T, self._q_size), L.o_w, L.o_b))
-            x = norm(h, L.ln2, c.rms_norm_eps)
-            gate, up = lin(x, L.gate_up_w, None).chunk(2, dim=-1)
-            h = h + self._reduce(lin(F.silu(gate) * up, L.down_w, None))
-        h = norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
+            ops.write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
+            attn = ops.attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, H, D)
+            h = h + self._reduce(ops.linear(attn.reshape(T, q_end), L.o_w, L.o_b))
+            x = ops.norm(h, L.ln2, c.rms_norm_eps)
+            h = h + self._reduce(ops.linear(ops.silu_mul(ops.linear(x, L.gate_up_w)), L.down_w))
+        h = ops.norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return self._logits(h)                                           # (N, vocab)
-
-    def _triton_deterministic(self, x: torch.Tensor) -> bool:
-        """Deterministic mode's Triton kernels run: deterministic, and the Triton path (CUDA, or
-        attention_backend "triton" under the interpreter)."""
-        return self.deterministic and use_triton(x, self.attention_backend)
-
-    def _linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-        """Every projection and the LM head. In deterministic mode on the Triton path, float weights
-        take kernels/matmul.py (cuBLAS chooses its reduction by shape) and quantized ones the
-        quantized GEMM with one config for every row count; otherwise quant.linear (quantized
-        layers: the CPU int8 kernel, or on CUDA kernels/quant_matmul.py's GEMV / GEMM by rows)."""
-        if self._triton_deterministic(x):
-            if isinstance(w, torch.Tensor):
-                return deterministic_linear(x, w, b, self.attention_backend)
-            y = quant_matmul_deterministic(x, w.gguf_blocks(), w.kind, self.attention_backend)
-            return y if b is None else y + b
-        return linear(x, w, b, self._quant_kernel, self.attention_backend)
-
-    def _forward_deterministic(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """The torch path with the compiled forward's deterministic kernels in place of every
-        reduction (matmul, RMSNorm, attention, SiLU x up): what a tensor-parallel shard runs in
-        deterministic mode (its collectives sit between the ops), and any model the one-call
-        forward does not take (q / k norms). The rest is elementwise, the same bits for any batch."""
-        ext = compiled.deterministic_ext(self.device)
-        c = self.config
-        T, H, Hkv, D = batch.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
-        h = self._embed(batch.input_ids)
-        for i, L in enumerate(self.layers):
-            x = ext.det_rms_norm(h, L.ln1, c.rms_norm_eps)
-            qkv = self._det_linear(x, L.qkv_w, L.qkv_b)
-            v = qkv[:, self._q_size + self._kv_size:].view(T, Hkv, D)
-            if L.q_norm is None:
-                qk = apply_rope(qkv[:, :self._q_size + self._kv_size].view(T, H + Hkv, D), cos, sin)
-                q, k = qk[:, :H], qk[:, H:]
-            else:
-                assert L.k_norm is not None
-                q = ext.det_rms_norm(qkv[:, :self._q_size].reshape(T, H, D), L.q_norm, c.rms_norm_eps)
-                k = ext.det_rms_norm(qkv[:, self._q_size:self._q_size + self._kv_size].reshape(T, Hkv, D),
-                                     L.k_norm, c.rms_norm_eps)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, backend="torch")
-            attn = ext.det_attention(q, kv.k[i], kv.v[i], batch.page_table, batch.seq_lens, batch.cu_q, self.scale)
-            h = h + self._reduce(self._det_linear(attn.reshape(T, self._q_size), L.o_w, L.o_b))
-            x = ext.det_rms_norm(h, L.ln2, c.rms_norm_eps)
-            act = ext.silu_mul(self._det_linear(x, L.gate_up_w))
-            h = h + self._reduce(self._det_linear(act, L.down_w))
-        h = ext.det_rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
-        return self._logits(h)
-
-    def _det_linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w^T (+ b) through the compiled det_linear, on w's det_pack copy (csrc/det_matmul.h),
-        made on first use and kept: a second copy of the float weights, as the compiled forward
-        keeps in deterministic mode (without it every call packs; quantized blocks need none, and
-        an older build has no det_pack)."""
-        ext = compiled.deterministic_ext(self.device)
-        if not isinstance(w, torch.Tensor) or not hasattr(ext, "det_pack"):
-            return ext.det_linear(x, compiled.plain(w), b)
-        cache: dict[int, torch.Tensor] = self.__dict__.setdefault("_det_packs", {})
-        if id(w) not in cache:
-            cache[id(w)] = ext.det_pack(w)
-        return ext.det_linear(x, w, b, cache[id(w)])
 
     # -- the three places tensor parallelism changes (model/parallel.py); identity at N = 1 --------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -336,43 +267,4 @@ class LlamaModel:
         return x
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.deterministic and not use_triton(h, self.attention_backend):
-            return self._det_linear(h, self.lm_head).float()
-        return self._linear(h, self.lm_head, None).float()
-
-    def _decode_context(self, b: ForwardBatch, kv: KVCache) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """On the torch path, the cache slots of every decode sequence's context, computed once per
-        step and shared by all layers (the Triton kernel walks the page table itself)."""
-        if b.num_decode == 0 or use_triton(b.input_ids, self.attention_backend):
-            return None
-        nd = b.num_decode
-        lens = b.seq_lens[:nd]
-        return context_slots(b.page_table[:nd], lens, kv.page_size, int(lens.max()))
-
-    def _attention(self, q, k_cache, v_cache, b: ForwardBatch,
-                   ctx: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        nd = b.num_decode
-        if ctx is not None and nd == b.num_seqs:
-            return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1], self.scale)
-        if nd == b.num_seqs:
-            return paged_decode_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, self.scale,
-                                          backend=self.attention_backend, deterministic=self.deterministic,
-                                          max_seq_len=b.max_seq_len)
-        if nd == 0:
-            return paged_extend_attention(q, k_cache, v_cache, b.page_table, b.cu_q, b.seq_lens, self.scale,
-                                          backend=self.attention_backend, max_new=b.max_new,
-                                          deterministic=self.deterministic)
-        # decode rows come first (see ForwardBatch): one vectorised decode call, one extend call
-        out = torch.empty_like(q)
-        if ctx is not None:
-            out[:nd] = attend_gathered(q[:nd], k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1],
-                                       self.scale)
-        else:
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd],
-                                              self.scale, backend=self.attention_backend,
-                                              deterministic=self.deterministic)
-        cu = b.cu_q[nd:] - b.cu_q[nd]
-        out[nd:] = paged_extend_attention(q[nd:], k_cache, v_cache, b.page_table[nd:], cu,
-                                          b.seq_lens[nd:], self.scale, backend=self.attention_backend,
-                                          max_new=b.max_new, deterministic=self.deterministic)
-        return out
+        return self.ops.linear(h, self.lm_head).float()

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import ModelUnavailableError
 from ..params import SamplingParams
-from ..protocols import Model
+from ..protocols import Model, ModelParts
 from .delivery import Attachment, Delivery
 from .events import Event
 from .intake import Intake, paired
@@ -39,7 +39,7 @@ class Admission:
             attachment: Attachment | None, pinned: bool) -> Request:
         """Engine.add_request: refused when the model has failed; the constraint's parse is waited
         for outside the lock (the step loop goes on), then the request is made and queued."""
-        failure = getattr(self.model, "failure", None)
+        failure = ModelParts(self.model).failure
         if failure is not None:
             raise ModelUnavailableError(f"the engine serves no more requests: {failure}")
         job = self.intake.parsed_grammar(params)

@@ -26,7 +26,7 @@ from ..model.cuda_graphs import decode_graphs
 from ..model.kv_cache import KVCache
 from ..model.tokenizer import TokenizerLike, as_tokenizer
 from ..params import SamplingParams
-from ..protocols import Model
+from ..protocols import Model, ModelParts
 from .config import EngineConfig
 from .admission import Admission
 from .commit import Commit
@@ -63,7 +63,7 @@ class Engine:
         if kv_dtype != model.dtype and model.dtype != torch.float32:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs a float32 model: this one computes in "
                              f"{model.dtype}, and its KV cache is that dtype; use kv_cache_dtype='auto'")
-        if kv_dtype != model.dtype and int(getattr(model, "world", 1)) > 1:
+        if kv_dtype != model.dtype and ModelParts(model).world > 1:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a tensor-parallel model's KV cache is "
                              f"its own dtype ({model.dtype}); use kv_cache_dtype='auto'")
         configure(model, config)
@@ -129,13 +129,13 @@ class Engine:
 
     @property
     def tensor_parallel_size(self) -> int:
-        return int(getattr(self.model, "world", 1))
+        return ModelParts(self.model).world
 
     @property
     def weight_bytes(self) -> int:
         """Bytes the model's weights take in memory (this rank's), as its forward holds them:
         quantized blocks at their size. 0 for a model that does not say (`weight_bytes`)."""
-        return int(getattr(self.model, "weight_bytes", 0))
+        return ModelParts(self.model).weight_bytes
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -153,9 +153,7 @@ class Engine:
         To end the requests and keep the engine serving, use end_all()."""
         events = self.end_all()
         self.constraints.compiler.shutdown()
-        close = getattr(self.model, "close", None)
-        if callable(close):
-            close()
+        ModelParts(self.model).close()
         if self._threads_before is not None:
             apply_num_threads(self._threads_before)
             self._threads_before = None

@@ -8,11 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..model.cpu_forward import configure_cpu_forward
+from ..model.cpu_forward import keep_freed_memory
+from ..protocols import Model, ModelParts
 from .config import EngineConfig
 
 if TYPE_CHECKING:
-    from ..protocols import Model
     from .engine import Engine
 
 E = TypeVar("E", bound="Engine")
@@ -70,20 +70,23 @@ def _engine(cls: type[E], model: Any, tok: Any, config: EngineConfig) -> E:
     try:
         return cls(model, tok, config)
     except BaseException:
-        close = getattr(model, "close", None)
-        if callable(close):
-            close()
+        ModelParts(model).close()
         raise
 
 
 def configure(model: Model, config: EngineConfig) -> None:
     """A non-"auto" attention_backend, deterministic=True (refused for a model without a
     batch-invariant forward) and the compiled CPU forward's switches are set on the model."""
-    if config.attention_backend != "auto" and hasattr(model, "attention_backend"):
-        model.attention_backend = config.attention_backend
+    parts = ModelParts(model)
+    if config.attention_backend != "auto" and parts.takes_attention_backend:
+        parts.set_attention_backend(config.attention_backend)
     if config.deterministic:
-        if not hasattr(model, "deterministic"):
+        if not parts.takes_deterministic:
             raise ValueError(f"deterministic=True needs a model with a batch-invariant forward (a `deterministic` "
                              f"attribute, as pagedecode's own models have); {type(model).__name__} has none")
-        model.deterministic = True
-    configure_cpu_forward(model, config.cpu_matmul, config.cpu_pack_weights, config.cpu_keep_freed_memory)
+        parts.set_deterministic(True)
+    parts.configure_cpu(config.cpu_matmul, config.cpu_pack_weights)
+    # glibc's malloc setting when the model runs the compiled forward: applied here, by the engine,
+    # never by a model's constructor
+    if config.cpu_keep_freed_memory and parts.uses_cpu_extension():
+        keep_freed_memory()

@@ -85,7 +85,7 @@ def test_a_model_keeps_the_packed_copy_of_the_mode_that_runs(dtype):
     assert model._compiled.packed_kind in ("onednn", None)
     model.deterministic = True
     assert model._compiled.packed_kind == "det"
-    assert torch.equal(model._compiled.flat_layers[12], ext().det_pack(model.layers[0].qkv_w))
+    assert torch.equal(model._compiled.layer_slots[0]["qkv_packed"], ext().det_pack(model.layers[0].qkv_w))
 
     def logits():
         kv = KVCache(c.num_layers, 16, 16, c.num_kv_heads, c.head_dim, dtype)
@@ -93,7 +93,7 @@ def test_a_model_keeps_the_packed_copy_of_the_mode_that_runs(dtype):
         return model.forward(batch, kv)
     kept = logits()
     model.configure_cpu("onednn", pack_weights=False)
-    assert model._compiled.packed_kind is None and model._compiled.flat_layers[12].numel() == 0
+    assert model._compiled.packed_kind is None and model._compiled.layer_slots[0]["qkv_packed"].numel() == 0
     assert torch.equal(logits(), kept)
     model.configure_cpu("onednn", pack_weights=True)
     model.deterministic = False

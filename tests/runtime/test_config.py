@@ -59,7 +59,6 @@ def test_the_engine_packs_the_weights_as_its_config_says(clean_env, stories_path
 
 
 @needs_ext
-@pytest.mark.skipif(not cpu_forward._TAKES_MATMUL_CHOICE, reason="a build of pagedecode._cpu from before the matmul choice")
 def test_cpu_matmul_aten_runs_at_mm_with_the_same_logits(clean_env, stories_path):
     """cpu_matmul="aten" (at::mm for the larger matmuls) per engine, in one process: the same
     logits within float32 rounding as oneDNN's."""
