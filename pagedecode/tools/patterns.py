@@ -118,14 +118,17 @@ def literal(text: str) -> tuple[Piece, ...]:
 
 def header(fmt: ToolFormat) -> tuple[Piece, ...]:
     """A call's text up to and including its arguments' `{`."""
-    return (*literal(fmt.call_begin), Item.WS, "{", Item.WS, '"name"', Item.WS, ":", Item.WS, Item.NAME, Item.WS,
+    # never lead with whitespace: a run of it in content would be held, and read again, at length
+    begin = (*literal(fmt.call_begin), Item.WS) if fmt.call_begin else ()
+    return (*begin, "{", Item.WS, '"name"', Item.WS, ":", Item.WS, Item.NAME, Item.WS,
             ",", Item.WS, f'"{fmt.args_key}"', Item.WS, ":", Item.WS, Item.ARGS)
 
 
 def first_call(fmt: ToolFormat) -> list[Pattern]:
     """What may start calls in content (and, generic, a reply)."""
-    lead = (Item.WS,) if fmt.envelope else ()
-    out = [Pattern("call", (*lead, *literal(fmt.section_begin), Item.WS, *header(fmt)))]
+    lead = (Item.WS,) if fmt.envelope else ()         # whitespace before a call elsewhere is content
+    section = (*literal(fmt.section_begin), Item.WS) if fmt.section_begin else ()
+    out = [Pattern("call", (*lead, *section, *header(fmt)))]
     if fmt.envelope:
         out.append(Pattern("reply", (Item.WS, "{", Item.WS, '"response"', Item.WS, ":", Item.WS, Item.REPLY)))
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections import deque
 from typing import Callable
 
 from .calls import ContentDelta, Delta, ToolCall, ToolCallDelta, ToolCallEnd, ToolOutput, new_call_id
@@ -43,11 +44,12 @@ class ToolStreamParser:
         self.in_string = self.escaped = False
         self.escape = ""                    # REPLY: an escape sequence not yet complete
         self._out: list[Delta] = []
+        self._queue: deque[str] = deque()   # characters to read (held text read again goes first)
         self._first, self._after = first_call(fmt), after_call(fmt)
 
     def feed(self, text: str) -> list[Delta]:
-        for c in text:
-            self._char(c)
+        self._queue.extend(text)
+        self._drain()
         return self._take()
 
     def finish(self) -> list[Delta]:
@@ -56,13 +58,22 @@ class ToolStreamParser:
         while self.fallback is not None or self.held:
             if self.fallback is not None:
                 self._resolve()
-                continue
-            if self.mode is Mode.CONTENT:
-                self._content(self.held)
-            self.held = ""
+            else:
+                if self.mode is Mode.CONTENT:
+                    self._content(self.held)
+                self.held = ""
+            self._drain()
         return self._take()
 
     # -- one character --------------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Read queued characters (a loop, not recursion: text read again is queued first)."""
+        while self._queue:
+            self._char(self._queue.popleft())
+
+    def _again(self, text: str) -> None:
+        self._queue.extendleft(reversed(text))
+
     def _char(self, c: str) -> None:
         if self.mode is Mode.ARGS:
             self._args(c)
@@ -103,8 +114,7 @@ class ToolStreamParser:
         (pattern, n), self.fallback = self.fallback, None
         rest = self.held[n:]
         self._enter(pattern, None)
-        for c in rest:
-            self._char(c)
+        self._again(rest)
 
     def _fail(self) -> None:
         """No pattern can match the held text. In content its first character is content and
@@ -113,12 +123,10 @@ class ToolStreamParser:
         if self.mode is not Mode.CONTENT:
             self.mode = Mode.CONTENT
             self.started = True
-            for c in held:
-                self._char(c)
+            self._again(held)
             return
         self._content(held[0])
-        for c in held[1:]:
-            self._char(c)
+        self._again(held[1:])
 
     def _enter(self, pattern: Pattern, name: str | None) -> None:
         self.held, self.fallback = "", None

@@ -136,3 +136,18 @@ def test_three_calls_in_one_delta(fmt):
     deltas = parser.feed(text[:head]) + parser.feed(text[head:]) + parser.finish()
     assert fold(deltas) == parse_tool_output(text, fmt, counter())
     assert [c.name for c in fold(deltas).calls] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_long_runs_of_near_misses_are_read_without_recursion(fmt):
+    """Held text read again is queued, not recursed into: thousands of near-misses in a row
+    (each `<` may begin `<tool_call>`; a name may run on) parse as content."""
+    for text in ["<" * 5000, " " * 2000 + "x", "x" + " " * 5000 + "{", '<tool_call>\n{"name": "' + "a" * 400,
+                 "[TOOL_CALLS" * 500]:
+        out = parse_tool_output(text, fmt)
+        assert out.calls == [] and out.content == text
+
+
+def test_whitespace_before_a_call_stays_content():
+    out = parse_tool_output("Sure!\n" + HERMES.write([("a", "{}")]), HERMES)
+    assert out.content == "Sure!\n" and [c.name for c in out.calls] == ["a"]
