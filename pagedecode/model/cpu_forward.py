@@ -13,7 +13,7 @@ import torch
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .quant import QuantizedWeight, Weight
+from .quant import QuantizedWeight, Weight, compiled_kinds
 
 _cpu_ext: types.ModuleType | None
 try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
@@ -75,7 +75,7 @@ def deterministic_ext(device: torch.device) -> types.ModuleType:
 
 def plain(w: Weight) -> torch.Tensor:
     """What the compiled kernels take: a float weight, or a quantized one's blocks."""
-    return w.blocks if isinstance(w, QuantizedWeight) else w
+    return w.kernel_blocks() if isinstance(w, QuantizedWeight) else w
 
 
 def quant_kernel(device: torch.device, attention_backend: str) -> Any:
@@ -85,12 +85,12 @@ def quant_kernel(device: torch.device, attention_backend: str) -> Any:
     return getattr(_cpu_ext, "quant_linear", None) if device.type == "cpu" and attention_backend == "auto" else None
 
 
-def applies(config: ModelConfig, device: torch.device, dtype: torch.dtype, quantized: bool) -> bool:
+def applies(config: ModelConfig, device: torch.device, dtype: torch.dtype, kinds: set[str]) -> bool:
     """The one-call forward takes float32 / bfloat16 Llama shapes on CPU without q / k norms, and
-    quantized weights only with a build that has their kernel."""
+    quantized weights (of block types `kinds`) only with a build that has their kernels."""
     return (_cpu_ext is not None and device.type == "cpu" and not config.qk_norm
             and dtype in (torch.float32, torch.bfloat16)
-            and (not quantized or hasattr(_cpu_ext, "quant_embedding_rows")))
+            and (not kinds or (hasattr(_cpu_ext, "quant_embedding_rows") and kinds <= set(compiled_kinds()))))
 
 
 def pack_quantized(model: Any) -> None:

@@ -125,7 +125,8 @@ class LlamaModel:
         # the one-call CPU forward (model/cpu_forward.py), not for a tensor-parallel shard (which
         # overrides _embed / _reduce / _logits)
         self._compiled: compiled.CompiledForward | None = None
-        if type(self) is LlamaModel and compiled.applies(c, self.device, dtype, self.quantized):
+        kinds = {w.kind for w in self._weights() if isinstance(w, QuantizedWeight)}
+        if type(self) is LlamaModel and compiled.applies(c, self.device, dtype, kinds):
             if self.quantized and self._quant_kernel is not None:
                 compiled.pack_quantized(self)      # the compiled kernels multiply them (not "torch"'s reference)
             self._compiled = compiled.CompiledForward(c, self.layers, self.embed, self.lm_head, self.final_norm,

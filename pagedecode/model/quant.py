@@ -33,8 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.quant_matmul import BLOCK, BLOCK_BYTES, dequantize_blocks, quant_matmul
+from ..kernels.quant_types import BLOCK_TYPES, KINDS
 
-QUANTIZATIONS = tuple(BLOCK_BYTES)
+# what `quantization=` applies to a float checkpoint (gguf's reference quantizer has these; the
+# K-quants come from files)
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# the compiled CPU kernels' packed layout (csrc/quant_lanes.h) takes these
+PACKABLE = tuple(BLOCK_BYTES)
 
 
 def _cpu_ext() -> Any:
@@ -44,14 +49,17 @@ def _cpu_ext() -> Any:
 
 
 class QuantizedWeight:
-    """A (out_features, in_features) weight in Q8_0 or Q4_0 blocks (see the module docstring)."""
+    """A (out_features, in_features) weight in one GGUF block type's blocks (kernels/quant_types.py;
+    Q8_0 / Q4_0 also packed, see the module docstring)."""
 
     def __init__(self, kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
-        if kind not in BLOCK_BYTES:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+        if kind not in BLOCK_TYPES:
+            raise ValueError(f"block type must be one of {KINDS}, got {kind!r}")
         out_features, in_features = shape
-        if in_features % BLOCK or blocks.dtype not in (torch.uint8, torch.int8) or \
-                tuple(blocks.shape) != (out_features, in_features // BLOCK * BLOCK_BYTES[kind]):
+        block, type_size = BLOCK_TYPES[kind]
+        if in_features % block or blocks.dtype not in (torch.uint8, torch.int8) or \
+                (blocks.dtype == torch.int8 and kind not in PACKABLE) or \
+                tuple(blocks.shape) != (out_features, in_features // block * type_size):
             raise ValueError(f"{kind} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a {shape} weight")
         self.kind = kind
         self.blocks = blocks.contiguous()       # uint8: GGUF's layout; int8: packed (csrc/quant_lanes.h)
@@ -63,7 +71,7 @@ class QuantizedWeight:
 
     def pack(self) -> "QuantizedWeight":
         """The same weight in the compiled CPU kernel's packed layout (needs pagedecode._cpu)."""
-        if self.packed:
+        if self.packed or self.kind not in PACKABLE:
             return self
         return QuantizedWeight(self.kind, _cpu_ext().quant_pack(self.blocks, self.shape[1]), self.shape)
 
@@ -75,9 +83,12 @@ class QuantizedWeight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor, kind: str) -> "QuantizedWeight":
-        """w (out, in) float, in a multiple of 32 -> blocks, by gguf's reference quantizer."""
+        """w (out, in) float, in a multiple of 32 -> blocks, by gguf's reference quantizer (which
+        llama.cpp's quantize_row_*_ref are; kind one of QUANTIZATIONS)."""
         import gguf
-        qtype = gguf.GGMLQuantizationType.Q8_0 if kind == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        if kind not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+        qtype = gguf.GGMLQuantizationType[kind.upper()]
         data = gguf.quants.quantize(w.detach().float().cpu().numpy(), qtype)
         return cls(kind, torch.from_numpy(np.ascontiguousarray(data)).to(w.device),
                    (int(w.shape[0]), int(w.shape[1])))
@@ -88,6 +99,14 @@ class QuantizedWeight:
         kind, in_features = parts[0].kind, parts[0].shape[1]
         assert all(p.kind == kind and p.shape[1] == in_features for p in parts)
         return cls(kind, torch.cat([p.gguf_blocks() for p in parts]), (sum(p.shape[0] for p in parts), in_features))
+
+    def kernel_blocks(self) -> torch.Tensor:
+        """The blocks as the compiled CPU kernels take them: Q8_0 / Q4_0 (N, row bytes) in either
+        layout, whose block size says the type; every other type (N, blocks per row, type size),
+        a view, whose block count and size say the type (csrc/quant_types.h)."""
+        if self.kind in PACKABLE:
+            return self.blocks
+        return self.blocks.view(self.shape[0], -1, BLOCK_TYPES[self.kind].type_size)
 
     @property
     def device(self) -> torch.device:
@@ -115,6 +134,18 @@ class QuantizedWeight:
 Weight = torch.Tensor | QuantizedWeight
 
 
+def compiled_kinds() -> tuple[str, ...]:
+    """The block types this build's compiled kernels multiply (quant_linear, the compiled forward):
+    Q8_0 / Q4_0 in every build that has quant_linear, the rest where it says so."""
+    try:
+        from .. import _cpu
+    except ImportError:
+        return ()
+    if not hasattr(_cpu, "quant_linear"):
+        return ()
+    return PACKABLE + tuple(getattr(_cpu, "quant_block_kinds", ()))
+
+
 QuantKernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
@@ -126,10 +157,10 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: Qu
     asks for them; the reference (the weight dequantized for this call) otherwise."""
     if not isinstance(w, QuantizedWeight):
         return F.linear(x, w, b)
-    if kernel is None:
+    if kernel is None or w.kind not in compiled_kinds():
         y = quant_matmul(x, w.gguf_blocks(), w.kind, backend)
         return y if b is None else y + b
-    y = kernel(x.reshape(-1, w.shape[1]).float().contiguous(), w.blocks, w.shape[0])    # (T, out) float32
+    y = kernel(x.reshape(-1, w.shape[1]).float().contiguous(), w.kernel_blocks(), w.shape[0])    # (T, out) float32
     y = y.view(*x.shape[:-1], w.shape[0]).to(x.dtype)
     return y if b is None else y + b
 
