@@ -51,7 +51,7 @@ class LlamaModel:
     """A pd.Model: `config`, `device`, `dtype` and forward(batch, kv_cache) -> logits (N, V).
 
     Weights are float tensors or QuantizedWeight blocks (model/quant.py) as `weights` holds them;
-    `quantization` ("q8_0" / "q4_0") also quantizes every float layer weight whose input size is
+    `quantization` ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1") also quantizes every float layer weight whose input size is
     a multiple of 32, and the LM head to Q8_0 (as llama.cpp keeps the output above the layers'
     type); the embedding (a tied head's table too) and the norms keep their type. cpu_matmul and
     cpu_pack_weights: see configure_cpu (None: the environment's default, as EngineConfig's)."""

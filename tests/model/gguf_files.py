@@ -36,10 +36,10 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def random_kquant(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks (gguf cannot quantize to them) with small fp16 scales."""
+    """Random Q4_K / Q5_K / Q6_K blocks (gguf cannot quantize to them) with small fp16 scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    if qtype == Q.Q4_K:               # d, dmin, 12 bytes of 6-bit scales, 128 bytes of nibbles
+    if qtype in (Q.Q4_K, Q.Q5_K):     # d, dmin, 12 bytes of 6-bit scales, (Q5_K: 32 bytes of 5th bits,) nibbles
         data[..., 0:4] = np.frombuffer(np.array([0.002, 0.001], dtype=np.float16).tobytes(), np.uint8)
     else:                             # Q6_K: ql, qh, 16 int8 scales, then d
         data[..., 192:208] = rng.integers(-8, 8, size=(rows, cols // block, 16)).astype(np.int8).view(np.uint8)
@@ -53,11 +53,9 @@ def encode_tensor(w: np.ndarray, qtype, rng: np.random.Generator) -> tuple[np.nd
         return w.astype(np.float32), w.astype(np.float32)
     if qtype == Q.F16:
         return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
-    data = random_kquant(*w.shape, qtype, rng) if qtype in (Q.Q4_K, Q.Q6_K) else gguf.quants.quantize(w, qtype)
-    values = gguf.quants.dequantize(data, qtype)
-    if qtype in (Q.Q4_K, Q.Q6_K):     # the loader holds these in bfloat16
-        values = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
-    return data, values
+    kquant = qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+    data = random_kquant(*w.shape, qtype, rng) if kquant else gguf.quants.quantize(w, qtype)
+    return data, gguf.quants.dequantize(data, qtype)
 
 
 def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tokenizer_meta: dict,

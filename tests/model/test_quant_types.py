@@ -99,3 +99,36 @@ def test_kernel_refuses_blocks_of_no_type():
         _cpu.quant_linear(x, torch.zeros(4, 8, 21, dtype=torch.uint8), 4)       # 8 x 32, 21 bytes
     with pytest.raises(RuntimeError, match="no GGUF block type"):
         _cpu.quant_linear(x, torch.zeros(4, 2, 144, dtype=torch.uint8), 4)      # Q4_K's size, but 2 x 128
+
+
+def llama_cpp_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x (T, K) as llama.cpp's activation quantization for `kind` leaves it (float64): Q8_0 / Q8_1
+    per 32, d = max |x| / 127, q = round(x / d); Q8_K per 256, d = -max / 127 for the x of largest
+    |x|, q = min(127, round(x / d)) (float32 arithmetic, ties to even, as both round)."""
+    block = 256 if kind.endswith("_k") else 32
+    T, K = x.shape
+    b = x.reshape(T, K // block, block)
+    if block == 32:
+        d = b.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.round(b * inv)
+    else:
+        at = b.abs().argmax(-1, keepdim=True)
+        iscale = -127 / b.gather(-1, at)
+        iscale = torch.where(torch.isfinite(iscale), iscale, torch.zeros_like(iscale))
+        q = torch.clamp(torch.round(iscale * b), max=127)
+        d = torch.where(iscale != 0, 1 / iscale, torch.zeros_like(iscale))
+    return (q.double() * d.double()).reshape(T, K)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_is_the_exact_product_of_llama_cpps_rounded_activations(kind):
+    """Stronger than the bound: against float64 (rounded x) @ W^T the kernel differs by float
+    rounding alone (its integer dots are exact), so no term (a min, a sub-block's scale) is off."""
+    K = BLOCK_TYPES[kind].block * 4
+    q = weight(67, K, kind, seed=21)
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(4)) * 3
+    ref = llama_cpp_activations(x, kind) @ q.dequantize(torch.float64).t()
+    y = _cpu.quant_linear(x, q.kernel_blocks(), 67).double()
+    scale = (x.double().abs() @ q.dequantize(torch.float64).abs().t())
+    assert ((y - ref).abs() <= 2e-6 * scale).all(), ((y - ref).abs() / scale).max()
