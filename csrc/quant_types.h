@@ -92,6 +92,7 @@ struct Block {
 };
 
 inline void decode(Kind kind, const uint8_t* b, Block& out) {
+  out.d = out.dmin = 0.f;
   switch (kind) {
     case Kind::Q4_1:
     case Kind::Q5_0:

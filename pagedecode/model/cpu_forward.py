@@ -75,7 +75,10 @@ def deterministic_ext(device: torch.device) -> types.ModuleType:
 
 def plain(w: Weight) -> torch.Tensor:
     """What the compiled kernels take: a float weight, or a quantized one's blocks."""
-    return w.kernel_blocks() if isinstance(w, QuantizedWeight) else w
+    if isinstance(w, QuantizedWeight):
+        return w.kernel_blocks()
+    assert isinstance(w, torch.Tensor), "a RowStack runs the torch path (model/quant.py)"
+    return w
 
 
 def quant_kernel(device: torch.device, attention_backend: str) -> Any:
@@ -131,7 +134,7 @@ class CompiledForward:
         def small_t(w: Weight) -> torch.Tensor:
             """A small layer's weight transposed, for the compiled gemv over outputs (a 64-wide
             layer spends most of a dot product per output in its horizontal sum)."""
-            if isinstance(w, QuantizedWeight):
+            if not isinstance(w, torch.Tensor):
                 return none
             return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
 

@@ -112,6 +112,7 @@ def _unpermute(w: Weight, n_head: int) -> Weight:
     index = torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
     if isinstance(w, QuantizedWeight):
         return w.select_rows(index)
+    assert isinstance(w, torch.Tensor)             # a file's tensors are never stacks
     return w[index].contiguous()
 
 

@@ -26,7 +26,7 @@ from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .quant import BLOCK, QuantizedWeight, Weight, cat_rows, embedding_rows, linear, weight_bytes
+from .quant import BLOCK, QuantizedWeight, RowStack, Weight, cat_rows, embedding_rows, linear, weight_bytes
 
 # read at call time (a test switches the compiled forward off by setting cpu_forward._cpu_ext)
 from . import cpu_forward as compiled
@@ -76,7 +76,7 @@ class LlamaModel:
                 if required:
                     raise KeyError(f"checkpoint has no tensor {name!r}")
                 return None
-            if isinstance(t, QuantizedWeight):
+            if isinstance(t, (QuantizedWeight, RowStack)):
                 return t.to(self.device)
             return t.to(device=self.device, dtype=dtype).contiguous()
 
@@ -118,14 +118,14 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
-        self.quantized = any(isinstance(w, QuantizedWeight) for w in self._weights())
+        self.quantized = any(isinstance(w, (QuantizedWeight, RowStack)) for w in self._weights())
         # quantized layers on CPU: the compiled int8 kernel, unless "torch" asks for the dequantizing
         # reference; on CUDA (kernel None) linear() takes kernels/quant_matmul.py's Triton GEMV / GEMM
         self._quant_kernel = compiled.quant_kernel(self.device, attention_backend)
         # the one-call CPU forward (model/cpu_forward.py), not for a tensor-parallel shard (which
         # overrides _embed / _reduce / _logits)
         self._compiled: compiled.CompiledForward | None = None
-        kinds = {w.kind for w in self._weights() if isinstance(w, QuantizedWeight)}
+        kinds = {w.kind for w in self._weights() if isinstance(w, (QuantizedWeight, RowStack))}
         if type(self) is LlamaModel and compiled.applies(c, self.device, dtype, kinds):
             if self.quantized and self._quant_kernel is not None:
                 compiled.pack_quantized(self)      # the compiled kernels multiply them (not "torch"'s reference)
@@ -172,7 +172,9 @@ class LlamaModel:
         seen: dict[int, int] = {}
         extra = self._compiled.tensors() if self._compiled is not None else []
         for w in self._weights() + extra:
-            if isinstance(w, QuantizedWeight):
+            if isinstance(w, RowStack):
+                key = id(w)
+            elif isinstance(w, QuantizedWeight):
                 key = w.blocks.data_ptr()            # the compiled forward's list holds the same blocks
             elif w.is_mkldnn:                    # oneDNN's packed copies have no plain storage
                 key = id(w)
@@ -234,6 +236,9 @@ class LlamaModel:
         take kernels/matmul.py (cuBLAS chooses its reduction by shape) and quantized ones the
         quantized GEMM with one config for every row count; otherwise quant.linear (quantized
         layers: the CPU int8 kernel, or on CUDA kernels/quant_matmul.py's GEMV / GEMM by rows)."""
+        if isinstance(w, RowStack):
+            y = torch.cat([self._linear(x, p, None) for p in w.parts], dim=-1)
+            return y if b is None else y + b
         if self._triton_deterministic(x):
             if isinstance(w, torch.Tensor):
                 return deterministic_linear(x, w, b, self.attention_backend)
@@ -279,6 +284,9 @@ class LlamaModel:
         keeps in deterministic mode (without it every call packs; quantized blocks need none, and
         an older build has no det_pack)."""
         ext = compiled.deterministic_ext(self.device)
+        if isinstance(w, RowStack):
+            y = torch.cat([self._det_linear(x, p) for p in w.parts], dim=-1)
+            return y if b is None else y + b
         if not isinstance(w, torch.Tensor) or not hasattr(ext, "det_pack"):
             return ext.det_linear(x, compiled.plain(w), b)
         cache: dict[int, torch.Tensor] = self.__dict__.setdefault("_det_packs", {})

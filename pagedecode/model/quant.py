@@ -131,7 +131,35 @@ class QuantizedWeight:
         return dequantize_blocks(blocks if rows is None else blocks[rows], self.kind, dtype)
 
 
-Weight = torch.Tensor | QuantizedWeight
+class RowStack:
+    """Quantized weights of different block types stacked along the output rows, each kept in its
+    own blocks and multiplied on its own: q, k, v of a K-quant mix (llama.cpp's Q4_K_M gives
+    attn_v more bits than attn_q and attn_k). The compiled one-call forward takes one tensor per
+    matmul, so a model holding one runs the torch path (its matmuls still the compiled kernels)."""
+
+    kind = "mixed"
+
+    def __init__(self, parts: Sequence["QuantizedWeight"]) -> None:
+        assert len({p.shape[1] for p in parts}) == 1
+        self.parts = list(parts)
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def to(self, device: torch.device | str) -> "RowStack":
+        return RowStack([p.to(device) for p in self.parts])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
+Weight = torch.Tensor | QuantizedWeight | RowStack
 
 
 def compiled_kinds() -> tuple[str, ...]:
@@ -155,6 +183,9 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: Qu
     (pagedecode._cpu.quant_linear: int8 activations, either layout) when given, else to
     kernels/quant_matmul.py (float activations): its Triton kernels on CUDA, or where `backend`
     asks for them; the reference (the weight dequantized for this call) otherwise."""
+    if isinstance(w, RowStack):
+        y = torch.cat([linear(x, p, None, kernel, backend) for p in w.parts], dim=-1)
+        return y if b is None else y + b
     if not isinstance(w, QuantizedWeight):
         return F.linear(x, w, b)
     if kernel is None or w.kind not in compiled_kinds():
@@ -168,20 +199,24 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: Qu
 def embedding_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(table, QuantizedWeight):
         return table.dequantize(dtype, rows=ids)
+    assert isinstance(table, torch.Tensor)
     return table[ids]
 
 
 def cat_rows(parts: Sequence[Weight], dtype: torch.dtype) -> Weight:
-    """q, k, v (or gate, up) stacked: quantized when all share one kind, else in float."""
+    """q, k, v (or gate, up) stacked: in one kind's blocks when all share it, each in its own
+    blocks when all are quantized (RowStack), else in float."""
     quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(quantized) == len(parts) and len({p.kind for p in quantized}) == 1:
         return QuantizedWeight.cat(quantized)
-    return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts], 0)
+    if len(quantized) == len(parts):
+        return RowStack(quantized)
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in parts], 0)
 
 
 def weight_bytes(w: Weight | None) -> int:
     if w is None:
         return 0
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, RowStack)):
         return w.nbytes
     return w.numel() * w.element_size()

@@ -59,8 +59,10 @@ def encode_tensor(w: np.ndarray, qtype, rng: np.random.Generator) -> tuple[np.nd
 
 
 def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tokenizer_meta: dict,
-               qtype=Q.F32, arch: str = "llama", seed: int = 0) -> dict[str, torch.Tensor]:
-    """Write the model; return the weights (HF names and layout) as the file's values give them."""
+               qtype=Q.F32, arch: str = "llama", seed: int = 0,
+               qtypes: dict[str, "Q"] | None = None) -> dict[str, torch.Tensor]:
+    """Write the model; return the weights (HF names and layout) as the file's values give them.
+    qtypes: a type per tensor whose HF name contains the key (a mix, as llama.cpp's Q4_K_M is)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg["max_position_embeddings"])
@@ -84,9 +86,10 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tokenize
         permuted = arch == "llama" and proj in heads
         if permuted:
             arr = permute(arr, heads[proj])
-        data, values = encode_tensor(arr, qtype, rng)
+        own = next((q for key, q in (qtypes or {}).items() if key in name), qtype)
+        data, values = encode_tensor(arr, own, rng)
         if data.dtype == np.uint8:
-            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=own)
         else:
             w.add_tensor(gguf_name(name), data)
         expected[name] = torch.from_numpy(np.ascontiguousarray(unpermute(values, heads[proj]) if permuted else values))
