@@ -292,15 +292,21 @@ inline __m256i dot32(__m256i w, __m256i x, bool sign) {
 }
 #endif
 
+#if defined(__AVX2__)
+struct alignas(32) Lanes {     // a register's worth of float accumulators (std::vector<__m256> drops its attributes)
+  __m256 v;
+};
+#endif
+
 // Per (row, token) accumulators of a tile of tokens (float lanes and a scalar for the mins)
 struct Accs {
 #if defined(__AVX2__)
-  std::vector<__m256> lanes;
+  std::vector<Lanes> lanes;
 #endif
   std::vector<float> scalar, mins;
   void reset(int64_t n) {
 #if defined(__AVX2__)
-    lanes.assign(n, _mm256_setzero_ps());
+    lanes.assign(n, Lanes{_mm256_setzero_ps()});
 #endif
     scalar.assign(n, 0.f);
     mins.assign(n, 0.f);
@@ -327,11 +333,11 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
         const int64_t i = (t0 + t) * per32 + b;
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + i * kBlock));
         const float dx = a.d[i];
-        acc.lanes[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w, x, sign)), _mm256_set1_ps(dw * dx), acc.lanes[t]);
+        acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w, x, sign)), _mm256_set1_ps(dw * dx), acc.lanes[t].v);
         if (has_min(kind)) acc.mins[t] = std::fma(mw, dx * static_cast<float>(a.sum[i]), acc.mins[t]);
       }
     }
-    for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t]) + acc.mins[t];
+    for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t].v) + acc.mins[t];
     return;
   }
   const bool six = kind == Kind::Q6_K;
@@ -361,7 +367,7 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
         lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pair_products(w[s], x, six), scale[s]));
       }
       const float dx = a.d[tok * nblocks + b];
-      acc.lanes[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc.lanes[t]);
+      acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc.lanes[t].v);
       if (!six) {
         const int32_t* sums = a.sum.data() + tok * per32 + b * 8;
         int32_t summ = 0;
@@ -370,7 +376,7 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
       }
     }
   }
-  for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t]) - acc.mins[t];
+  for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t].v) - acc.mins[t];
 #else
   Block blk;
   for (int64_t b = 0; b < nblocks; ++b) {

@@ -132,3 +132,12 @@ def test_kernel_is_the_exact_product_of_llama_cpps_rounded_activations(kind):
     y = _cpu.quant_linear(x, q.kernel_blocks(), 67).double()
     scale = (x.double().abs() @ q.dequantize(torch.float64).abs().t())
     assert ((y - ref).abs() <= 2e-6 * scale).all(), ((y - ref).abs() / scale).max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deterministic_modes_det_linear_takes_these_blocks(kind):
+    """det_linear (deterministic mode's matmul) hands (N, blocks, type size) blocks to the same kernel."""
+    K = BLOCK_TYPES[kind].block * 2
+    q = weight(40, K, kind, seed=2)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_cpu.det_linear(x, q.kernel_blocks()), _cpu.quant_linear(x, q.kernel_blocks(), 40))
