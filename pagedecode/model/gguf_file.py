@@ -1,9 +1,10 @@
 """Load a GGUF file (llama.cpp's format): hyperparameters, weights and tokenizer from one file.
 
 Read with model/gguf_reader.py (every count bounded by the file's size; the `gguf` package
-names the tensor types). Tensor types: F32, F16, BF16 as float tensors; Q8_0
-and Q4_0 kept in their blocks (model/quant.py); Q4_K and Q6_K (the Q4_K_M mix) dequantized at
-load to bfloat16, with a warning; any other type fails to load naming it.
+names the tensor types). Tensor types: F32, F16, BF16 as float tensors; Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, Q4_K, Q5_K and Q6_K kept in their blocks as the file stores them (model/quant.py,
+kernels/quant_types.py); any other type fails to load naming it. Each tensor's shape is checked
+against the configuration, and its bytes against its shape and type, before anything is copied.
 
 llama.cpp's converters reorder the rows of every head of q_proj / k_proj for the "llama"
 architecture, so that its RoPE rotates adjacent pairs (0, 1), (2, 3), ...; pagedecode rotates
@@ -11,7 +12,6 @@ dimension i with i + head_dim / 2 (Hugging Face's layout). Loading undoes that r
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 
 from ..errors import ModelLoadError
 from .config import ModelConfig
+from ..kernels.quant_types import BLOCK_TYPES
 from .gguf_reader import GGUFContents, read_file
 from .quant import QuantizedWeight, Weight
 from .shapes import Declared, check_shape, check_weights
@@ -32,8 +33,8 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
-NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
-DEQUANTIZED_TYPES = ("Q4_K", "Q6_K")
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+NATIVE_TYPES = (*FLOAT_BYTES, *(k.upper() for k in BLOCK_TYPES))
 ROPE_FACTORS_MOST = 1 << 11                          # half the largest head_dim ModelConfig accepts
 
 
@@ -70,25 +71,40 @@ def hf_name(name: str) -> str | None:
     return None
 
 
-def read_tensor(t: Any, dequantized: list[str]) -> Weight:
-    """One ReaderTensor as a float tensor or QuantizedWeight, in torch's (rows, columns) order."""
-    import gguf
+def tensor_nbytes(name: str, kind: str, shape: tuple[int, ...]) -> int:
+    """The bytes a tensor of this type and (rows, ..., columns) shape takes; ModelLoadError for a
+    type pagedecode does not load or a row that is not whole blocks."""
+    if kind in FLOAT_BYTES:
+        return int(np.prod(shape)) * FLOAT_BYTES[kind]
+    if kind.lower() not in BLOCK_TYPES:
+        raise ModelLoadError(f"tensor {name} has type {kind}, which pagedecode cannot load "
+                             f"(supported: {', '.join(NATIVE_TYPES)})")
+    block, type_size = BLOCK_TYPES[kind.lower()]
+    if shape[-1] % block:
+        raise ModelLoadError(f"tensor {name}: rows of {shape[-1]} inputs are not whole {kind} blocks of {block}")
+    return int(np.prod(shape[:-1])) * (shape[-1] // block) * type_size
+
+
+def read_tensor(t: Any) -> Weight:
+    """One ReaderTensor as a float tensor or QuantizedWeight, in torch's (rows, columns) order; its
+    bytes checked against its shape and type before they are copied."""
     kind = t.tensor_type.name
     shape = tuple(int(n) for n in reversed(t.shape))     # GGUF lists the fastest dimension first
+    data = np.asarray(t.data)
+    expected = tensor_nbytes(t.name, kind, shape)
+    if data.nbytes != expected:
+        raise ModelLoadError(f"tensor {t.name}: {data.nbytes} bytes in the file, but a {kind} tensor of shape "
+                             f"{shape} takes {expected}")
     if kind == "F32":
-        return torch.from_numpy(np.array(t.data, dtype=np.float32).reshape(shape))
+        return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
     if kind == "F16":
-        return torch.from_numpy(np.array(t.data, dtype=np.float16).reshape(shape))
+        return torch.from_numpy(np.array(data, dtype=np.float16).reshape(shape))
     if kind == "BF16":
-        return torch.from_numpy(np.array(t.data).view(np.int16).reshape(shape)).view(torch.bfloat16)
-    if kind in ("Q8_0", "Q4_0") and len(shape) == 2:
-        return QuantizedWeight(kind.lower(), torch.from_numpy(np.array(t.data)), (shape[0], shape[1]))
-    if kind in DEQUANTIZED_TYPES + ("Q8_0", "Q4_0"):
-        dequantized.append(t.name)
-        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(torch.bfloat16)
-    raise ModelLoadError(f"tensor {t.name} has type {kind}, which pagedecode cannot load (supported: "
-                         f"{', '.join(NATIVE_TYPES)}; {', '.join(DEQUANTIZED_TYPES)} dequantized at load)")
+        return torch.from_numpy(np.array(data).view(np.int16).reshape(shape)).view(torch.bfloat16)
+    if len(shape) != 2:
+        raise ModelLoadError(f"tensor {t.name}: a {kind} tensor of shape {shape}; pagedecode keeps blocks for matrices only")
+    blocks = torch.from_numpy(np.array(data).reshape(shape[0], -1))
+    return QuantizedWeight(kind.lower(), blocks, (shape[0], shape[1]))
 
 
 def _unpermute(w: Weight, n_head: int) -> Weight:
@@ -98,6 +114,7 @@ def _unpermute(w: Weight, n_head: int) -> Weight:
     index = torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
     if isinstance(w, QuantizedWeight):
         return w.select_rows(index)
+    assert isinstance(w, torch.Tensor)             # a file's tensors are never stacks
     return w[index].contiguous()
 
 
@@ -123,12 +140,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, Weight], dict[str, Any
     targets = {name: target for name, target in ((n, hf_name(n)) for n in tensors) if target is not None}
     check_weights(config, {target: Declared(tuple(reversed(tensors[name].shape))) for name, target in targets.items()},
                   path)
-    dequantized: list[str] = []
-    weights: dict[str, Weight] = {target: read_tensor(tensors[name], dequantized) for name, target in targets.items()}
-    if dequantized:
-        warnings.warn(f"{path.name}: {len(dequantized)} tensors ({', '.join(dequantized[:3])}, ...) are "
-                      "dequantized to bfloat16 at load: pagedecode runs Q8_0 / Q4_0 blocks natively, not these",
-                      stacklevel=3)
+    weights: dict[str, Weight] = {target: read_tensor(tensors[name]) for name, target in targets.items()}
     if meta.get("general.architecture") in PERMUTED_ARCHITECTURES:
         for i in range(config.num_layers):
             for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):

@@ -29,7 +29,7 @@ from ..kernels.quant_matmul import quant_matmul_deterministic
 from ..kernels.rmsnorm import rms_norm, rms_norm_triton
 from .batch import ForwardBatch
 from .kv_cache import KVCache
-from .quant import Weight, linear
+from .quant import QuantizedWeight, RowStack, Weight, linear
 
 # the cache slots of every decode sequence's context: (slots, lengths), computed once a step
 Context = tuple[torch.Tensor, torch.Tensor] | None
@@ -113,7 +113,10 @@ class DeterministicTritonOps(TritonOps):
     def linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(w, torch.Tensor):
             return deterministic_linear(x, w, b, self.backend)
-        y = quant_matmul_deterministic(x, w.gguf_blocks(), w.kind, self.backend)
+        if isinstance(w, RowStack):                        # a K-quant mix: each part in its own blocks
+            y = torch.cat([self.linear(x, p) for p in w.parts], dim=-1)
+        else:
+            y = quant_matmul_deterministic(x, w.gguf_blocks(), w.kind, self.backend)
         return y if b is None else y + b
 
 
@@ -138,8 +141,11 @@ class DeterministicCpuOps(TorchOps):
         return self.ext.det_rms_norm(x, w, eps)
 
     def linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(w, torch.Tensor):                  # quantized blocks need no pack
-            return self.ext.det_linear(x, w.blocks, b)
+        if isinstance(w, RowStack):                          # a K-quant mix: each part in its own blocks
+            y = torch.cat([self.linear(x, p) for p in w.parts], dim=-1)
+            return y if b is None else y + b
+        if isinstance(w, QuantizedWeight):                   # quantized blocks need no pack
+            return self.ext.det_linear(x, w.kernel_blocks(), b)
         if id(w) not in self.packs:
             self.packs[id(w)] = self.ext.det_pack(w)
         return self.ext.det_linear(x, w, b, self.packs[id(w)])

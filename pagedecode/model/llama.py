@@ -21,7 +21,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layer_ops import TorchOps, choose_ops
-from .quant import BLOCK, QuantizedWeight, Weight, cat_rows, embedding_rows, weight_bytes
+from .quant import BLOCK, QuantizedWeight, RowStack, Weight, cat_rows, embedding_rows, weight_bytes
 
 # read at call time (a test switches the compiled forward off by setting cpu_forward._cpu_ext)
 from . import cpu_forward as compiled
@@ -36,6 +36,8 @@ def _storage_key(w: Weight) -> int:
     storage (their own id)."""
     if isinstance(w, QuantizedWeight):
         return int(w.blocks.data_ptr())
+    if isinstance(w, RowStack):
+        return id(w)
     if w.is_mkldnn:
         return id(w)
     return int(w.data_ptr()) or id(w)
@@ -59,7 +61,7 @@ class LlamaModel:
     """A pd.Model: `config`, `device`, `dtype` and forward(batch, kv_cache) -> logits (N, V).
 
     Weights are float tensors or QuantizedWeight blocks (model/quant.py) as `weights` holds them;
-    `quantization` ("q8_0" / "q4_0") also quantizes every float layer weight whose input size is
+    `quantization` ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1") also quantizes every float layer weight whose input size is
     a multiple of 32, and the LM head to Q8_0 (as llama.cpp keeps the output above the layers'
     type); the embedding (a tied head's table too) and the norms keep their type. cpu_matmul and
     cpu_pack_weights: see configure_cpu (None: the environment's default, as EngineConfig's)."""
@@ -81,7 +83,7 @@ class LlamaModel:
                 if required:
                     raise KeyError(f"checkpoint has no tensor {name!r}")
                 return None
-            if isinstance(t, QuantizedWeight):
+            if isinstance(t, (QuantizedWeight, RowStack)):
                 return t.to(self.device)
             out = t.to(device=self.device, dtype=dtype).contiguous()
             # never the caller's memory (own): a safetensors file's memory map would stay mapped for
@@ -124,7 +126,7 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
-        self.quantized = any(isinstance(w, QuantizedWeight) for w in self._weights())
+        self.quantized = any(isinstance(w, (QuantizedWeight, RowStack)) for w in self._weights())
         # quantized layers on CPU: the compiled int8 kernel, unless "torch" asks for the dequantizing
         # reference; on CUDA (kernel None) linear() takes kernels/quant_matmul.py's Triton GEMV / GEMM
         self._quant_kernel = compiled.quant_kernel(self.device, attention_backend)
@@ -136,7 +138,8 @@ class LlamaModel:
         # the one-call CPU forward (model/cpu_forward.py), not for a tensor-parallel shard (which
         # overrides _embed / _reduce / _logits)
         self._compiled: compiled.CompiledForward | None = None
-        if type(self) is LlamaModel and compiled.applies(c, self.device, dtype, self.quantized):
+        kinds = {w.kind for w in self._weights() if isinstance(w, (QuantizedWeight, RowStack))}
+        if type(self) is LlamaModel and compiled.applies(c, self.device, dtype, kinds):
             if self.quantized and self._quant_kernel is not None:
                 compiled.pack_quantized(self)      # the compiled kernels multiply them (not "torch"'s reference)
             self._compiled = compiled.CompiledForward(c, self.layers, self.embed, self.lm_head, self.final_norm,

@@ -81,7 +81,7 @@ def load_config(path: Path) -> ModelConfig:
 def load_model(path, device="cpu", dtype=None, attention_backend="auto", quantization=None, tokenizer=None,
                cpu_matmul=None, cpu_pack_weights=None):
     """(LlamaModel, Tokenizer) from a Hugging Face directory or a GGUF file. `quantization`
-    ("q8_0" / "q4_0") keeps the layer weights quantized in memory (model/quant.py); `tokenizer`,
+    (model/quant.py QUANTIZATIONS: "q8_0", "q4_0", "q4_1", "q5_0", "q5_1") keeps the layer weights quantized in memory (model/quant.py); `tokenizer`,
     a folder holding tokenizer.json, replaces the model's own."""
     from .quant import QUANTIZATIONS
     path = Path(path)

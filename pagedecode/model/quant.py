@@ -33,8 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.quant_matmul import BLOCK, BLOCK_BYTES, dequantize_blocks, quant_matmul
+from ..kernels.quant_types import BLOCK_TYPES, KINDS
 
-QUANTIZATIONS = tuple(BLOCK_BYTES)
+# what `quantization=` applies to a float checkpoint (gguf's reference quantizer has these; the
+# K-quants come from files)
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# the compiled CPU kernels' packed layout (csrc/quant_lanes.h) takes these
+PACKABLE = tuple(BLOCK_BYTES)
 
 
 def _cpu_ext() -> Any:
@@ -44,14 +49,17 @@ def _cpu_ext() -> Any:
 
 
 class QuantizedWeight:
-    """A (out_features, in_features) weight in Q8_0 or Q4_0 blocks (see the module docstring)."""
+    """A (out_features, in_features) weight in one GGUF block type's blocks (kernels/quant_types.py;
+    Q8_0 / Q4_0 also packed, see the module docstring)."""
 
     def __init__(self, kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
-        if kind not in BLOCK_BYTES:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+        if kind not in BLOCK_TYPES:
+            raise ValueError(f"block type must be one of {KINDS}, got {kind!r}")
         out_features, in_features = shape
-        if in_features % BLOCK or blocks.dtype not in (torch.uint8, torch.int8) or \
-                tuple(blocks.shape) != (out_features, in_features // BLOCK * BLOCK_BYTES[kind]):
+        block, type_size = BLOCK_TYPES[kind]
+        if in_features % block or blocks.dtype not in (torch.uint8, torch.int8) or \
+                (blocks.dtype == torch.int8 and kind not in PACKABLE) or \
+                tuple(blocks.shape) != (out_features, in_features // block * type_size):
             raise ValueError(f"{kind} blocks {tuple(blocks.shape)} {blocks.dtype} do not hold a {shape} weight")
         self.kind = kind
         self.blocks = blocks.contiguous()       # uint8: GGUF's layout; int8: packed (csrc/quant_lanes.h)
@@ -63,7 +71,7 @@ class QuantizedWeight:
 
     def pack(self) -> "QuantizedWeight":
         """The same weight in the compiled CPU kernel's packed layout (needs pagedecode._cpu)."""
-        if self.packed:
+        if self.packed or self.kind not in PACKABLE:
             return self
         return QuantizedWeight(self.kind, _cpu_ext().quant_pack(self.blocks, self.shape[1]), self.shape)
 
@@ -75,9 +83,12 @@ class QuantizedWeight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor, kind: str) -> "QuantizedWeight":
-        """w (out, in) float, in a multiple of 32 -> blocks, by gguf's reference quantizer."""
+        """w (out, in) float, in a multiple of 32 -> blocks, by gguf's reference quantizer (which
+        llama.cpp's quantize_row_*_ref are; kind one of QUANTIZATIONS)."""
         import gguf
-        qtype = gguf.GGMLQuantizationType.Q8_0 if kind == "q8_0" else gguf.GGMLQuantizationType.Q4_0
+        if kind not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {kind!r}")
+        qtype = gguf.GGMLQuantizationType[kind.upper()]
         data = gguf.quants.quantize(w.detach().float().cpu().numpy(), qtype)
         return cls(kind, torch.from_numpy(np.ascontiguousarray(data)).to(w.device),
                    (int(w.shape[0]), int(w.shape[1])))
@@ -88,6 +99,14 @@ class QuantizedWeight:
         kind, in_features = parts[0].kind, parts[0].shape[1]
         assert all(p.kind == kind and p.shape[1] == in_features for p in parts)
         return cls(kind, torch.cat([p.gguf_blocks() for p in parts]), (sum(p.shape[0] for p in parts), in_features))
+
+    def kernel_blocks(self) -> torch.Tensor:
+        """The blocks as the compiled CPU kernels take them: Q8_0 / Q4_0 (N, row bytes) in either
+        layout, whose block size says the type; every other type (N, blocks per row, type size),
+        a view, whose block count and size say the type (csrc/quant_types.h)."""
+        if self.kind in PACKABLE:
+            return self.blocks
+        return self.blocks.view(self.shape[0], -1, BLOCK_TYPES[self.kind].type_size)
 
     @property
     def device(self) -> torch.device:
@@ -112,7 +131,47 @@ class QuantizedWeight:
         return dequantize_blocks(blocks if rows is None else blocks[rows], self.kind, dtype)
 
 
-Weight = torch.Tensor | QuantizedWeight
+class RowStack:
+    """Quantized weights of different block types stacked along the output rows, each kept in its
+    own blocks and multiplied on its own: q, k, v of a K-quant mix (llama.cpp's Q4_K_M gives
+    attn_v more bits than attn_q and attn_k). The compiled one-call forward takes one tensor per
+    matmul, so a model holding one runs the torch path (its matmuls still the compiled kernels)."""
+
+    kind = "mixed"
+
+    def __init__(self, parts: Sequence["QuantizedWeight"]) -> None:
+        assert len({p.shape[1] for p in parts}) == 1
+        self.parts = list(parts)
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def to(self, device: torch.device | str) -> "RowStack":
+        return RowStack([p.to(device) for p in self.parts])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
+Weight = torch.Tensor | QuantizedWeight | RowStack
+
+
+def compiled_kinds() -> tuple[str, ...]:
+    """The block types this build's compiled kernels multiply (quant_linear, the compiled forward):
+    Q8_0 / Q4_0 in every build that has quant_linear, the rest where it says so."""
+    try:
+        from .. import _cpu
+    except ImportError:
+        return ()
+    if not hasattr(_cpu, "quant_linear"):
+        return ()
+    return PACKABLE + tuple(getattr(_cpu, "quant_block_kinds", ()))
 
 
 QuantKernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -124,12 +183,15 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: Qu
     (pagedecode._cpu.quant_linear: int8 activations, either layout) when given, else to
     kernels/quant_matmul.py (float activations): its Triton kernels on CUDA, or where `backend`
     asks for them; the reference (the weight dequantized for this call) otherwise."""
+    if isinstance(w, RowStack):
+        y = torch.cat([linear(x, p, None, kernel, backend) for p in w.parts], dim=-1)
+        return y if b is None else y + b
     if not isinstance(w, QuantizedWeight):
         return F.linear(x, w, b)
-    if kernel is None:
+    if kernel is None or w.kind not in compiled_kinds():
         y = quant_matmul(x, w.gguf_blocks(), w.kind, backend)
         return y if b is None else y + b
-    y = kernel(x.reshape(-1, w.shape[1]).float().contiguous(), w.blocks, w.shape[0])    # (T, out) float32
+    y = kernel(x.reshape(-1, w.shape[1]).float().contiguous(), w.kernel_blocks(), w.shape[0])    # (T, out) float32
     y = y.view(*x.shape[:-1], w.shape[0]).to(x.dtype)
     return y if b is None else y + b
 
@@ -137,20 +199,24 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None, kernel: Qu
 def embedding_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(table, QuantizedWeight):
         return table.dequantize(dtype, rows=ids)
+    assert isinstance(table, torch.Tensor)
     return table[ids]
 
 
 def cat_rows(parts: Sequence[Weight], dtype: torch.dtype) -> Weight:
-    """q, k, v (or gate, up) stacked: quantized when all share one kind, else in float."""
+    """q, k, v (or gate, up) stacked: in one kind's blocks when all share it, each in its own
+    blocks when all are quantized (RowStack), else in float."""
     quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(quantized) == len(parts) and len({p.kind for p in quantized}) == 1:
         return QuantizedWeight.cat(quantized)
-    return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts], 0)
+    if len(quantized) == len(parts):
+        return RowStack(quantized)
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in parts], 0)
 
 
 def weight_bytes(w: Weight | None) -> int:
     if w is None:
         return 0
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, RowStack)):
         return w.nbytes
     return w.numel() * w.element_size()

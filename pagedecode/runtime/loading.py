@@ -22,8 +22,8 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
                     tensor_parallel_size: int = 1, quantization: str | None = None,
                     tokenizer: str | Path | None = None, **engine_options: Any) -> E:
     """path: a Hugging Face directory or a GGUF file, or a Hugging Face repository id (ORG/NAME,
-    ORG/NAME:FILE.gguf: model/hub.py). quantization "q8_0" / "q4_0" keeps the
-    layer weights quantized in memory; tokenizer: a folder holding tokenizer.json to use
+    ORG/NAME:FILE.gguf: model/hub.py). quantization "q8_0" / "q4_0" / "q4_1" / "q5_0" / "q5_1"
+    keeps the layer weights quantized in memory; tokenizer: a folder holding tokenizer.json to use
     instead of the model's own. tensor_parallel_size N > 1 starts N - 1 worker processes
     (model/parallel.py); the engine and every request stay in this one."""
     from ..model.hub import resolve_model

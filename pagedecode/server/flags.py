@@ -67,8 +67,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     --tensor-parallel-size, --threads (generate, demo, chat and serve)."""
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or GGUF file (default: the built-in tiny Llama)")
-    p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0"],
-                   help="keep the layer weights quantized in memory (a GGUF's own Q8_0 / Q4_0 stay so anyway)")
+    p.add_argument("--quantization", default=None, choices=["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+                   help="keep the layer weights quantized in memory, as llama.cpp's reference quantizer makes "
+                        "them (a GGUF's own blocks stay as the file has them anyway)")
     p.add_argument("--tokenizer", default=None, help="a folder holding tokenizer.json, instead of the model's own")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],

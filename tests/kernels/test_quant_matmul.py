@@ -86,6 +86,8 @@ def test_bad_blocks_are_refused():
     with pytest.raises(ValueError, match="do not match 64 inputs"):
         quant_matmul(torch.randn(1, 64), blocks, "q4_0", backend="torch")
     with pytest.raises(ValueError, match="kind must be one of"):
+        quant_matmul(torch.randn(1, 64), blocks, "q3_k", backend="torch")
+    with pytest.raises(ValueError, match="do not match 64 inputs"):          # Q5_0: 22 bytes a block
         quant_matmul(torch.randn(1, 64), blocks, "q5_0", backend="torch")
 
 

@@ -36,10 +36,10 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def random_kquant(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks (gguf cannot quantize to them) with small fp16 scales."""
+    """Random Q4_K / Q5_K / Q6_K blocks (gguf cannot quantize to them) with small fp16 scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    if qtype == Q.Q4_K:               # d, dmin, 12 bytes of 6-bit scales, 128 bytes of nibbles
+    if qtype in (Q.Q4_K, Q.Q5_K):     # d, dmin, 12 bytes of 6-bit scales, (Q5_K: 32 bytes of 5th bits,) nibbles
         data[..., 0:4] = np.frombuffer(np.array([0.002, 0.001], dtype=np.float16).tobytes(), np.uint8)
     else:                             # Q6_K: ql, qh, 16 int8 scales, then d
         data[..., 192:208] = rng.integers(-8, 8, size=(rows, cols // block, 16)).astype(np.int8).view(np.uint8)
@@ -53,18 +53,18 @@ def encode_tensor(w: np.ndarray, qtype, rng: np.random.Generator) -> tuple[np.nd
         return w.astype(np.float32), w.astype(np.float32)
     if qtype == Q.F16:
         return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
-    data = random_kquant(*w.shape, qtype, rng) if qtype in (Q.Q4_K, Q.Q6_K) else gguf.quants.quantize(w, qtype)
-    values = gguf.quants.dequantize(data, qtype)
-    if qtype in (Q.Q4_K, Q.Q6_K):     # the loader holds these in bfloat16
-        values = torch.from_numpy(values).to(torch.bfloat16).float().numpy()
-    return data, values
+    kquant = qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+    data = random_kquant(*w.shape, qtype, rng) if kquant else gguf.quants.quantize(w, qtype)
+    return data, gguf.quants.dequantize(data, qtype)
 
 
 def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tokenizer_meta: dict,
                qtype=Q.F32, arch: str = "llama", seed: int = 0,
-               overrides: dict[str, tuple] | None = None) -> dict[str, torch.Tensor]:
+               overrides: dict[str, tuple] | None = None, qtypes: dict[str, "Q"] | None = None
+               ) -> dict[str, torch.Tensor]:
     """Write the model; return the weights (HF names and layout) as the file's values give them.
-    `overrides`: key -> (value, gguf.GGUFValueType) written over what cfg gives (hostile files)."""
+    `overrides`: key -> (value, gguf.GGUFValueType) written over what cfg gives (hostile files);
+    qtypes: a type per tensor whose HF name contains the key (a mix, as llama.cpp's Q4_K_M is)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg["max_position_embeddings"])
@@ -90,9 +90,10 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], tokenize
         permuted = arch == "llama" and proj in heads
         if permuted:
             arr = permute(arr, heads[proj])
-        data, values = encode_tensor(arr, qtype, rng)
+        own = next((q for key, q in (qtypes or {}).items() if key in name), qtype)
+        data, values = encode_tensor(arr, own, rng)
         if data.dtype == np.uint8:
-            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=own)
         else:
             w.add_tensor(gguf_name(name), data)
         expected[name] = torch.from_numpy(np.ascontiguousarray(unpermute(values, heads[proj]) if permuted else values))

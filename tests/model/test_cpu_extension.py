@@ -225,7 +225,7 @@ def test_few_rows_attend_on_every_thread(dtype, tol, specs):
 
 
 @needs_ext
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_quantized_few_rows_give_the_same_bits_at_every_thread_count(kind):
     """A quantized model's steps under 8 rows run attention on the spinning pool beside its
     matmuls (a worker's item computed into its scratch, copied out), a lone sequence's query heads

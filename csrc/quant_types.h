@@ -1,0 +1,462 @@
+// y = x W^T over weights in GGUF's other block types, kept as the file stores them
+// (pagedecode/kernels/quant_types.py draws every layout): Q4_1, Q5_0, Q5_1 (blocks of 32) and
+// the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256). quant_matmul.h / quant_lanes.h hold Q8_0
+// and Q4_0.
+//
+// A weight arrives as (N, blocks per row, type size) uint8: the pair (K / blocks, type size) names
+// the type (Q4_K's 144 bytes per 256 inputs are Q4_0's 18 per 32, so the row size alone cannot).
+//
+// Activations are quantized as llama.cpp quantizes them for each type's dot product:
+//   Q5_0                  Q8_0: per 32, d = max |x| / 127, q = round(x / d)
+//   Q4_1, Q5_1            Q8_1: Q8_0's q and d, and the block's sum of q (for the weights' min m)
+//   Q4_K, Q5_K, Q6_K      Q8_K: per 256, d = -max / 127 for the x of largest |x|, q = round(x / d)
+//                         capped at 127, and the sum of q of each 32 (for the mins)
+// (llama.cpp rounds Q8_0 / Q8_1's d and d * sum to float16; here they stay float32.) Each block's
+// weights times the activations' q is then an exact integer dot product:
+//
+//   Q4_1 / Q5_1  y += dw * dx * sum_j q_j qx_j  +  m * (dx * sum_j qx_j)
+//   Q5_0         y += dw * dx * sum_j (q_j - 16) qx_j
+//   Q4_K / Q5_K  y += d * dx * sum_s sc_s sum_j q_sj qx_sj  -  dmin * dx * sum_s m_s sum_j qx_sj
+//   Q6_K         y += d * dx * sum_s sc_s sum_j (q_sj - 32) qx_sj       (16 sub-blocks of 16)
+//
+// so the only error against the dequantized weights times the float activations is the
+// activations' rounding: at most half a step (the block's max |x| / 127 / 2) per input, times the
+// weight's |w| (tests/model/test_quant_types.py holds each type to that bound).
+//
+// The integer dots are AVX2 (vpmaddubsw: unsigned weights times signed activations; the signed
+// Q5_0 / Q6_K weights by llama.cpp's sign trick), with AVX-512 VNNI's vpdpbusd for a block's plain
+// sum where the build has it, else a scalar loop. Every output (row n, token t) accumulates its
+// blocks in order into its own float registers, whatever the number of tokens, the token block or
+// the thread that computes its row: the GEMM's rows are the GEMV's bit for bit, at any thread count.
+#pragma once
+
+#include "quant_matmul.h"
+
+namespace quant::types {
+
+enum class Kind { Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
+
+struct Type {
+  Kind kind;
+  int64_t block, bytes;
+  const char* name;
+};
+
+inline constexpr Type kTypes[] = {{Kind::Q4_1, 32, 20, "q4_1"},   {Kind::Q5_0, 32, 22, "q5_0"},
+                                  {Kind::Q5_1, 32, 24, "q5_1"},   {Kind::Q4_K, 256, 144, "q4_k"},
+                                  {Kind::Q5_K, 256, 176, "q5_k"}, {Kind::Q6_K, 256, 210, "q6_k"}};
+constexpr int64_t kSuper = 256;
+
+inline bool is_k(Kind k) { return k == Kind::Q4_K || k == Kind::Q5_K || k == Kind::Q6_K; }
+inline bool has_min(Kind k) { return k == Kind::Q4_1 || k == Kind::Q5_1; }
+
+// blocks (N, blocks per row, type size) for rows of K inputs -> the type, or nullptr
+inline const Type* find_type(int64_t K, int64_t blocks_per_row, int64_t type_size) {
+  for (const Type& t : kTypes)
+    if (t.bytes == type_size && blocks_per_row > 0 && K == blocks_per_row * t.block) return &t;
+  return nullptr;
+}
+
+// a product rounded to float before it is added (GCC would otherwise fuse a * b + c as it likes):
+// the dequantization must be gguf's two roundings
+inline float rounded(float p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("" : "+x"(p));
+#else
+  volatile float v = p;
+  p = v;
+#endif
+  return p;
+}
+
+// -- the weights, block by block ----------------------------------------------------------------
+
+// Q4_K / Q5_K's 12 scale bytes -> 8 six-bit scales and mins
+inline void k_scales(const uint8_t* s, int32_t* sc, int32_t* m) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    m[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+// One block (32 or 256 inputs) as integers: q[j] (Q4_1 / Q5_1 / Q4_K / Q5_K unsigned, Q5_0 / Q6_K
+// minus their offset), the scale of each sub-block of `sub` inputs as sc (blocks of 32: one, 1),
+// and the float factors: value j = d * sc[j / sub] * q[j] - dmin * m[j / sub] (blocks of 32: + m)
+struct Block {
+  int8_t q[kSuper];
+  int32_t sc[16], m[8];
+  float d, dmin;   // blocks of 32 with a min: dmin is m (added, not subtracted)
+  int sub;
+};
+
+inline void decode(Kind kind, const uint8_t* b, Block& out) {
+  out.d = out.dmin = 0.f;
+  switch (kind) {
+    case Kind::Q4_1:
+    case Kind::Q5_0:
+    case Kind::Q5_1: {
+      const bool min = kind != Kind::Q5_0;
+      const uint8_t* qs = b + (kind == Kind::Q4_1 ? 4 : kind == Kind::Q5_0 ? 6 : 8);
+      uint32_t qh = 0;
+      if (kind != Kind::Q4_1) std::memcpy(&qh, b + (min ? 4 : 2), 4);
+      for (int j = 0; j < 16; ++j) {
+        int lo = qs[j] & 15, hi = qs[j] >> 4;
+        if (kind != Kind::Q4_1) {
+          lo |= ((qh >> j) & 1) << 4;
+          hi |= ((qh >> (j + 16)) & 1) << 4;
+        }
+        out.q[j] = static_cast<int8_t>(kind == Kind::Q5_0 ? lo - 16 : lo);
+        out.q[j + 16] = static_cast<int8_t>(kind == Kind::Q5_0 ? hi - 16 : hi);
+      }
+      out.d = fp16_to_float(b);
+      out.dmin = min ? fp16_to_float(b + 2) : 0.f;
+      out.sc[0] = 1;
+      out.m[0] = 1;
+      out.sub = 32;
+      return;
+    }
+    case Kind::Q4_K:
+    case Kind::Q5_K: {
+      const bool five = kind == Kind::Q5_K;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (five ? 48 : 16);
+      for (int s = 0; s < 8; ++s)
+        for (int l = 0; l < 32; ++l) {
+          int v = (s % 2 == 0) ? (qs[32 * (s / 2) + l] & 15) : (qs[32 * (s / 2) + l] >> 4);
+          if (five) v |= ((qh[l] >> s) & 1) << 4;
+          out.q[32 * s + l] = static_cast<int8_t>(v);
+        }
+      k_scales(b + 4, out.sc, out.m);
+      out.d = fp16_to_float(b);
+      out.dmin = fp16_to_float(b + 2);
+      out.sub = 32;
+      return;
+    }
+    case Kind::Q6_K: {
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 4; ++i)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t low = b[64 * h + 32 * (i & 1) + l];
+            const int v = ((i >> 1) ? low >> 4 : low & 15) | (((b[128 + 32 * h + l] >> (2 * i)) & 3) << 4);
+            out.q[128 * h + 32 * i + l] = static_cast<int8_t>(v - 32);
+          }
+      for (int s = 0; s < 16; ++s) out.sc[s] = static_cast<int8_t>(b[192 + s]);
+      out.d = fp16_to_float(b + 208);
+      out.dmin = 0.f;
+      out.sub = 16;
+      return;
+    }
+  }
+}
+
+// a block's values as gguf.quants.dequantize computes them (float32, each product rounded)
+inline void dequantize_block(Kind kind, const uint8_t* b, float* out) {
+  Block blk;
+  decode(kind, b, blk);
+  if (!is_k(kind)) {
+    for (int j = 0; j < 32; ++j) {
+      if (kind == Kind::Q5_0)
+        out[j] = blk.d * static_cast<float>(blk.q[j]);
+      else
+        out[j] = rounded(blk.d * static_cast<float>(blk.q[j])) + blk.dmin;
+    }
+    return;
+  }
+  for (int s = 0; s < kSuper / blk.sub; ++s) {
+    const float ds = blk.d * static_cast<float>(blk.sc[s]);
+    const float ms = kind == Kind::Q6_K ? 0.f : blk.dmin * static_cast<float>(blk.m[s]);
+    for (int j = 0; j < blk.sub; ++j) {
+      const float v = rounded(ds * static_cast<float>(blk.q[blk.sub * s + j]));
+      out[blk.sub * s + j] = kind == Kind::Q6_K ? v : v - ms;
+    }
+  }
+}
+
+// -- the activations --------------------------------------------------------------------------------
+
+// x (T, K) -> q (T, K) int8, d one float per activation block (32 or, for the K-quants, 256) and
+// the sum of q of every 32 inputs (T, K / 32)
+// The activations as the workers read them, in memory the call owns (work::owned: a late worker
+// may still read them after the caller returns): int8 values, scales (per block of 32, or per
+// super-block of 256 for Q8_K) and each block of 32's sum
+struct Acts {
+  int8_t* q;
+  float* d;
+  int32_t* sum;
+};
+
+// llama.cpp's quantize_row_q8_K: the scale from the signed input of largest magnitude
+inline void quantize_q8k(const float* x, int8_t* q, float* d, int64_t n_super) {
+  for (int64_t i = 0; i < n_super; ++i) {
+    const float* v = x + i * kSuper;
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < kSuper; ++j)
+      if (std::fabs(v[j]) > amax) {
+        amax = std::fabs(v[j]);
+        max = v[j];
+      }
+    if (amax == 0.f) {
+      d[i] = 0.f;
+      std::memset(q + i * kSuper, 0, kSuper);
+      continue;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < kSuper; ++j)
+      q[i * kSuper + j] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * v[j]))));
+    d[i] = 1.f / iscale;
+  }
+}
+
+inline void quantize_acts(Kind kind, const float* x, int64_t T, int64_t K, const Acts& a) {
+  if (is_k(kind))
+    quantize_q8k(x, a.q, a.d, T * K / kSuper);
+  else
+    quantize_rows(x, a.q, a.d, T, K);     // Q8_0's rounding (quant_matmul.h)
+  for (int64_t i = 0; i < T * K / kBlock; ++i) {
+    int32_t s = 0;
+    for (int j = 0; j < kBlock; ++j) s += a.q[i * kBlock + j];
+    a.sum[i] = s;
+  }
+}
+
+// -- the dot products -------------------------------------------------------------------------------
+
+#if defined(__AVX2__)
+// 32 signed / unsigned weights of one block (or sub-block), in registers
+inline __m256i nibbles_avx2(const uint8_t* qs16) {      // 16 bytes -> low nibbles, then high
+  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs16));
+  const __m128i low = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
+}
+
+// bit j of qh (a little-endian u32) -> byte j: 16 if set, else 0
+inline __m256i high_bits_avx2(const uint8_t* qh4) {
+  uint32_t qh;
+  std::memcpy(&qh, qh4, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(qh)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// the 32 weights of a 32-block: Q4_1 / Q5_1 unsigned, Q5_0 minus 16
+inline __m256i block32_avx2(Kind kind, const uint8_t* b) {
+  switch (kind) {
+    case Kind::Q4_1: return nibbles_avx2(b + 4);
+    case Kind::Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles_avx2(b + 6), high_bits_avx2(b + 2)), _mm256_set1_epi8(16));
+    default: return _mm256_or_si256(nibbles_avx2(b + 8), high_bits_avx2(b + 4));
+  }
+}
+
+// sub-block s (32 inputs) of a K-quant super-block: Q4_K / Q5_K unsigned, Q6_K minus 32
+inline __m256i sub32_avx2(Kind kind, const uint8_t* b, int s) {
+  const __m256i low = _mm256_set1_epi8(15);
+  if (kind == Kind::Q6_K) {
+    const int h = s / 4, i = s % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (i & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i lo = (i >> 1) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), low) : _mm256_and_si256(ql, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  }
+  const uint8_t* qs = b + (kind == Kind::Q5_K ? 48 : 16) + 32 * (s / 2);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  __m256i q = (s % 2 == 0) ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  if (kind == Kind::Q5_K) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    q = _mm256_or_si256(q, _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1)), 4));
+  }
+  return q;
+}
+
+// 16 int16: the products of 32 weights (unsigned, or signed when `sign`) and activations, in pairs
+inline __m256i pair_products(__m256i w, __m256i x, bool sign) {
+  if (!sign) return _mm256_maddubs_epi16(w, x);
+  return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+// 8 int32 summing to the plain dot of 32 weights and activations
+inline __m256i dot32(__m256i w, __m256i x, bool sign) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if (!sign) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#else
+  return _mm256_madd_epi16(pair_products(w, x, sign), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+#if defined(__AVX2__)
+struct alignas(32) Lanes {     // a register's worth of float accumulators (std::vector<__m256> drops its attributes)
+  __m256 v;
+};
+#endif
+
+// Per (row, token) accumulators of a tile of tokens (float lanes and a scalar for the mins)
+struct Accs {
+#if defined(__AVX2__)
+  std::vector<Lanes> lanes;
+#endif
+  std::vector<float> scalar, mins;
+  void reset(int64_t n) {
+#if defined(__AVX2__)
+    lanes.assign(n, Lanes{_mm256_setzero_ps()});
+#endif
+    scalar.assign(n, 0.f);
+    mins.assign(n, 0.f);
+  }
+};
+
+constexpr int64_t kTokenTile = 64;     // tokens whose accumulators live at once (the block decoded once for them)
+
+// One weight row against tokens [t0, t1): out[(t - t0) * ld]
+inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t K, int64_t t0, int64_t t1,
+                    float* out, int64_t ld, Accs& acc) {
+  const Kind kind = type.kind;
+  const int64_t nblocks = K / type.block, n = t1 - t0, per32 = K / kBlock;
+  acc.reset(n);
+#if defined(__AVX2__)
+  if (!is_k(kind)) {
+    const bool sign = kind == Kind::Q5_0;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* blk = row + b * type.bytes;
+      const __m256i w = block32_avx2(kind, blk);
+      const float dw = fp16_to_float(blk);
+      const float mw = has_min(kind) ? fp16_to_float(blk + 2) : 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t i = (t0 + t) * per32 + b;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + i * kBlock));
+        const float dx = a.d[i];
+        acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w, x, sign)), _mm256_set1_ps(dw * dx), acc.lanes[t].v);
+        if (has_min(kind)) acc.mins[t] = std::fma(mw, dx * static_cast<float>(a.sum[i]), acc.mins[t]);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t].v) + acc.mins[t];
+    return;
+  }
+  const bool six = kind == Kind::Q6_K;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* blk = row + b * type.bytes;
+    __m256i w[8], scale[8];
+    int32_t sc[8], m[8];
+    float d, dmin = 0.f;
+    if (six) {
+      for (int s = 0; s < 8; ++s)
+        scale[s] = _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[192 + 2 * s + 1])),
+                                    _mm_set1_epi16(static_cast<int8_t>(blk[192 + 2 * s])));
+      d = fp16_to_float(blk + 208);
+    } else {
+      k_scales(blk + 4, sc, m);
+      for (int s = 0; s < 8; ++s) scale[s] = _mm256_set1_epi16(static_cast<int16_t>(sc[s]));
+      d = fp16_to_float(blk);
+      dmin = fp16_to_float(blk + 2);
+    }
+    for (int s = 0; s < 8; ++s) w[s] = sub32_avx2(kind, blk, s);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t tok = t0 + t;
+      const int8_t* xq = a.q + tok * K + b * kSuper;
+      __m256i lanes = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
+        lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pair_products(w[s], x, six), scale[s]));
+      }
+      const float dx = a.d[tok * nblocks + b];
+      acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc.lanes[t].v);
+      if (!six) {
+        const int32_t* sums = a.sum + tok * per32 + b * 8;
+        int32_t summ = 0;
+        for (int s = 0; s < 8; ++s) summ += m[s] * sums[s];
+        acc.mins[t] = std::fma(dmin * dx, static_cast<float>(summ), acc.mins[t]);
+      }
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t].v) - acc.mins[t];
+#else
+  Block blk;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    decode(kind, row + b * type.bytes, blk);
+    const int64_t nsub = type.block / blk.sub;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t tok = t0 + t;
+      const int8_t* xq = a.q + tok * K + b * type.block;
+      int32_t sumi = 0;
+      for (int64_t s = 0; s < nsub; ++s) {
+        int32_t dot = 0;
+        for (int j = 0; j < blk.sub; ++j) dot += int32_t(blk.q[blk.sub * s + j]) * xq[blk.sub * s + j];
+        sumi += blk.sc[s] * dot;
+      }
+      const float dx = a.d[tok * nblocks + b];
+      acc.scalar[t] = std::fma(static_cast<float>(sumi), blk.d * dx, acc.scalar[t]);
+      if (has_min(kind)) {
+        acc.mins[t] = std::fma(blk.dmin, dx * static_cast<float>(a.sum[tok * per32 + b]), acc.mins[t]);
+      } else if (kind != Kind::Q5_0 && kind != Kind::Q6_K) {
+        int32_t summ = 0;
+        for (int s = 0; s < 8; ++s) summ += blk.m[s] * a.sum[tok * per32 + b * 8 + s];
+        acc.mins[t] = std::fma(blk.dmin * dx, static_cast<float>(summ), acc.mins[t]);
+      }
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) out[t * ld] = is_k(kind) ? acc.scalar[t] - acc.mins[t] : acc.scalar[t] + acc.mins[t];
+#endif
+}
+
+// A chunk of rows of one call, as work::run runs it (quant_matmul.h's MatmulJob, for these types)
+struct Job {
+  const Type* type;
+  const uint8_t* w;
+  Acts acts;
+  float* out;
+  int64_t T, K, N, row_bytes, per_chunk;
+
+  bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
+    const int64_t begin = c * per_chunk, end = std::min(N, begin + per_chunk);
+    const auto [o, ld] = work::destination(out, N, T, begin, end - begin, scratch);
+    thread_local Accs acc;
+    for (int64_t t0 = 0; t0 < T; t0 += kTokenTile) {
+      const int64_t t1 = std::min(T, t0 + kTokenTile);
+      for (int64_t n = begin; n < end; ++n) {
+        if (!live()) return false;
+        row_dot(*type, w + n * row_bytes, acts, K, t0, t1, o + t0 * ld + (n - begin), ld, acc);
+      }
+    }
+    return true;
+  }
+
+  void commit(int64_t c, std::vector<float>* scratch) const {
+    const int64_t begin = c * per_chunk;
+    work::publish(out, N, T, begin, std::min(N, begin + per_chunk) - begin, *scratch);
+  }
+};
+
+// out (T, N) float = x (T, K) @ W^T, W (N, K) in `type`'s blocks. keep: W's tensor (work_pool.h:
+// held, with the activations this call owns, until no worker reads them).
+inline void matmul(const Type& type, const float* x, const uint8_t* w, float* out, int64_t T, int64_t K, int64_t N,
+                   work::Keep keep) {
+  work::Pool& pool = work::Pool::get();
+  const int64_t nd = is_k(type.kind) ? T * K / kSuper : T * K / kBlock;
+  const int64_t o_d = work::lines(T * K), o_sum = o_d + work::lines(nd * 4);
+  unsigned char* mem = work::owned(keep, o_sum + T * K / kBlock * 4);
+  const Acts acts{reinterpret_cast<int8_t*>(mem), reinterpret_cast<float*>(mem + o_d),
+                  reinterpret_cast<int32_t*>(mem + o_sum)};
+  quantize_acts(type.kind, x, T, K, acts);
+  const int64_t row_bytes = K / type.block * type.bytes;
+  const int64_t reads = row_bytes * N * ((T + kTokenTile - 1) / kTokenTile);
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread, N, work::Pool::kMaxChunks}));
+  Job job{&type, w, acts, out, T, K, N, row_bytes, (N + chunks - 1) / chunks};
+  work::run((N + job.per_chunk - 1) / job.per_chunk, job, T, std::move(keep));
+}
+
+// rows `ids` (T) of a table (V, K) in `type`'s blocks, dequantized as gguf does: out (T, K)
+inline void embedding_rows(const Type& type, const uint8_t* w, const int64_t* ids, int64_t T, int64_t K, float* out) {
+  const int64_t row_bytes = K / type.block * type.bytes;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < K / type.block; ++b)
+      dequantize_block(type.kind, w + ids[t] * row_bytes + b * type.bytes, out + t * K + b * type.block);
+}
+
+}  // namespace quant::types
