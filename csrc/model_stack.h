@@ -39,7 +39,8 @@ std::string slot_name(int64_t layer, int slot) { return "layer " + std::to_strin
 // w (n_out, in): the model's dtype, contiguous, or Q8_0 / Q4_0 blocks for `in` inputs
 void check_weight(const Tensor& w, int64_t n_out, int64_t in, at::ScalarType t, const std::string& what) {
   if (quant_blocks(w)) {
-    quant::check_blocks(w, in, what.c_str());
+    if (quant::other_type(w, in, what.c_str()) == nullptr)   // (N, blocks, type size): Q4_1 ... Q6_K
+      quant::check_blocks(w, in, what.c_str());
     TORCH_CHECK(w.size(0) == n_out, "pagedecode._cpu.Stack: ", what, " holds ", w.size(0), " rows, expected ", n_out);
     return;
   }
@@ -77,7 +78,7 @@ Stack make_stack(std::vector<std::vector<Tensor>> layers, Tensor embed, Tensor f
               "pagedecode._cpu.Stack: final_norm must be (hidden,) float32 or bfloat16");
   const at::ScalarType t = final_norm.scalar_type();
   const int64_t hidden = final_norm.size(0);
-  const int64_t vocab = embed.dim() == 2 ? embed.size(0) : 0;
+  const int64_t vocab = embed.dim() >= 2 ? embed.size(0) : 0;
   check_weight(embed, vocab, hidden, t, "embed");
   check_weight(lm_head, vocab, hidden, t, "lm_head");
   check_copies(lm_head, lm_head_t, lm_head_packed, vocab, hidden, "lm_head");
@@ -85,7 +86,8 @@ Stack make_stack(std::vector<std::vector<Tensor>> layers, Tensor embed, Tensor f
                   sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
               "pagedecode._cpu.Stack: rope tables must be (positions, ", D, ") float32, got ", cos.sizes());
   const Tensor& gate_up = layers[0].size() == kSlots ? layers[0][kGateUpW] : Tensor();
-  TORCH_CHECK(gate_up.defined() && gate_up.dim() == 2 && gate_up.size(0) % 2 == 0,
+  TORCH_CHECK(gate_up.defined() && (gate_up.dim() == 2 || (quant_blocks(gate_up) && gate_up.dim() == 3)) &&
+                  gate_up.size(0) % 2 == 0,
               "pagedecode._cpu.Stack: layer 0 gate_up_w must be (2 intermediate, hidden)");
   const int64_t inter = gate_up.size(0) / 2, qkv = (H + 2 * Hkv) * D;
   for (int64_t i = 0; i < static_cast<int64_t>(layers.size()); ++i) {
