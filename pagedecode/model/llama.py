@@ -206,7 +206,7 @@ class LlamaModel:
         seen: dict[int, tuple[str, int]] = {}
         own = self._weights()
         for w in own:
-            kind = w.kind if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
+            kind = w.kind if isinstance(w, (QuantizedWeight, RowStack)) else str(w.dtype).removeprefix("torch.")
             seen.setdefault(_storage_key(w), (kind, weight_bytes(w)))
         for w in self._compiled.tensors() if self._compiled is not None else []:
             seen.setdefault(_storage_key(w), ("copies", weight_bytes(w)))    # the model's own are seen already

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from .gguf_file import _reader, chat_template, is_gguf, read_metadata
+from .gguf_file import chat_template, is_gguf, read_metadata
 from .gguf_tokenizer import build_tokenizer
 
 EXPORTED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -28,7 +28,7 @@ def export_tokenizer(model: str | Path, out: str | Path) -> list[Path]:
         return [Path(p) for p in copied]
     if not is_gguf(model):
         raise ModelLoadError(f"{model} is neither a GGUF file nor a model directory")
-    meta = read_metadata(_reader(model))
+    meta = read_metadata(model)
     tok = build_tokenizer(meta)
     template, specials = chat_template(model)
     tok.save(out / "tokenizer.json")
