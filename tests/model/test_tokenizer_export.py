@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedecode import cli
-from pagedecode.model.gguf_file import _reader, read_metadata
+from pagedecode.model.gguf_file import read_metadata
 from pagedecode.model.gguf_tokenizer import build_tokenizer
 
 TEXTS = ["Once upon a time", "Hello <s> world </s> 123 ünïcode 🙂", "  lead spaces\n\nnew line\ttab", ""]
@@ -31,7 +31,7 @@ def test_stories_gguf_export_encodes_as_the_engine(stories_path, tmp_path, capsy
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == ("<s>", "</s>", True)
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
-    ours = build_tokenizer(read_metadata(_reader(gguf)))
+    ours = build_tokenizer(read_metadata(gguf))
     for text in TEXTS:
         assert hf(text)["input_ids"] == ours.encode(text), text
         assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text, add_special_tokens=False)
@@ -54,7 +54,7 @@ def test_smollm2_export_keeps_the_chat_template(tmp_path):
     from pagedecode.server.chat import ChatTemplate, load_template
     assert cli.main(["export-tokenizer", str(gguf), str(tmp_path / "tok")]) == 0
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
-    ours = build_tokenizer(read_metadata(_reader(gguf)))
+    ours = build_tokenizer(read_metadata(gguf))
     for text in TEXTS:
         assert hf(text)["input_ids"] == ours.encode(text), text
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
