@@ -11,7 +11,7 @@ from pagedecode.kernels.matmul import deterministic_linear, matmul_ref
 from pagedecode.kernels.quant_matmul import dequantize_blocks, quant_matmul_deterministic, random_blocks
 from pagedecode.kernels.rmsnorm import rms_norm, rms_norm_deterministic
 
-from .conftest import DEVICE, TOL, needs_triton, random_page_tables, rel_err
+from .conftest import DEVICE, TOL, needs_row_invariant_dot, needs_triton, random_page_tables, rel_err
 from .test_attention import stable_seed
 
 pytestmark = needs_triton
@@ -128,6 +128,7 @@ def test_matmul_rows_are_the_same_bits_for_every_row_count(dtype, bias):
     """Row i of a 64-row product equals the same row computed in calls of 1, 3 and 17 rows, taken
     from the start, the end and the middle of the 64: K = 83 is not a multiple of BLOCK_K (the
     masked tail), N = 45 not a multiple of BLOCK_N."""
+    needs_row_invariant_dot()
     g = torch.Generator().manual_seed(stable_seed("det-mm", dtype, bias))
     M, K, N = 64, 83, 45
     x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
@@ -170,6 +171,7 @@ def test_rmsnorm_rows_are_the_same_bits_for_every_row_count(dtype):
 def test_quantized_matmul_rows_are_the_same_bits_for_every_row_count(kind, dtype):
     """Deterministic mode's quantized path: always the GEMM with one config (the default path
     takes the GEMV for one row, whose reduction order differs)."""
+    needs_row_invariant_dot()
     g = torch.Generator().manual_seed(stable_seed("det-qmm", kind, dtype))
     M, K, N = 64, 96, 45
     x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
