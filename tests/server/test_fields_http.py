@@ -25,7 +25,8 @@ COMMON = {
 CASES = {
     "/v1/completions": {**COMMON, "prompt": (5, [[1]] * 65), "logprobs": ("x", 6)},
     "/v1/chat/completions": {**COMMON, "echo": ("yes", True), "messages": ("x", []),
-                             "max_completion_tokens": ("x", 0), "logprobs": (1, None), "top_logprobs": ("x", 21)},
+                             "max_completion_tokens": ("x", 0), "logprobs": (1, None), "top_logprobs": ("x", 21),
+                             "prediction": ("x", {"type": "content", "content": 5})},
     "/v1/responses": {
         **{name: COMMON[name] for name in ("temperature", "top_p", *PASSED)},
         "input": (5, []), "instructions": (5, None), "max_output_tokens": ("x", 5000), "stream": ("yes", None),

@@ -41,14 +41,16 @@ COMMON = ["model", "echo", "best_of", "suffix", "tools", "user", "chat_template"
           "structured_outputs.grammar", "structured_outputs.json_object", "prompt_logprobs"]
 FIELDS = {"/v1/completions": ["prompt"] + COMMON,
           "/v1/chat/completions": ["messages", "messages[0]", "messages[0].role", "messages[0].content",
-                                   "max_completion_tokens", "top_logprobs"] + COMMON}
+                                   "max_completion_tokens", "top_logprobs", "prediction", "prediction.type",
+                                   "prediction.content", "tool_choice",
+                                   "parallel_tool_calls", "functions", "function_call"] + COMMON}
 # a chat template that concatenates, as many real ones do: content null is a TypeError inside it
 CONCAT = ("{% for m in messages %}{{ bos_token + m['role'] + ': ' + m['content'] }}{% endfor %}"
           "{% if add_generation_prompt %} Answer:{% endif %}")
 
 
 HOLDERS = {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}, "stream_options": {},
-           "structured_outputs": {}}
+           "structured_outputs": {}, "prediction": {"type": "content", "content": "Once"}}
 
 
 def wait_idle(engine, timeout=30):

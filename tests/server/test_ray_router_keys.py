@@ -30,7 +30,7 @@ def test_router_keys_a_chat_with_special_token_text_as_the_server_encodes_it(sto
     template = ChatTemplate(TEMPLATE, specials)
     # the server's side: the prompt its admission makes of this body
     body = {"model": "m", "messages": MESSAGES}
-    state = SimpleNamespace(chat_template=template, engine=SimpleNamespace(tokenizer=tok),
+    state = SimpleNamespace(chat_template=template, engine=SimpleNamespace(tokenizer=tok, max_context=4096),
                             options=SimpleNamespace(allow_special_tokens_in_content=allow_special))
     [server_ids] = prompts_of(state, parse_request(body, True, {}, Limits(), 1))
     # the router's side, with what a replica's routing_info hands it
