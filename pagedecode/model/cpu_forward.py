@@ -146,6 +146,11 @@ class CompiledForward:
         self.cos32, self.sin32 = cos.float().contiguous(), sin.float().contiguous()
         self.stack = self._stack()
 
+    def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Grown RoPE tables (LlamaModel._cover_positions): the Stack is rebuilt over them."""
+        self.cos32, self.sin32 = cos.float().contiguous(), sin.float().contiguous()
+        self.stack = self._stack()
+
     def _stack(self) -> Any:
         """The extension's view of the weights: each layer's slots in its order, every shape checked."""
         assert _cpu_ext is not None

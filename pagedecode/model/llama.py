@@ -161,7 +161,7 @@ class LlamaModel:
         if need > have:
             cos, sin = self._rope_tables(min(max(need, 2 * have), self.config.max_position_embeddings))
             if self._compiled is not None:
-                self._compiled.cos32, self._compiled.sin32 = cos.contiguous(), sin.contiguous()
+                self._compiled.set_rope(cos, sin)
 
     def configure_cpu(self, matmul: str = "onednn", pack_weights: bool = True) -> None:
         """How the compiled CPU forward multiplies (EngineConfig.cpu_matmul / cpu_pack_weights;
