@@ -81,6 +81,7 @@ def test_a_model_keeps_the_packed_copy_of_the_mode_that_runs(dtype):
     from pagedecode.model.kv_cache import KVCache
     import random
     model = random_model(dtype, heads=4, kv_heads=2, head_dim=64)       # qkv 512 x 256: not a small layer
+    model.configure_cpu("onednn", pack_weights=True)    # packing is off by default (one copy of each weight)
     c = model.config
     assert model._compiled.packed_kind in ("onednn", None)
     model.deterministic = True

@@ -12,6 +12,7 @@ from pagedecode.kernels._backend import HAS_TRITON, interpreting
 from pagedecode.model.batch import ForwardBatch
 from pagedecode.model.kv_cache import KVCache
 
+from ..kernels.conftest import needs_row_invariant_dot
 from .test_cpu_extension import random_model
 
 ON_GPU = torch.cuda.is_available() and not interpreting()
@@ -66,6 +67,7 @@ class Sequences:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_are_the_same_bits_however_the_prompt_is_batched_or_chunked(dtype):
+    needs_row_invariant_dot()
     model = random_model(dtype, heads=4, kv_heads=2, head_dim=8, bias=True, device=DEVICE)
     model.attention_backend = "triton"
     model.deterministic = True

@@ -63,10 +63,11 @@ def test_prompt_logprobs_equal_transformers_under_chunking_and_preemption(which,
     ref = hf_reference(path, PROMPT, 3)
     params = pd.SamplingParams(max_tokens=3, prompt_logprobs=3)
     whole = pd.Engine.from_pretrained(path, attention_backend=backend).generate([PROMPT], params)[0]
-    # the compiled CPU forward ("auto") is within 1e-5 of transformers and computes a row the same
-    # whatever the chunk; the torch path's extend attention differs by a few float32 ulps per chunk
-    # shape (1.1e-5 from transformers on stories260k, where logprobs reach -30)
-    check(whole, ref, 3, 1e-5 if backend == "auto" else 2e-5)
+    # the compiled CPU forward ("auto") is within 2e-5 of transformers (1.24e-5 measured on an AVX2
+    # CPU, under 1e-5 with AVX-512) and computes a row the same whatever the chunk; the torch path's
+    # extend attention differs by a few float32 ulps per chunk shape (1.1e-5 from transformers on
+    # stories260k, where logprobs reach -30)
+    check(whole, ref, 3, 2e-5)
 
     chunked = pd.Engine.from_pretrained(path, attention_backend=backend, max_tokens_per_step=8)
     rid = chunked.add_request(PROMPT, params)
@@ -82,7 +83,7 @@ def test_prompt_logprobs_equal_transformers_under_chunking_and_preemption(which,
         assert out.prompt_logprobs == whole.prompt_logprobs and out.prompt_top_logprobs == whole.prompt_top_logprobs
     else:
         assert close(out.prompt_logprobs, whole.prompt_logprobs, 1e-5)
-    check(out, ref, 3, 1e-5 if backend == "auto" else 2e-5)
+    check(out, ref, 3, 2e-5)
     assert out.token_ids == whole.token_ids
 
 
