@@ -63,6 +63,12 @@ def cpu_ext() -> types.ModuleType | None:
     return _cpu_ext
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls on this CPU."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else torch.backends.mkldnn.is_available()
+
+
 def plain(w: Weight) -> torch.Tensor:
     """What the compiled kernels take: a float weight, or a quantized one's blocks."""
     if isinstance(w, QuantizedWeight):
@@ -163,7 +169,9 @@ class CompiledForward:
     def configure(self, matmul: str, pack_weights: bool) -> None:
         """LlamaModel.configure_cpu's effect: oneDNN or at::mm for the larger matmuls, and whether
         the packed copies are kept."""
-        self.onednn = matmul == "onednn"
+        # oneDNN's bfloat16 matmul needs the CPU's bf16 support (AVX-512 BF16 / AMX): without it
+        # it cannot create its primitive, so a bfloat16 model takes at::mm there
+        self.onednn = matmul == "onednn" and (self.dtype != torch.bfloat16 or onednn_bf16_supported())
         self.pack_weights = pack_weights
         self._pack()
 
