@@ -322,8 +322,8 @@ class Router:
 def relayed_headers(reply_headers: list[tuple[bytes, bytes]], name: str) -> tuple[dict[str, str], str | None]:
     """The replica's response headers as the router answers them, and its media type. Serve's
     proxy always adds its own X-Request-Id: pagedecode's comes as X-Pagedecode-Request-Id."""
-    out = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply_headers
-           if k.lower() not in (b"content-length", b"content-type", b"x-request-id")}
+    out = {k.decode("latin-1"): v.decode("latin-1") for k, v in reply_headers   # the replica's id once, below
+           if k.lower() not in (b"content-length", b"content-type", b"x-request-id", b"x-pagedecode-request-id")}
     rid = next((v.decode("latin-1") for k, v in reply_headers if k.lower() == b"x-request-id"), None)
     if rid is not None:
         out["X-Pagedecode-Request-Id"] = rid
