@@ -51,10 +51,12 @@ def test_text_message(client):
 
 
 def test_stop_sequence(client):
-    free = create(client, max_tokens=30, temperature=1.0, top_k=40, top_p=0.9, metadata={"user_id": "u1"})
+    # greedy (top_k / top_p taken, no effect): the second request makes the first one's text again,
+    # so its stop sequence is met (sampled, the two draws differed and the stop could be missed)
+    free = create(client, max_tokens=30, temperature=0.0, top_k=40, top_p=0.9, metadata={"user_id": "u1"})
     text = free.content[0].text
     stop = text[3:5]
-    m = create(client, max_tokens=30, temperature=1.0, top_k=40, top_p=0.9, stop_sequences=[stop])
+    m = create(client, max_tokens=30, temperature=0.0, top_k=40, top_p=0.9, stop_sequences=[stop])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
 
 
