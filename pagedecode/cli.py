@@ -265,7 +265,8 @@ def _report(ids: list[str], arrival: dict[str, float], stamps: dict[str, list[tu
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .server.flags import HelpFormatter, add_arguments, add_model_arguments, add_speculative_arguments, positive
+    from .server.flags import (HelpFormatter, add_arguments, add_model_arguments, add_sampling_arguments,
+                               add_speculative_arguments, positive)
     from .terminal_chat import add_chat_arguments
     ap = argparse.ArgumentParser(prog="pagedecode", description=__doc__,
                                  formatter_class=HelpFormatter)
@@ -275,18 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("demo", "several concurrent requests with a progress display and a latency table")):
         p = sub.add_parser(name, help=what, description=what, formatter_class=HelpFormatter)
         add_model_arguments(p)
-        p.add_argument("--max-tokens", type=positive, default=64 if name == "generate" else 48,
-                       help="most tokens to generate per request")
-        p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 0.8,
-                       help="0 selects greedily")
-        p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 disables)")
-        p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep, in (0, 1]")
-        p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-        p.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and output ids (1 disables)")
+        add_sampling_arguments(p, 64 if name == "generate" else 48, 0.0 if name == "generate" else 0.8, "request")
         p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], over output ids")
         p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], over output ids")
-        p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-        p.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn per request)")
         p.add_argument("--logprobs", action="store_true", help="report the chosen tokens' logprobs (generate)")
         p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
         p.add_argument("--deterministic", action="store_true",

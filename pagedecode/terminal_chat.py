@@ -190,11 +190,5 @@ def chat_params(args: argparse.Namespace) -> SamplingParams:
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="a system prompt that leads the conversation")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens of one reply")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 selects greedily")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 disables)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep, in (0, 1]")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and output ids (1 disables)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn per reply)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end of turn")
+    from .server.flags import add_sampling_arguments
+    add_sampling_arguments(p, 512, 0.0, "reply")

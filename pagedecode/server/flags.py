@@ -168,6 +168,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_arguments(p)
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int, temperature: float, per: str) -> None:
+    """The sampling flags every generating command takes (generate, demo, chat); `per`: what one
+    max_tokens and one drawn seed are for ("request", "reply")."""
+    p.add_argument("--max-tokens", type=positive, default=max_tokens, help=f"most tokens to generate per {per}")
+    p.add_argument("--temperature", type=float, default=temperature, help="0 selects greedily")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 disables)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep, in (0, 1]")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and output ids (1 disables)")
+    p.add_argument("--seed", type=int, default=None, help=f"sampling seed (default: drawn per {per})")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+
+
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     """--speculative-method, --num-speculative-tokens, --draft-model, --speculative-draft-quantization
     (generate, demo and serve)."""
