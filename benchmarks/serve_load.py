@@ -94,11 +94,11 @@ async def run_inprocess(engine, args, progress) -> dict:
         return summary(time.perf_counter() - t, ttft, itl, tokens, args.requests)
 
 
-def start_server(model: str, batch: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """The server logs to a file (a pipe nobody drains would block it once full)."""
+def start_server(model: str, batch: int, log_path: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """The server logs to a file (a pipe nobody drains would block it once full). extra: more flags."""
     log = open(log_path, "w")
     p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "serve", "--model", model, "--port", "0",
-                          "--served-model-name", "m", "--max-batch-size", str(batch)],
+                          "--served-model-name", "m", "--max-batch-size", str(batch), *extra],
                          stdout=log, stderr=subprocess.STDOUT, text=True)
     for _ in range(1200):
         for line in log_path.read_text().splitlines():

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -123,6 +124,66 @@ def case(name: str, engines: dict[str, pd.Engine], prompts: list[str], params: d
     return c
 
 
+def http_case(model: str, prompts: list[str], k: int, max_tokens: int, repeat: int) -> dict:
+    """The input-grounded set over HTTP, single stream, as a client sees it: two servers on loopback
+    ports (plain and n-gram speculation), the official openai client streaming chat completions,
+    greedy; tokens/s from the usage chunk over the wall time of each request."""
+    import tempfile
+
+    import openai
+    from serve_load import start_server
+
+    tmp = Path(tempfile.mkdtemp())
+    servers = {"off": start_server(model, 16, tmp / "off.log"),
+               "on": start_server(model, 16, tmp / "on.log", ["--speculative-method", "ngram",
+                                                               "--num-speculative-tokens", str(k)])}
+    try:
+        clients = {m: openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) for m, (_, url) in servers.items()}
+
+        def one_run(mode: str) -> dict:
+            tokens, wall, texts = 0, 0.0, []
+            for p in prompts:
+                t0 = time.perf_counter()
+                stream = clients[mode].chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
+                    stream=True, stream_options={"include_usage": True})
+                parts = []
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        parts.append(chunk.choices[0].delta.content)
+                    if chunk.usage is not None:
+                        tokens += chunk.usage.completion_tokens
+                wall += time.perf_counter() - t0
+                texts.append("".join(parts))
+            return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "outputs": texts}
+
+        for mode in servers:                                         # first-call costs out of the timing
+            clients[mode].chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4)
+        runs: dict[str, list[dict]] = {"off": [], "on": []}
+        for rep in range(repeat):
+            for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                la = os.getloadavg()[0]
+                r = one_run(mode)
+                r["load"] = la
+                runs[mode].append(r)
+                log(f"grounded-http x1 {mode} run {rep + 1}: {r['tokens_per_s']:.1f} tok/s")
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+    same = all(r["outputs"] == runs["off"][0]["outputs"] for r in runs["off"] + runs["on"])
+    for rs in runs.values():
+        for r in rs:
+            del r["outputs"]
+    med = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in runs.items()}
+    c = {"case": "grounded-greedy-http", "concurrent": 1, "identical_outputs": same,
+         "off_tokens_per_s": med["off"], "on_tokens_per_s": med["on"], "speedup": med["on"] / med["off"],
+         "acceptance": None, "load": [r["load"] for rs in runs.values() for r in rs], "runs": runs}
+    log(f"grounded-http x1: {c['speedup']:.2f}x, identical {same}")
+    return c
+
+
 def bench(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
     model = smollm2_f32_gguf()
@@ -144,14 +205,21 @@ def bench(args: argparse.Namespace) -> dict:
         eng.generate([workloads["chat"][0]], pd.SamplingParams(max_tokens=4))
     cases = []
     concurrency = [int(c) for c in args.concurrency.split(",")]
+    only = set(args.only.split(",")) if args.only else {"grounded", "chat", "edit"}
     for name, prompts in workloads.items():
+        if name not in only:
+            continue
         for label, p in sampling.items():
             for conc in concurrency:
                 cases.append(case(f"{name}-{label}", {"off": plain, "on": engines[name]}, prompts,
                                   {"off": [p] * len(prompts), "on": [p] * len(prompts)}, conc, args.repeat))
+    if args.http:
+        cases.append(http_case(str(model), grounded_prompts()[:n], args.k, args.max_tokens, args.repeat))
     edit = [chat(f"Rename the function `area_{i}` to `rectangle_area_{i}` in this file and give back the whole "
                  f"file, nothing else:\n\n{CODE}") for i in (3, 7, 10)]
     for label, p in sampling.items():
+        if "edit" not in only:
+            break
         edit_params = replace(p, max_tokens=args.edit_tokens)
         cases.append(case(f"code-edit-{label}", {"off": plain, "on": plain}, edit,
                           {"off": [edit_params] * 3, "on": [replace(edit_params, prediction=CODE)] * 3}, 1, args.repeat))
@@ -184,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--edit-tokens", type=int, default=700)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--draft-quantization", default="q4_0")
+    ap.add_argument("--http", action="store_true", help="also the input-grounded set over HTTP (two servers)")
+    ap.add_argument("--only", default=None, help="comma-separated workloads to run: grounded, chat, edit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     result = bench(args)
