@@ -82,7 +82,8 @@ if HAS_TRITON:
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-            at = tl.load(a_cols + k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0).to(DOT_DTYPE)  # (BK, BR): A^T
+            at = tl.load(a_cols + k[:, None], mask=k_ok[:, None] & r_ok[None, :],
+                         other=0.0).to(DOT_DTYPE)                                      # (BK, BR): A^T
             if DOT_DTYPE == tl.float32:        # float32 stays float32 (no TF32), as the reference
                 acc = tl.dot(xt, at, acc, input_precision="ieee")
             else:                              # 16-bit products are exact in the float32 accumulator
