@@ -7,13 +7,17 @@ Shapes and layout (kernels/quant_types.py draws each block):
              stores them
     returns  (..., N) = x @ w.T in x's dtype (float32 accumulation)
 
-One device function, `_weight`, computes w[n, k] for any (row, input) pairs by gguf's formulas:
-it reads the block's float16 fields through a float16 view of the same bytes (every type's size
-is even and its float16 fields sit at even offsets, so each is 2-byte aligned) and the quants,
-high bits and packed sub-scales through a uint8 view. Every kernel below dequantizes in registers
-with it (the weight never exists in float in memory):
+Three device functions hold gguf's formulas: `_block_base` (where input k's block starts),
+`_scale_offset` (its (sub-)block's scale and offset: w = scale * q + offset) and `_quant` (its
+quant, less the type's zero point); `_weight` puts them together for any (row, input) pairs. They
+read the block's float16 fields through a float16 view of the same bytes (every type's size is
+even and its float16 fields sit at even offsets, so each is 2-byte aligned) and the quants, high
+bits and packed sub-scales through a uint8 view. Every kernel below dequantizes in registers (the
+weight never exists in float in memory):
   - a GEMV for one row (single-stream decode): one program per (row, BLOCK_N outputs), BLOCK_K
-    inputs a trip, products accumulated elementwise and summed once at the end;
+    inputs a trip as sub-blocks (32 inputs sharing a scale; Q6_K's 16): each sub-block's quants
+    times x summed, then scaled once, plus its offset times the sub-block's sum of x, so the
+    scales are read once per sub-block;
   - a GEMM for more rows (prefill): M x N tiles, the dequantized (BLOCK_K, BLOCK_N) weight tile fed
     to tl.dot, programs in groups of GROUP_M row tiles (as quant_matmul.py's GEMM);
   - a dequantizing kernel for long prefills (more than GEMM_MAX_ROWS rows), whose float weight a
@@ -66,88 +70,116 @@ if HAS_TRITON:
         return sc, mn
 
     @triton.jit
-    def _weight(q_ptr, h_ptr, row, k, ok, KIND: tl.constexpr):
-        """w at weight-row byte offsets `row` (int64) and inputs `k`, broadcast together, in float32;
-        0 where `ok` is false. q_ptr: the blocks as uint8, h_ptr: the same bytes as float16 (element
-        = byte offset / 2). The float operations are quant_types.dequantize's, in its order."""
-        if KIND == "q4_1":                                     # d f16 | m f16 | qs[16]
-            base = tl.where(ok, row + (k // 32) * 20, 0)       # masked-off elements read block 0's bytes
-            j = k % 32
-            d = tl.load(h_ptr + base // 2).to(tl.float32)
-            m = tl.load(h_ptr + base // 2 + 1).to(tl.float32)
+    def _block_base(row, k, ok, KIND: tl.constexpr):
+        """Byte offset of the block holding input k of the weight row at byte `row`, and k's place j
+        in it; masked-off elements point at the first block (always there), so loads need no mask."""
+        if KIND == "q4_1":
+            return tl.where(ok, row + (k // 32) * 20, 0), k % 32
+        elif KIND == "q5_0":
+            return tl.where(ok, row + (k // 32) * 22, 0), k % 32
+        elif KIND == "q5_1":
+            return tl.where(ok, row + (k // 32) * 24, 0), k % 32
+        elif KIND == "q4_k":
+            return tl.where(ok, row + (k // 256) * 144, 0), k % 256
+        elif KIND == "q5_k":
+            return tl.where(ok, row + (k // 256) * 176, 0), k % 256
+        else:
+            tl.static_assert(KIND == "q6_k")
+            return tl.where(ok, row + (k // 256) * 210, 0), k % 256
+
+    @triton.jit
+    def _scale_offset(q_ptr, h_ptr, base, j, KIND: tl.constexpr):
+        """(scale, offset) in float32 of input j's (sub-)block at byte `base`: w = scale * q + offset,
+        q from _quant (offset unused, zeros, for Q5_0 and Q6_K). The products are
+        quant_types.dequantize's: d * sc and dmin * m for the K-quants (offset = -(dmin * m): adding
+        it is subtracting dmin * m, bit for bit)."""
+        d = tl.load(h_ptr + base // 2).to(tl.float32)
+        if KIND == "q4_1" or KIND == "q5_1":                   # d f16 | m f16 | ...
+            return d, tl.load(h_ptr + base // 2 + 1).to(tl.float32)
+        elif KIND == "q4_k" or KIND == "q5_k":                 # d | dmin | scales[12] | ...
+            sc, mn = _k_scale_min(q_ptr, base + 4, j // 32)
+            return d * sc.to(tl.float32), -(tl.load(h_ptr + base // 2 + 1).to(tl.float32) * mn.to(tl.float32))
+        elif KIND == "q6_k":                                   # ... | scales[16] int8 | d f16 (at 208)
+            sc = tl.load(q_ptr + base + 192 + j // 16).to(tl.int32)
+            sc = tl.where(sc > 127, sc - 256, sc)              # the sub-scale is int8
+            return tl.load(h_ptr + (base + 208) // 2).to(tl.float32) * sc.to(tl.float32), tl.zeros_like(d)
+        else:
+            tl.static_assert(KIND == "q5_0")
+            return d, tl.zeros_like(d)
+
+    @triton.jit
+    def _quant(q_ptr, base, j, KIND: tl.constexpr):
+        """Input j's quant (int32) in the block at byte `base`, less the type's zero point (Q5_0's 16,
+        Q6_K's 32)."""
+        if KIND == "q4_1":                                     # d | m | qs[16]: byte i = q[i] | q[i + 16] << 4
             byte = tl.load(q_ptr + base + 4 + j % 16).to(tl.int32)
-            q = tl.where(j < 16, byte & 15, byte >> 4)
-            w = d * q.to(tl.float32) + m
-        elif KIND == "q5_0":                                   # d f16 | qh u32 | qs[16]
-            base = tl.where(ok, row + (k // 32) * 22, 0)
-            j = k % 32
-            d = tl.load(h_ptr + base // 2).to(tl.float32)
+            return tl.where(j < 16, byte & 15, byte >> 4)
+        elif KIND == "q5_0":                                   # d | qh u32 (bit j: q[j]'s 5th bit) | qs[16]
             high = (tl.load(q_ptr + base + 2 + j // 8).to(tl.int32) >> (j % 8)) & 1
             byte = tl.load(q_ptr + base + 6 + j % 16).to(tl.int32)
-            q = tl.where(j < 16, byte & 15, byte >> 4) | (high << 4)
-            w = d * (q - 16).to(tl.float32)
-        elif KIND == "q5_1":                                   # d f16 | m f16 | qh u32 | qs[16]
-            base = tl.where(ok, row + (k // 32) * 24, 0)
-            j = k % 32
-            d = tl.load(h_ptr + base // 2).to(tl.float32)
-            m = tl.load(h_ptr + base // 2 + 1).to(tl.float32)
+            return (tl.where(j < 16, byte & 15, byte >> 4) | (high << 4)) - 16
+        elif KIND == "q5_1":                                   # d | m | qh u32 | qs[16]
             high = (tl.load(q_ptr + base + 4 + j // 8).to(tl.int32) >> (j % 8)) & 1
             byte = tl.load(q_ptr + base + 8 + j % 16).to(tl.int32)
-            q = tl.where(j < 16, byte & 15, byte >> 4) | (high << 4)
-            w = d * q.to(tl.float32) + m
-        elif KIND == "q4_k":                                   # d | dmin | scales[12] | qs[128]
-            base = tl.where(ok, row + (k // 256) * 144, 0)
-            j = k % 256
-            s = j // 32                                        # sub-block; qs holds pairs (2p, 2p + 1) in 32 bytes
-            sc, mn = _k_scale_min(q_ptr, base + 4, s)
-            d = tl.load(h_ptr + base // 2).to(tl.float32) * sc.to(tl.float32)
-            dm = tl.load(h_ptr + base // 2 + 1).to(tl.float32) * mn.to(tl.float32)
-            byte = tl.load(q_ptr + base + 16 + (j // 64) * 32 + j % 32).to(tl.int32)
-            q = tl.where(s % 2 == 0, byte & 15, byte >> 4)
-            w = d * q.to(tl.float32) - dm
-        elif KIND == "q5_k":                                   # d | dmin | scales[12] | qh[32] | qs[128]
-            base = tl.where(ok, row + (k // 256) * 176, 0)
-            j = k % 256
-            s = j // 32
-            sc, mn = _k_scale_min(q_ptr, base + 4, s)
-            d = tl.load(h_ptr + base // 2).to(tl.float32) * sc.to(tl.float32)
-            dm = tl.load(h_ptr + base // 2 + 1).to(tl.float32) * mn.to(tl.float32)
-            high = (tl.load(q_ptr + base + 16 + j % 32).to(tl.int32) >> s) & 1    # bit s of qh[j % 32]
-            byte = tl.load(q_ptr + base + 48 + (j // 64) * 32 + j % 32).to(tl.int32)
-            q = tl.where(s % 2 == 0, byte & 15, byte >> 4) | (high << 4)
-            w = d * q.to(tl.float32) - dm
-        else:                                                  # q6_k: ql[128] | qh[64] | scales[16] i8 | d
+            return tl.where(j < 16, byte & 15, byte >> 4) | (high << 4)
+        elif KIND == "q4_k":                                   # qs: pairs of sub-blocks (2p, 2p + 1) in 32
+            byte = tl.load(q_ptr + base + 16 + (j // 64) * 32 + j % 32).to(tl.int32)   # bytes, low nibbles
+            return tl.where((j // 32) % 2 == 0, byte & 15, byte >> 4)                   # the first
+        elif KIND == "q5_k":                                   # Q4_K's qs at 48, and bit s (the sub-block)
+            byte = tl.load(q_ptr + base + 48 + (j // 64) * 32 + j % 32).to(tl.int32)   # of qh[j % 32] at 16
+            high = (tl.load(q_ptr + base + 16 + j % 32).to(tl.int32) >> (j // 32)) & 1
+            return tl.where((j // 32) % 2 == 0, byte & 15, byte >> 4) | (high << 4)
+        else:                                                  # q6_k: ql[128] | qh[64] | ...
             tl.static_assert(KIND == "q6_k")
-            base = tl.where(ok, row + (k // 256) * 210, 0)
-            j = k % 256
             half = j // 128                                    # halves of 128: ql 64 bytes, qh 32
             quarter = (j % 128) // 32                          # input l + 32 i of a half: ql[l + 32 (i & 1)]
             lane = j % 32                                      #   >> 4 (i >> 1), qh[l] >> 2 i
             low = (tl.load(q_ptr + base + half * 64 + lane + 32 * (quarter % 2)).to(tl.int32)
                    >> (4 * (quarter // 2))) & 15
             high = (tl.load(q_ptr + base + 128 + half * 32 + lane).to(tl.int32) >> (2 * quarter)) & 3
-            sc = tl.load(q_ptr + base + 192 + j // 16).to(tl.int32)
-            sc = tl.where(sc > 127, sc - 256, sc)              # the sub-scale is int8
-            d = tl.load(h_ptr + (base + 208) // 2).to(tl.float32) * sc.to(tl.float32)
-            w = d * ((low | (high << 4)) - 32).to(tl.float32)
+            return (low | (high << 4)) - 32
+
+    @triton.jit
+    def _weight(q_ptr, h_ptr, row, k, ok, KIND: tl.constexpr):
+        """w at weight-row byte offsets `row` (int64) and inputs `k`, broadcast together, in float32;
+        0 where `ok` is false. q_ptr: the blocks as uint8, h_ptr: the same bytes as float16 (element
+        = byte offset / 2). The float operations are quant_types.dequantize's, in its order."""
+        base, j = _block_base(row, k, ok, KIND)
+        scale, offset = _scale_offset(q_ptr, h_ptr, base, j, KIND)
+        w = scale * _quant(q_ptr, base, j, KIND).to(tl.float32)
+        if KIND != "q5_0" and KIND != "q6_k":
+            w = w + offset
         return tl.where(ok, w, 0.0)
 
     @triton.jit
     def _gemv_kernel(x_ptr, q_ptr, h_ptr, out_ptr, N, K, stride_xm, stride_om, row_bytes,
-                     KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[m, n0:n0 + BLOCK_N] for one row m."""
+                     KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+        """out[m, n0:n0 + BLOCK_N] for one row m. A trip takes BLOCK_K / SUB sub-blocks (SUB inputs
+        sharing one scale and offset: 32, Q6_K's 16): the quants times x summed per sub-block, then
+        scaled once, plus offset x the sub-block's sum of x (the scale and offset read once per
+        sub-block, not per weight)."""
+        SUBS: tl.constexpr = BLOCK_K // SUB
         m = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         row = n.to(tl.int64) * row_bytes                       # (BN,) byte offset of each weight row
         x_row = x_ptr + m.to(tl.int64) * stride_xm
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc = tl.zeros([BLOCK_N, SUBS], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)                    # (BK,)
-            w = _weight(q_ptr, h_ptr, row[:, None], k[None, :], n_ok[:, None] & k_ok[None, :], KIND)   # (BN, BK)
-            acc += w * xv[None, :]
+            first = k0 + tl.arange(0, SUBS) * SUB               # (S,) each sub-block's first input
+            k = first[:, None] + tl.arange(0, SUB)[None, :]     # (S, SUB)
+            k_ok = k < K                                        # K is whole blocks: a sub-block is in or out
+            xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)                     # (S, SUB)
+            ok = n_ok[:, None] & (first < K)[None, :]                                         # (BN, S)
+            base, j = _block_base(row[:, None], first[None, :], ok, KIND)                     # (BN, S)
+            scale, offset = _scale_offset(q_ptr, h_ptr, base, j, KIND)
+            q = _quant(q_ptr, base[:, :, None], j[:, :, None] + tl.arange(0, SUB)[None, None, :], KIND)  # (BN, S, SUB)
+            part = tl.sum(q.to(tl.float32) * xv[None, :, :], axis=2)                          # (BN, S)
+            if KIND != "q5_0" and KIND != "q6_k":
+                part = part * scale + offset * tl.sum(xv, axis=1)[None, :]
+            else:
+                part = part * scale
+            acc += tl.where(ok, part, 0.0)
         tl.store(out_ptr + m.to(tl.int64) * stride_om + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
                  mask=n_ok)
 
@@ -229,10 +261,12 @@ def gguf_gemv_triton(x: torch.Tensor, blocks: torch.Tensor, kind: str, out: torc
     """x (M, K) contiguous rows, out (M, N); each row through the GEMV."""
     M, K = x.shape
     N = blocks.shape[0]
+    sub = 16 if kind == "q6_k" else 32                          # inputs sharing a scale
+    assert block_k % sub == 0 and triton.next_power_of_2(block_k) == block_k
     quants, halves = _views(blocks)
     _gemv_kernel[(M, triton.cdiv(N, block_n))](
         x, quants, halves, out, N, K, x.stride(0), out.stride(0), blocks.shape[1],
-        KIND=kind, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        KIND=kind, BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub, num_warps=num_warps)
     return out
 
 

@@ -142,7 +142,7 @@ def gguf_cases():
             if dt == "bf16":
                 bn, bk, warps = QUANT_GEMV[0]
                 yield f"gguf gemv {kind} {dt} n={bn} k={bk} w={warps}", GM._gemv_kernel, types, dict(
-                    KIND=kind, BLOCK_N=bn, BLOCK_K=bk), dict(num_warps=warps)
+                    KIND=kind, BLOCK_N=bn, BLOCK_K=bk, SUB=16 if kind == "q6_k" else 32), dict(num_warps=warps)
                 yield f"gguf dequantize {kind} {dt}", GM._dequantize_kernel, types, dict(
                     KIND=kind, BLOCK_N=16, BLOCK_K=256), dict(num_warps=4)
             for bm, bn, bk, warps, stages in (gemms if dt == "bf16" else gemms[:1]):
