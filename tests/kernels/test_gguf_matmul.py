@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pagedecode.kernels import gguf_matmul as GM
-from pagedecode.kernels.gguf_matmul import (KINDS, gguf_dequantize_triton, gguf_matmul_ref, gguf_matmul_triton)
+from pagedecode.kernels._backend import interpreting
+from pagedecode.kernels.gguf_matmul import KINDS, gguf_dequantize_triton, gguf_matmul_ref, gguf_matmul_triton
 from pagedecode.kernels.quant_matmul import quant_matmul, quant_matmul_deterministic
 from pagedecode.kernels.quant_types import BLOCK_TYPES, dequantize, random_blocks
 
@@ -112,3 +113,19 @@ def test_deterministic_rows_are_the_same_bits_for_every_row_count(kind):
     for m, start in ((1, 0), (1, 32), (3, 5), (17, 16)):
         assert torch.equal(quant_matmul_deterministic(x[start:start + m], blocks, kind, backend="triton"),
                            full[start:start + m]), f"{m} rows from {start}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs CUDA and compiled Triton")
+def test_kernel_sweep_gguf_and_lora_rows_on_cuda():
+    """The device check's timing rows, small: each checked against the reference first."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import kernel_sweep
+    bw = kernel_sweep.copy_bandwidth()
+    for kind in KINDS:
+        for M in (1, 17):                        # the GEMV and the GEMM (configs the tests above compiled)
+            row = kernel_sweep.quant_case(kind, M, 1024, 512, bw, dense=False)
+            assert "error" not in row and row["rel_err"] < 1.5e-2 and row["us"] > 0 and row["GB/s"] > 0, row
+    row = kernel_sweep.lora_case(rows=16, adapters=4, rank=64, n=1024, k=512)
+    assert row["rel_err"] < 1.5e-2 and row["us"] > 0, row
