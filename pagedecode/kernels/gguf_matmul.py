@@ -19,14 +19,18 @@ weight never exists in float in memory):
     times x summed, then scaled once, plus its offset times the sub-block's sum of x, so the
     scales are read once per sub-block;
   - a GEMM for more rows (prefill): M x N tiles, the dequantized (BLOCK_K, BLOCK_N) weight tile fed
-    to tl.dot, programs in groups of GROUP_M row tiles (as quant_matmul.py's GEMM);
+    to tl.dot, programs in groups of GROUP_M row tiles (as quant_matmul.py's GEMM; here each
+    weight reads its scale, cached: the factoring the GEMV does is the next step if a GPU sweep
+    finds the GEMM's loads the limit);
   - a dequantizing kernel for long prefills (more than GEMM_MAX_ROWS rows), whose float weight a
     plain matmul then takes; in float32 it is gguf's dequantization bit for bit (the tests hold it
     to quant_types.dequantize, which is held to gguf).
 The references: `gguf_matmul_ref` (the weight dequantized by quant_types for the call, then
 F.linear), and quant_types.dequantize for the dequantizing kernel.
 
-Launch configurations are the Q8_0 / Q4_0 kernels' measured ones, not yet swept for these types
+Not batch-invariant (the GEMV and the GEMM sum in different orders); deterministic mode takes the
+GEMM with one config for every row count (gguf_matmul_deterministic). Launch configurations are
+the Q8_0 / Q4_0 kernels' measured ones, not yet swept for these types
 (benchmarks/kernel_sweep.py --quant times them on a GPU).
 """
 from __future__ import annotations
