@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check: one call on a lent CUDA GPU (an H100 / H200), in the project's own venv; the
-# default steps together at most 480 s (STEPS= a few of them for a rerun within a 15-minute lease).
+# default steps together at most 570 s (STEPS= a few of them for a rerun within a 15-minute lease).
 #
 #   bash benchmarks/device_check.sh            run every step (results under $OUT, else
 #                                             benchmarks/results/device-<date>-<time>/)
@@ -27,7 +27,10 @@
 #            random Llamas: tokens/s, TTFT, ITL with and without decode graphs,
 #            transformers' generate, host vs GPU time per step                     e2e.json
 #   quant    copy bandwidth; Q8_0 / Q4_0 GEMV and GEMM: weight GB/s vs it, beside
-#            dequantize + matmul and a dense bf16 matmul; config sweep              quant.json
+#            dequantize + matmul and a dense bf16 matmul; a row each for Q4_1, Q5_0,
+#            Q5_1, Q4_K, Q5_K, Q6_K (GEMV at 1 row, GEMM at 16: kernels/gguf_matmul.py)
+#            and for the segmented LoRA delta (rank 64, 16 rows over 4 adapters);
+#            config sweep                                                            quant.json
 #   micro    the pytest-benchmark micro-benchmarks (benchmarks/micro) on CUDA       micro.json
 #   spec     speculative decoding's rejection kernel vs its torch reference:
 #            equal tokens, microseconds (benchmarks/speculative.py --kernel)        spec.json
@@ -105,7 +108,7 @@ print(env); open('$RESULTS/env.json', 'w').write(json.dumps(env, indent=1) + '\n
 
 step build 40 "$PY" tests/kernels/compile_hopper.py
 
-step tests 70 "$PY" -m pytest tests/kernels tests/model/test_cuda_engine.py tests/model/test_deterministic_triton.py \
+step tests 120 "$PY" -m pytest tests/kernels tests/model/test_cuda_engine.py tests/model/test_deterministic_triton.py \
   tests/model/test_cuda_graphs.py \
   -q -p no:cacheprovider -o addopts= \
   --ignore=tests/kernels/test_compile_hopper.py --junitxml="$RESULTS/tests.xml"
@@ -123,7 +126,7 @@ PY
 SWEEP_FLAG=""; [ "${SWEEP:-0}" = "1" ] && SWEEP_FLAG="--sweep"
 step kernels 110 "$PY" benchmarks/kernel_sweep.py $SWEEP_FLAG --out "$RESULTS/kernels.json"
 
-step quant 60 "$PY" benchmarks/kernel_sweep.py --quant $SWEEP_FLAG --out "$RESULTS/quant.json"
+step quant 100 "$PY" benchmarks/kernel_sweep.py --quant $SWEEP_FLAG --out "$RESULTS/quant.json"
 
 SMOLLM2_FLAG=""; [ -f benchmarks/.cache/smollm2.gguf ] && SMOLLM2_FLAG="--smollm2 benchmarks/.cache/smollm2.gguf"
 step e2e 180 "$PY" benchmarks/gpu_e2e.py $SMOLLM2_FLAG --out "$RESULTS/e2e.json"

@@ -7,9 +7,12 @@ beside a torch baseline, against the copy bandwidth measured in the same run.
 --quant times the Q8_0 / Q4_0 matmuls instead, on an 8B model's up projection 14336 x 4096 with
 bf16 activations: the GEMV at 1 row, the GEMM at 4 and 16, dequantize + matmul at 1,024 and 4,096
 (past GEMM_MAX_ROWS; the sweep times the GEMM at 4,096): weight bytes / time against the copy
-bandwidth, beside the torch path they replace (dequantize, then matmul) and a dense bf16 matmul.
+bandwidth, beside the torch path they replace (dequantize, then matmul) and a dense bf16 matmul;
+then a row each for the other GGUF types (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: kernels/gguf_matmul.py)
+at 1 row (the GEMV) and 16 (the GEMM), beside their torch path; and the segmented LoRA delta
+(kernels/lora.py, rank 64, 16 rows over 4 adapters) beside its torch reference.
 --sanitize KERNEL runs one small launch of one kernel (kv_write, decode, extend, sampling, quant,
-deterministic), for compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed
+lora, deterministic), for compute-sanitizer. Goals (bf16, 32 q / 8 kv heads, d128, page 16) are printed
 beside results.
 
 The default run also times deterministic mode's kernels (issue 22) beside what they replace:
@@ -35,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedecode.kernels.decode_attention import (SPLIT_TOKENS, paged_decode_attention,  # noqa: E402
                                                  paged_decode_attention_triton, sm_count, split_tokens_for)
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_triton  # noqa: E402
+from pagedecode.kernels import gguf_matmul, quant_types  # noqa: E402
 from pagedecode.kernels.kv_write import write_kv  # noqa: E402
+from pagedecode.kernels.lora import lora_delta, lora_delta_reference  # noqa: E402
 from pagedecode.kernels.matmul import deterministic_linear  # noqa: E402
 from pagedecode.kernels.rmsnorm import rms_norm, rms_norm_deterministic  # noqa: E402
 from pagedecode.kernels.quant_matmul import (GEMM_MAX_ROWS, GEMV_MAX_ROWS, dequantize_blocks,  # noqa: E402
@@ -253,33 +258,61 @@ L2_BYTES = 60 * 1024**2
 
 def quant_setup(kind, n, k, rows):
     """Weight blocks rotated across enough copies that they exceed 3x the L2, activations (rows, k)."""
-    nbytes = n * k // 32 * (34 if kind == "q8_0" else 18)
+    nbytes = n * quant_types.row_bytes(kind, k)
     copies = max(COPIES, -(-3 * L2_BYTES // nbytes))
-    weights = [random_blocks(n, k, kind, device="cuda") for _ in range(copies)]
+    blocks = random_blocks if kind in ("q8_0", "q4_0") else quant_types.random_blocks
+    weights = [blocks(n, k, kind, device="cuda") for _ in range(copies)]
     xs = [torch.randn(rows, k, dtype=DT, device="cuda") for _ in range(copies)]
     return weights, xs, nbytes
 
 
-def quant_case(kind, rows, n, k, bw):
-    """Our kernel (GEMV or GEMM by rows) against the path it replaces: dequantize, then matmul."""
+def quant_case(kind, rows, n, k, bw, dense=True):
+    """Our kernel (GEMV or GEMM by rows) against the path it replaces: dequantize, then matmul
+    (and a dense bf16 matmul of the same shape, unless `dense` is False: it is the same for every type)."""
     weights, xs, nbytes = quant_setup(kind, n, k, rows)
     copies = len(weights)
     out = quant_matmul(xs[0], weights[0], kind)
     ref = xs[0].float() @ dequantize_blocks(weights[0], kind).t()
     err = ((out.float() - ref).norm() / ref.norm()).item()
-    dense = [dequantize_blocks(w, kind, DT) for w in weights[:max(COPIES, -(-3 * L2_BYTES // (n * k * 2)))]]
     i = iter(range(10**9))
     ours = bench(lambda: quant_matmul(xs[next(i) % copies], weights[next(i) % copies], kind))
     base = bench(lambda: quant_matmul_ref(xs[next(i) % copies], weights[next(i) % copies], kind))
-    dense_us = bench(lambda: torch.nn.functional.linear(xs[next(i) % copies], dense[next(i) % len(dense)]))
     gbs = nbytes / (ours * 1e-6) / 1e9
-    path = "gemv" if rows <= GEMV_MAX_ROWS else "gemm" if rows <= GEMM_MAX_ROWS else "dequantize+mm"
+    if kind in gguf_matmul.KINDS:
+        gemv_max, gemm_max = gguf_matmul.GEMV_MAX_ROWS, gguf_matmul.GEMM_MAX_ROWS
+    else:
+        gemv_max, gemm_max = GEMV_MAX_ROWS, GEMM_MAX_ROWS
+    path = "gemv" if rows <= gemv_max else "gemm" if rows <= gemm_max else "dequantize+mm"
     row = {"kernel": f"quant {path} {kind} M={rows} {n}x{k}", "us": round(ours, 1), "torch_us": round(base, 1),
-           "speedup": round(base / ours, 2), "dense_bf16_us": round(dense_us, 1), "weight_MB": round(nbytes / 1e6, 1),
+           "speedup": round(base / ours, 2), "weight_MB": round(nbytes / 1e6, 1),
            "GB/s": round(gbs), "of_bandwidth": round(gbs / bw, 3), "rel_err": err}
+    if dense:
+        dense_ws = [dequantize_blocks(w, kind, DT) for w in weights[:max(COPIES, -(-3 * L2_BYTES // (n * k * 2)))]]
+        row["dense_bf16_us"] = round(bench(lambda: torch.nn.functional.linear(xs[next(i) % copies],
+                                                                              dense_ws[next(i) % len(dense_ws)])), 1)
     if rows > 16:
         row["TFLOP/s"] = round(2 * rows * n * k / (ours * 1e-6) / 1e12, 1)
     return row
+
+
+def lora_case(rows=16, adapters=4, rank=64, n=QUANT_N, k=QUANT_K):
+    """The segmented LoRA delta of one projection (the up projection's shape) for `rows` rows split
+    evenly over `adapters` adapters, beside its torch reference: A and B bytes / time."""
+    a = torch.randn(adapters, rank, k, dtype=DT, device="cuda") / k ** 0.5
+    b = torch.randn(adapters, n, rank, dtype=DT, device="cuda") / rank ** 0.5
+    scaling = torch.ones(adapters, device="cuda")
+    x = torch.randn(rows, k, dtype=DT, device="cuda")
+    starts = torch.arange(0, rows + 1, rows // adapters, dtype=torch.int32, device="cuda")
+    slots = torch.arange(adapters, dtype=torch.int32, device="cuda")
+    out = lora_delta(x, starts, slots, a, b, scaling)
+    ref = lora_delta_reference(x, starts, slots, a, b, scaling).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    ours = bench(lambda: lora_delta(x, starts, slots, a, b, scaling))
+    base = bench(lambda: lora_delta_reference(x, starts, slots, a, b, scaling))
+    nbytes = (a.numel() + b.numel()) * 2
+    return {"kernel": f"lora rank={rank} M={rows} over {adapters} {n}x{k}", "us": round(ours, 1),
+            "torch_us": round(base, 1), "speedup": round(base / ours, 2), "GB/s": round(nbytes / (ours * 1e-6) / 1e9),
+            "rel_err": err}
 
 
 # (block_n, block_k, warps) for the GEMV, (block_m, block_n, block_k, warps, stages) for the GEMM;
@@ -375,10 +408,16 @@ def sanitize(kernel):
         cu = torch.tensor([0, 10, 11, 40], dtype=torch.int32, device="cuda")
         paged_extend_attention(torch.randn(40, HQ, D, dtype=DT, device="cuda"), kc, vc, tables[0], cu, lens)
     elif kernel == "quant":
-        for kind in ("q8_0", "q4_0"):
-            for rows in (3, 17):                   # the GEMV, then the GEMM
-                x = torch.randn(rows, 288, dtype=DT, device="cuda")
-                quant_matmul(x, random_blocks(111, 288, kind, device="cuda"), kind)
+        for kind in quant_types.KINDS:
+            k = 288 if quant_types.BLOCK_TYPES[kind].block == 32 else 512
+            blocks = quant_types.random_blocks(111, k, kind, device="cuda")
+            for rows in (1, 17, 600):              # the GEMV, the GEMM, dequantize + matmul
+                quant_matmul(torch.randn(rows, k, dtype=DT, device="cuda"), blocks, kind)
+    elif kernel == "lora":
+        a, b = torch.randn(3, 13, 288, dtype=DT, device="cuda"), torch.randn(3, 111, 13, dtype=DT, device="cuda")
+        starts = torch.tensor([0, 3, 3, 20, 21], dtype=torch.int32, device="cuda")
+        slots = torch.tensor([1, 2, -1, 0], dtype=torch.int32, device="cuda")
+        lora_delta(torch.randn(21, 288, dtype=DT, device="cuda"), starts, slots, a, b, torch.ones(3, device="cuda"))
     elif kernel == "deterministic":
         w = torch.randn(111, 288, dtype=DT, device="cuda")
         for rows in (1, 70):
@@ -433,6 +472,9 @@ def main(argv=None) -> int:
     if args.quant:
         cases = [(f"quant {kind} M={m}", lambda kind=kind, m=m: quant_case(kind, m, QUANT_N, QUANT_K, bw))
                  for kind in ("q8_0", "q4_0") for m in (1, 4, 16, 1024, 4096)]
+        cases += [(f"quant {kind} M={m}", lambda kind=kind, m=m: quant_case(kind, m, QUANT_N, QUANT_K, bw, dense=False))
+                  for kind in gguf_matmul.KINDS for m in (1, 16)]
+        cases += [("lora rank=64 M=16 over 4", lora_case)]
     for name, case in cases:
         try:
             rows.append(case())

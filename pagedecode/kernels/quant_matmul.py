@@ -1,4 +1,5 @@
-"""Weight-only quantized matmul: float activations times a weight kept in GGUF's Q8_0 / Q4_0 blocks.
+"""Weight-only quantized matmul: float activations times a weight kept in GGUF's Q8_0 / Q4_0 blocks
+(and, through `quant_matmul`, every other GGUF type: kernels/gguf_matmul.py).
 
 Shapes and layout:
     x        (..., K) float32 / float16 / bfloat16, K a multiple of 32
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import quant_types
+from . import gguf_matmul, quant_types
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
 
 if HAS_TRITON:
@@ -242,7 +243,10 @@ def deterministic_gemm_config() -> dict:
 def quant_matmul_deterministic(x: torch.Tensor, blocks: torch.Tensor, kind: str, backend: str = "auto") -> torch.Tensor:
     """x @ w.T with one reduction order over K for every row count: always the GEMM, always
     deterministic_gemm_config's tiles (row i is the same bits for 1 row or 4,096). The
-    reference elsewhere (which is not batch-invariant on CPU)."""
+    reference elsewhere (which is not batch-invariant on CPU); the other GGUF types through
+    kernels/gguf_matmul.py's GEMM, likewise with one config."""
+    if kind in gguf_matmul.KINDS and use_triton(x, backend):
+        return gguf_matmul.gguf_matmul_deterministic(x, blocks, kind)
     if kind not in BLOCK_BYTES or not use_triton(x, backend):
         return quant_matmul(x, blocks, kind, backend)
     _check(x, blocks, kind)
@@ -254,10 +258,12 @@ def quant_matmul_deterministic(x: torch.Tensor, blocks: torch.Tensor, kind: str,
 
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str, backend: str = "auto") -> torch.Tensor:
-    """x @ w.T for a weight in `kind` blocks (see the module docstring): Triton on CUDA tensors,
-    the dequantizing reference elsewhere and for the types without a Triton kernel (every GGUF
-    type but Q8_0 / Q4_0; backend as in kernels/_backend.py)."""
+    """x @ w.T for a weight in `kind` blocks (see the module docstring): Triton on CUDA tensors
+    (Q8_0 / Q4_0 here, every other GGUF type by kernels/gguf_matmul.py), the dequantizing
+    reference elsewhere (backend as in kernels/_backend.py)."""
     if kind in BLOCK_BYTES and use_triton(x, backend):
         return quant_matmul_triton(x, blocks, kind)
+    if kind in gguf_matmul.KINDS and use_triton(x, backend):
+        return gguf_matmul.gguf_matmul_triton(x, blocks, kind)
     _check(x, blocks, kind)
     return quant_matmul_ref(x, blocks, kind)

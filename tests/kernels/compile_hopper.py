@@ -10,7 +10,9 @@ from triton.compiler import ASTSource
 
 import pagedecode.kernels.decode_attention as DA
 import pagedecode.kernels.extend_attention as EA
+import pagedecode.kernels.gguf_matmul as GM
 import pagedecode.kernels.kv_write as KW
+import pagedecode.kernels.lora as LO
 import pagedecode.kernels.matmul as MM
 import pagedecode.kernels.quant_matmul as QM
 import pagedecode.kernels.rejection as RJ
@@ -75,6 +77,8 @@ def cases():
         "index_ptr": "*i64", "tokens_ptr": "*i64", "accepted_ptr": "*i32"}, dict(BLOCK_V=4096)
     yield from quant_cases()
     yield from deterministic_cases()
+    yield from lora_cases()           # last: the device check's build step has a time limit
+    yield from gguf_cases()
 
 
 def deterministic_cases():
@@ -121,6 +125,42 @@ def quant_cases():
                 yield f"quant gemm {kind} {dt} m={bm} n={bn} k={bk} w={warps} s={stages}", QM._gemm_kernel, types, dict(
                     Q4=q4, BYTES=QM.BLOCK_BYTES[kind], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_DTYPE=tdt), \
                     dict(num_warps=warps, num_stages=stages)
+
+
+def gguf_cases():
+    """The other GGUF types' kernels: in bfloat16 the GEMV's default, the GEMM's small- and large-M
+    defaults and deterministic config, the dequantizing kernel; the GEMM's dot in float32 and
+    float16 once each (the dequantization does not depend on the activations' type)."""
+    det = GM.deterministic_gemm_config()
+    gemms = (QUANT_GEMM[0], QUANT_GEMM[2], (det["block_m"], det["block_n"], det["block_k"], det["num_warps"],
+                                            det["num_stages"]))
+    for kind in GM.KINDS:
+        for dt, tdt in DTYPES.items():
+            if dt != "bf16" and (dt, kind) not in (("fp32", "q4_k"), ("fp16", "q5_0")):
+                continue
+            types = {"x_ptr": f"*{dt}", "q_ptr": "*u8", "h_ptr": "*fp16", "out_ptr": f"*{dt}"}
+            if dt == "bf16":
+                bn, bk, warps = QUANT_GEMV[0]
+                yield f"gguf gemv {kind} {dt} n={bn} k={bk} w={warps}", GM._gemv_kernel, types, dict(
+                    KIND=kind, BLOCK_N=bn, BLOCK_K=bk, SUB=16 if kind == "q6_k" else 32), dict(num_warps=warps)
+                yield f"gguf dequantize {kind} {dt}", GM._dequantize_kernel, types, dict(
+                    KIND=kind, BLOCK_N=16, BLOCK_K=256), dict(num_warps=4)
+            for bm, bn, bk, warps, stages in (gemms if dt == "bf16" else gemms[:1]):
+                yield f"gguf gemm {kind} {dt} m={bm} n={bn} k={bk} w={warps} s={stages}", GM._gemm_kernel, types, dict(
+                    KIND=kind, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, DOT_DTYPE=tdt), \
+                    dict(num_warps=warps, num_stages=stages)
+
+
+def lora_cases():
+    """The segmented LoRA shrink and expand, each activation type, at max_lora_rank 64 (BLOCK_R 64)."""
+    cfg = LO.lora_config(16, 4096)
+    for dt, tdt in DTYPES.items():
+        types = {"x_ptr": f"*{dt}", "a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}", "shrunk_ptr": "*fp32",
+                 "scaling_ptr": "*fp32", "seg_starts_ptr": "*i32", "seg_slots_ptr": "*i32"}
+        yield f"lora shrink {dt}", LO._shrink_kernel, types, dict(
+            BLOCK_M=cfg["block_m"], BLOCK_R=64, BLOCK_K=cfg["block_k"], DOT_DTYPE=tdt), dict(num_warps=4)
+        yield f"lora expand {dt}", LO._expand_kernel, types, dict(
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_R=64), dict(num_warps=4)
 
 
 def main() -> int:

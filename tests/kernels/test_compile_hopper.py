@@ -24,6 +24,7 @@ def test_every_kernel_compiles_for_hopper():
     assert r.returncode == 0, r.stdout + r.stderr
     # 20: attention (3 direct-write split kernels among them) and KV write; 8: the tiled sampler
     # (tiles with and without penalties / the bitmask, tile draws and finish with and without slots);
-    # 1: speculative rejection; 25: the quantized matmuls; 10: deterministic mode's matmul, RMSNorm
+    # 1: speculative rejection; 25: the quantized matmuls; 32: the other GGUF types' (6 x 5 in bf16,
+    # 2 GEMMs in fp32 / fp16); 6: LoRA shrink and expand; 10: deterministic mode's matmul, RMSNorm
     # and quantized GEMM config
-    assert r.stdout.count("ok ") == 20 + 8 + 1 + 25 + 10 and "FAIL" not in r.stdout
+    assert r.stdout.count("ok ") == 20 + 8 + 1 + 25 + 32 + 6 + 10 and "FAIL" not in r.stdout
