@@ -1,7 +1,11 @@
 """Compile every Triton kernel ahead of time for Hopper (sm_90), no GPU needed: catches what the
 interpreter accepts but the real compiler rejects. Run as a script (not under TRITON_INTERPRET)."""
 import inspect
+import multiprocessing
+import os
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 import triton.language as tl
@@ -163,28 +167,38 @@ def lora_cases():
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_R=64), dict(num_warps=4)
 
 
+def compile_case(i: int) -> tuple[str, bool]:
+    """Case i of cases(), compiled: its report line(s), and whether it failed."""
+    name, kernel, types, consts, *options = list(cases())[i]
+    if options:
+        stages = options[0]
+    else:
+        stages = {"num_stages": 3, "num_warps": 8} if " m=128" in name or " n=128" in name else {}
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature(kernel, types, consts),
+                                            constexprs=consts), target=GPUTarget("cuda", 90, 32), options=stages)
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        return f"FAIL {name}: {type(e).__name__}: {str(e)[:600]}\n    cause: {str(cause)[-600:]}", True
+    line = f"ok   {name}: shared {compiled.metadata.shared} bytes ({time.perf_counter() - start:.1f} s)"
+    if compiled.metadata.shared > 227 * 1024:
+        return line + f"\nFAIL {name}: needs more shared memory than Hopper has", True
+    return line, False
+
+
 def main() -> int:
-    target = GPUTarget("cuda", 90, 32)
-    failed = 0
-    for name, kernel, types, consts, *options in cases():
-        if options:
-            stages = options[0]
-        else:
-            stages = {"num_stages": 3, "num_warps": 8} if " m=128" in name or " n=128" in name else {}
-        try:
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature(kernel, types, consts),
-                                                constexprs=consts), target=target, options=stages)
-            print(f"ok   {name}: shared {compiled.metadata.shared} bytes")
-            if compiled.metadata.shared > 227 * 1024:
-                print(f"FAIL {name}: needs more shared memory than Hopper has")
-                failed += 1
-        except Exception as e:
-            cause = e
-            while cause.__cause__ is not None or cause.__context__ is not None:
-                cause = cause.__cause__ or cause.__context__
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:600]}\n    cause: {str(cause)[-600:]}")
-            failed += 1
-    return 1 if failed else 0
+    # each compile (Triton's front end, LLVM, ptxas) runs on one core: one worker per core this
+    # process may use (a cold cache compiles ~60 kernels; on 2 cores this halves the wait)
+    n = len(list(cases()))
+    workers = max(1, min(len(os.sched_getaffinity(0)), n))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(compile_case, range(n)))
+    for line, _ in results:
+        print(line)
+    return 1 if any(failed for _, failed in results) else 0
 
 
 if __name__ == "__main__":
