@@ -394,39 +394,74 @@ inline float dot_row_bf16(const c10::BFloat16* x, const c10::BFloat16* w, int64_
 }
 #endif
 
+// The gemv's outputs in chunks on work::Pool (work_pool.h), as the quantized matmuls run: a chunk
+// is claimed by whichever thread is running, so a step whose second thread the OS has descheduled
+// (another process on its core) finishes on the caller instead of waiting for that thread's next
+// time slice. at::parallel_for's static shares waited there: beside builds and tests (load ~16 on
+// 2 cores) a float32 decode step of a 135M model took 6.9 s. Each output is the same dot product
+// whoever computes it, so the result does not depend on the scheduling.
 template <typename T>
-void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out) {
-  const int64_t grain = std::max<int64_t>(16, (int64_t{1} << 16) / std::max<int64_t>(in, 1));
+struct GemvJob {
+  const T* x;            // the rows as given, in memory the call owns (a late worker may read it)
+  const float* xf;       // the same rows in float (== x for float32)
+  const T* w;
+  const T* b;
+  T* out;
+  int64_t rows, in, n_out, per_chunk;
+
+  float dot(int64_t r, const T* wj) const {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j)
-        for (int64_t r = 0; r < rows; ++r) {
-          const float dot = dot_row_bf16(x + r * in, w + j * in, in);
-          out[r * n_out + j] = to<T>(b != nullptr ? dot + f32(b[j]) : dot);
-        }
-    });
-    return;
-  }
+    if constexpr (std::is_same_v<T, c10::BFloat16>) return dot_row_bf16(x + r * in, wj, in);
 #endif
-  const float* xf;                                   // the rows in float, converted once
-  thread_local std::vector<float> buf;
-  if constexpr (std::is_same_v<T, float>) {
-    xf = x;
-  } else {
-    buf.resize(rows * in);
-    for (int64_t i = 0; i < rows * in; ++i) buf[i] = f32(x[i]);
-    xf = buf.data();
+    return dot_row(xf + r * in, wj, in);
   }
-  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+
+  bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
+    const int64_t begin = c * per_chunk, end = std::min(n_out, begin + per_chunk), cols = end - begin;
+    if (scratch != nullptr) scratch->resize(rows * cols);
     for (int64_t j = begin; j < end; ++j) {
+      if (!live()) return false;
       const T* wj = w + j * in;
       for (int64_t r = 0; r < rows; ++r) {
-        const float dot = dot_row(xf + r * in, wj, in);
-        out[r * n_out + j] = to<T>(b != nullptr ? dot + f32(b[j]) : dot);
+        const float d = dot(r, wj);
+        const float v = b != nullptr ? d + f32(b[j]) : d;
+        if (scratch != nullptr) (*scratch)[r * cols + (j - begin)] = v;
+        else out[r * n_out + j] = to<T>(v);
       }
     }
-  });
+    return true;
+  }
+
+  void commit(int64_t c, std::vector<float>* scratch) const {
+    const int64_t begin = c * per_chunk, cols = std::min(n_out, begin + per_chunk) - begin;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) out[r * n_out + begin + j] = to<T>((*scratch)[r * cols + j]);
+  }
+};
+
+// out (rows, n_out) = x (rows, in) @ w^T + b by GemvJob; keep: w's and b's tensors (held while a
+// worker may read them). A call of under kGemvInlineBytes of weights runs on the caller alone.
+constexpr int64_t kGemvInlineBytes = 32 << 10;
+constexpr int64_t kGemvChunksPerThread = 8;
+
+template <typename T>
+void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, int64_t n_out, work::Keep keep) {
+  const bool wide = !std::is_same_v<T, float>;
+  unsigned char* mem = work::owned(keep, work::lines(rows * in * sizeof(T)) + (wide ? rows * in * 4 : 0));
+  T* xc = reinterpret_cast<T*>(mem);
+  std::memcpy(xc, x, rows * in * sizeof(T));
+  const float* xf = reinterpret_cast<const float*>(xc);
+  if (wide) {
+    float* f = reinterpret_cast<float*>(mem + work::lines(rows * in * sizeof(T)));
+    for (int64_t i = 0; i < rows * in; ++i) f[i] = f32(x[i]);
+    xf = f;
+  }
+  work::Pool& pool = work::Pool::get();
+  const int64_t reads = n_out * in * static_cast<int64_t>(sizeof(T));
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({reads / kGemvInlineBytes, pool.threads() * kGemvChunksPerThread, n_out, work::Pool::kMaxChunks}));
+  GemvJob<T> job{xc, xf, w, b, out, rows, in, n_out, (n_out + chunks - 1) / chunks};
+  work::run((n_out + job.per_chunk - 1) / job.per_chunk, job, rows, std::move(keep));
 }
 
 // Larger matmuls: oneDNN's linear (mkldnn::_linear_pointwise, the op torch.compile's CPU backend
@@ -538,7 +573,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
     T* out = buf.data_ptr<T>();
     const T* bp = bias ? b.data_ptr<T>() : nullptr;
     if (wt.numel() > 0) gemv_transposed(x.data_ptr<T>(), wt.data_ptr<T>(), bp, out, rows, x.size(1), n_out);
-    else gemv(x.data_ptr<T>(), w.data_ptr<T>(), bp, out, rows, x.size(1), n_out);
+    else gemv(x.data_ptr<T>(), w.data_ptr<T>(), bp, out, rows, x.size(1), n_out, work::Keep{w, b});
     return buf;
   }
   if (const LinearOp* op = onednn ? onednn_linear() : nullptr)
