@@ -8,7 +8,8 @@ port, asked through the official openai client.
 TOOLS holds 15 tool schemas (enums, numbers with ranges, patterns, arrays of objects, optional
 fields) and PROMPTS 105 requests that call for one of them (the first --prompts are used, the
 tools taken in turn). Each prompt is asked under tool_choice `auto`, `required` and named (the
-tool it calls for), one request at a time, greedy, with all 15 tools:
+tool it calls for), one request at a time, greedy, with all 15 tools and parallel_tool_calls false
+(each prompt calls for one tool; --parallel-tool-calls lets a request make several):
 
     valid      every call parses (its arguments are JSON, its name a tool's) and validates against
                its tool's schema (jsonschema), and the request ended as it should: `required` and
@@ -247,7 +248,8 @@ def run(url: str, tools: list[dict[str, Any]], prompts: list[tuple[str, str]], a
     for n, (want, prompt) in enumerate(prompts):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
         for mode in args.modes:
-            r, wall, rid = ask(messages=messages, tools=tools, tool_choice=choice(mode, want))
+            r, wall, rid = ask(messages=messages, tools=tools, tool_choice=choice(mode, want),
+                               parallel_tool_calls=args.parallel_tool_calls)
             ch = r.choices[0]
             row = {"prompt": n, "tool": want, "mode": mode, "request_id": rid, "latency_s": round(wall, 4),
                    "completion_tokens": r.usage.completion_tokens, "prompt_tokens": r.usage.prompt_tokens,
@@ -349,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tools", type=int, default=len(TOOLS),
                     help=f"offer the first N tools (default all {len(TOOLS)}), ask only prompts for them")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--parallel-tool-calls", action="store_true",
+                    help="let a request make several calls (default: parallel_tool_calls false, each prompt "
+                         "calls for one tool)")
     ap.add_argument("--modes", default=",".join(MODES), help="tool_choice modes, of auto,required,named")
     ap.add_argument("--overhead-modes", default="required,named",
                     help="modes whose requests are rerun unconstrained for the per-token overhead")
@@ -391,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
     result = {"benchmark": "tool_calls", "model": str(model), "model_name": model.stem, "tool_format": fmt.name,
               "prompts": n, "tools": len(tools), "max_tokens": args.max_tokens, "temperature": 0,
+              "parallel_tool_calls": args.parallel_tool_calls,
               "server_args": extra, "platform": platform.platform(), "cpus": os.cpu_count(),
               "load_before": load_before, "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
               "seconds": round(seconds, 1),
