@@ -4,7 +4,7 @@ format over ZeroMQ: `pagedecode serve --kv-events tcp://...` (pyzmq and msgpack:
 The prefix cache's changes (runtime/page_pool.py logs them, the engine hands them over once per
 step) become one batch per step:
 
-    PUB socket, multipart   [topic, seq (8 bytes, big-endian), payload]
+    XPUB socket, multipart  [topic, seq (8 bytes, big-endian), payload]
     payload (msgpack)       [ts, [event, ...], data_parallel_rank]
     BlockStored             ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
                              lora_id, medium, lora_name]
@@ -22,7 +22,15 @@ or DEALER socket and gets [seq, payload] for each kept batch from there, then [-
 
 Endpoints follow vLLM's convention: one with a wildcard (`tcp://*:5557`), ipc:// or inproc:// is
 bound, any other (`tcp://indexer:5557`, the llm-d way) is connected to. The replay endpoint is
-always bound; by default on loopback, at the publisher's port + 1 when it binds a numeric port.
+always bound; by default on loopback, at the publisher's port + 1 when it binds a numeric port;
+in connect mode where --kv-events-replay names one.
+
+Connect mode, a subscriber bound before the server starts: a PUB socket drops what it sends
+before the subscriber's subscription has come back over the new connection (ZeroMQ's slow
+joiner), which would lose the batches from seq 0. The socket is an XPUB (a PUB that hands up
+the subscriptions it receives; the same wire protocol), and the first batch waits, queued, until
+a subscription to the topic arrives (at most `connect_wait_s`; then the batches flow to whoever
+is there, and the replay socket has them).
 
 Who may listen: the events carry every tenant's prompt token ids (BlockStored's token_ids), and
 neither socket asks who is there. A wildcard (`tcp://*:5557`: every interface) exposes them to
@@ -105,15 +113,17 @@ def to_vllm(events: list[CacheEvent], block_size: int, medium: str) -> list[list
 
 
 class KVEventPublisher:
-    """One engine's prefix-cache events on a ZeroMQ PUB socket, with a ROUTER socket replaying
+    """One engine's prefix-cache events on a ZeroMQ XPUB socket, with a ROUTER socket replaying
     the last batches (see the module doc for the bounds). The sockets are made here (a bad
-    endpoint fails at once); the PUB is used only by the publishing thread, the ROUTER only by
-    the replay thread; attach() starts both on an engine."""
+    endpoint fails at once); the XPUB is used only by the publishing thread, the ROUTER only by
+    the replay thread; attach() starts both on an engine. connect_wait_s: in connect mode, how
+    long the first batch waits for the subscriber's subscription (module doc)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, block_size: int,
                  medium: str = "CPU", topic: str = "", data_parallel_rank: int = 0,
                  buffer_batches: int = 10_000, buffer_bytes: int = 16 << 20, hwm: int = 1000,
-                 replay_max_bytes: int = 1 << 20, replay_peer_hwm: int = 256) -> None:
+                 replay_max_bytes: int = 1 << 20, replay_peer_hwm: int = 256,
+                 connect_wait_s: float = 10.0) -> None:
         import msgpack
         import zmq
         if replay_peer_hwm < 2:
@@ -123,8 +133,10 @@ class KVEventPublisher:
         self.topic = topic.encode()
         self.buffer_bytes, self.replay_max_bytes = buffer_bytes, replay_max_bytes
         self.replay_max_batches = replay_peer_hwm - 1      # an answer and its end marker fit a fresh peer's queue
+        self.connects = not binds(endpoint)
+        self.connect_wait_s = connect_wait_s
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)       # a PUB that hands up subscriptions (_await_subscriber)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.SNDBUF, SEND_BUFFER_BYTES)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -156,7 +168,9 @@ class KVEventPublisher:
         self._seq = 0
         self._thread: threading.Thread | None = None
         self._replay_thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()    # the replay thread's end
+        self._closing = threading.Event()     # close() began: the publishing thread waits for no subscriber
+        self.subscribed = False               # a subscription to the topic has come (connect mode waits for it)
         self._engine: Any = None
         self.replies_cut = 0                   # replay answers cut short: the peer was not reading
 
@@ -179,6 +193,7 @@ class KVEventPublisher:
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop taking events, publish what is queued, close the sockets."""
+        self._closing.set()
         if self._engine is not None:
             self._engine.publish_cache_events(None)
             self._engine = None
@@ -199,10 +214,13 @@ class KVEventPublisher:
         self._ctx.term()
 
     def _run(self) -> None:
+        if self.connects:
+            self._await_subscriber()
         while True:
             batch = self._queue.get()
             if batch is None:
                 return
+            self._read_subscriptions(0)
             payload = self._pack.pack([time.time(), batch, self.rank])
             seq = self._seq.to_bytes(8, "big")
             try:
@@ -211,6 +229,27 @@ class KVEventPublisher:
                 log.exception("KV events: publishing batch %d failed", self._seq)
             self._keep(self._seq, payload)
             self._seq += 1
+
+    def _await_subscriber(self) -> None:
+        """Connect mode: hold the first batch (the engine's batches queue meanwhile) until the
+        endpoint's subscriber has subscribed to the topic, connect_wait_s has passed, or close()."""
+        deadline = time.monotonic() + self.connect_wait_s
+        while not self.subscribed and not self._closing.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("KV events: no subscriber at %s after %.0f s; publishing anyway (a replay socket, "
+                            "where named, keeps the batches)", self.address, self.connect_wait_s)
+                return
+            self._read_subscriptions(min(100, int(left * 1000) + 1))
+
+    def _read_subscriptions(self, timeout_ms: int) -> None:
+        """Take what the XPUB hands up (subscribe: 1 and a topic prefix; unsubscribe: 0 and one),
+        waiting up to timeout_ms for the first; so they never pile up unread."""
+        while self._pub.poll(timeout_ms):
+            frame = self._pub.recv()
+            if frame[:1] == b"\x01" and self.topic.startswith(frame[1:]):
+                self.subscribed = True
+            timeout_ms = 0
 
     def _keep(self, seq: int, payload: bytes) -> None:
         with self._kept_lock:

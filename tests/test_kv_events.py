@@ -1,13 +1,15 @@
 """The KV-event replay's bounds (issue 34, item 7): replay requests are answered by a thread of
 their own (live publishing is never late for them), each answer is bounded in batches and bytes,
-the kept batches in bytes, and a peer that does not read has its answers cut, not queued."""
+the kept batches in bytes, and a peer that does not read has its answers cut, not queued. Connect
+mode (issue 38): a subscriber bound before the publisher connects gets every batch from seq 0,
+and the replay socket is there when named."""
 import hashlib
 import time
 
 import pytest
 
 zmq = pytest.importorskip("zmq")
-pytest.importorskip("msgpack")
+msgpack = pytest.importorskip("msgpack")
 
 from pagedecode.kv_events import KVEventPublisher, default_replay  # noqa: E402
 
@@ -130,3 +132,64 @@ def test_a_peer_that_does_not_read_has_its_answers_cut(published):
 def test_the_default_replay_endpoint_is_loopback():
     assert default_replay("tcp://*:5557") == "tcp://127.0.0.1:5558"
     assert default_replay("tcp://indexer:5557") is None            # connected: no replay unless named
+
+
+def sub_bound(ctx, topic=b"kv"):
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    return sub, sub.bind_to_random_port("tcp://127.0.0.1")
+
+
+def test_a_subscriber_bound_first_gets_every_batch_from_seq_0():
+    """The llm-d way: the subscriber binds, the publisher connects and publishes at once. A PUB
+    would drop what it sends before the subscription has come back over the new connection."""
+    ctx = zmq.Context()
+    sub, port = sub_bound(ctx)
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", block_size=16, topic="kv").attach(Engine())
+    try:
+        for i in range(5):                   # at once: the connection is not made yet
+            pub.submit(stored(i))
+        got = []
+        while len(got) < 6:
+            assert sub.poll(10_000), f"batches after {[s for s, _ in got]} never came"
+            topic, seq, payload = sub.recv_multipart()
+            got.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+        assert [s for s, _ in got] == list(range(6)) and pub.subscribed
+        assert got[0][1] == [["AllBlocksCleared"]] and all(ev[0][0] == "BlockStored" for _, ev in got[1:])
+    finally:
+        pub.close()
+        sub.close(0)
+        ctx.term()
+
+
+def test_connect_mode_without_a_subscriber_publishes_after_the_wait_and_replays():
+    """Nobody listens where the publisher connects: after connect_wait_s the batches flow anyway
+    (no unbounded queue), and the replay socket, named in connect mode, holds them from seq 0."""
+    ctx = zmq.Context()
+    sub, port = sub_bound(ctx)
+    sub.close(0)                             # a port nobody listens on now
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:*", block_size=16, topic="kv",
+                           connect_wait_s=0.3).attach(Engine())
+    try:
+        for i in range(3):
+            pub.submit(stored(i))
+        deadline = time.monotonic() + 10
+        while pub._seq < 4:
+            assert time.monotonic() < deadline, "the batches waited past connect_wait_s"
+            time.sleep(0.02)
+        assert not pub.subscribed and pub.replay_address is not None
+        d = dealer(ctx, pub.replay_address)
+        d.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            assert d.poll(5000)
+            _, seq, _ = d.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+        d.close(0)
+        assert seqs == [0, 1, 2, 3]
+    finally:
+        pub.close()
+        ctx.term()

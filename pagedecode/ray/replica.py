@@ -113,10 +113,10 @@ class EngineReplica:
         return {"replica": self.name, "pid": os.getpid()}
 
     def routing_info(self) -> dict[str, Any]:
-        """What the router keys prompts with: the tokenizer, the chat template, the page size, and
-        whether chat content's special-token text is the real token."""
+        """What the router keys prompts with: the tokenizer, the chat template and its tool format,
+        the page size, and whether chat content's special-token text is the real token."""
         return {"tokenizer": self.ae.engine.tokenizer, "template": self.template,
-                "page_size": self.ae.engine.config.page_size,
+                "tool_format": self.state.tool_format.name, "page_size": self.ae.engine.config.page_size,
                 "allow_special_tokens_in_content": self.state.options.allow_special_tokens_in_content}
 
     async def check_health(self) -> None:

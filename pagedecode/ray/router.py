@@ -97,8 +97,10 @@ class Router:
     def prompt_keys(self, body: Any, chat: bool) -> list[bytes]:
         """The chained page keys of the prompt's full pages (the first prompt of a batch), as the
         prefix cache keys them; [] when the prompt cannot be read (the replica will say why). A
-        chat is encoded as the server encodes it (chat.encode_chat: special-token text in content
-        escaped, unless the replicas allow it), so the key is the replica's own."""
+        chat is rendered as the server renders it (protocol.chat_template_inputs: its tools, the
+        history's tool turns, tool_choice's instructions) and encoded as it encodes it
+        (chat.encode_chat: special-token text in content escaped, unless the replicas allow it),
+        so the key is the replica's own: chats that differ only in tools key different pages."""
         if not isinstance(body, dict) or self.routing_info is None:
             return []
         info = self.routing_info
@@ -106,10 +108,14 @@ class Router:
         try:
             if chat:
                 from ..server.chat import encode_chat
+                from ..server.protocol import chat_template_inputs
+                from ..tools import FORMATS, GENERIC
                 if self.template is None or not isinstance(body.get("messages"), list):
                     return []
-                ids = encode_chat(tok, self.template, body["messages"],
-                                  bool(info.get("allow_special_tokens_in_content")))
+                fmt = FORMATS.get(info.get("tool_format", ""), GENERIC)
+                _, messages, extra = chat_template_inputs(body, body["messages"], fmt)
+                ids = encode_chat(tok, self.template, messages, bool(info.get("allow_special_tokens_in_content")),
+                                  extra)
             else:
                 prompt = body.get("prompt")
                 if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

@@ -93,7 +93,8 @@ async def stream(reader: Reader, track: Track) -> AsyncIterator[str]:
     """Anthropic's events from the request's (a retry with the same Idempotency-Key replays them)."""
     async with reader:
         fmt = track.reply.tool_format
-        parser = ToolStreamParser(fmt, call_ids(track.request_id, TOOL_ID_PREFIX)) if fmt is not None else None
+        parser = (ToolStreamParser(fmt, call_ids(track.request_id, TOOL_ID_PREFIX, fmt.id_length))
+                  if fmt is not None else None)
         output = ToolOutput()               # what was sent (a request without tools: its text)
 
         def deltas(text: str | None) -> list[Delta]:

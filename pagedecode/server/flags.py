@@ -146,8 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(tcp://*:5557 binds every interface, tcp://host:port connects; pagedecode[ray]). The events "
                         "carry every tenant's prompt token ids: bind a wildcard only on a trusted network")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
-                   help="the KV events' replay socket (default: loopback at the publisher's port + 1 when it binds "
-                        "a port)")
+                   help="the KV events' replay socket, bound (default: loopback at the publisher's port + 1 when it "
+                        "binds a port; with a connected --kv-events, none unless named here)")
     p.add_argument("--kv-events-topic", default="", help="the ZeroMQ topic of the KV events")
     p.add_argument("--ray", action="store_true",
                    help="serve replicas on Ray Serve (pagedecode[ray]): a local Ray cluster, or --ray-address's")

@@ -337,15 +337,26 @@ def _tools(body: Mapping[str, Any], d: Draft, fmt: ToolFormat) -> tuple[ToolSpec
     if not d.chat:
         return None, {}
     try:
-        spec = parse_tool_fields(body, ToolLimits())
-        if d.messages is not None:
-            d.messages = prepare_messages([_null_content(m) for m in d.messages], spec, fmt)
+        spec, messages, extra = chat_template_inputs(body, d.messages or [], fmt)
     except InvalidRequestError as e:
         raise invalid(e, {}) from None
+    if d.messages is not None:
+        d.messages = messages
     if spec is not None and spec.calls_possible and structured_output(body) is not None:
         raise bad("tool_choice", "tools that may be called and response_format / structured_outputs together "
                                  'are not supported: send tool_choice "none", or no constraint')
-    return spec, template_kwargs(spec, fmt)
+    return spec, extra
+
+
+def chat_template_inputs(body: Mapping[str, Any], messages: list[dict[str, Any]], fmt: ToolFormat
+                         ) -> tuple[ToolSpec | None, list[dict[str, Any]], dict[str, Any]]:
+    """What a chat's template is given besides its messages' text: the request's tools read, its
+    history prepared (tool turns, ids, the generic format's instructions) and the template's
+    extra variables (`tools`). The server renders with these, and the Ray router keys the
+    prompt's pages with them (ray/router.py), so requests that differ in tools differ in keys.
+    InvalidRequestError naming the field."""
+    spec = parse_tool_fields(body, ToolLimits())
+    return spec, prepare_messages([_null_content(m) for m in messages], spec, fmt), template_kwargs(spec, fmt)
 
 
 def _null_content(m: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 `delta.tool_calls`, and the finish reason that agrees with them (tools/finish.py).
 
 A call's id is made from its request's id and its index, so the body, the stream, a resumed
-stream and an Idempotency-Key replay all name the same call alike.
+stream and an Idempotency-Key replay all name the same call alike; in the form the model's
+template takes back (Mistral's: 9 letters and digits, ToolFormat.id_length).
 """
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ from typing import Any, Callable
 
 from ..tools import (ContentDelta, Delta, ToolCall, ToolCallDelta, ToolFormat, ToolOutput, ToolStreamParser,
                      parse_tool_output, tool_finish_reason)
+from ..tools.calls import digest_id
 
 
-def call_ids(request_id: str, prefix: str = "call_") -> Callable[[], str]:
-    """The ids of a request's calls in order: prefix and 24 hex digits of (request id, index)."""
+def call_ids(request_id: str, prefix: str = "call_", length: int | None = None) -> Callable[[], str]:
+    """The ids of a request's calls in order, from (request id, index): prefix and 24 hex digits,
+    or exactly `length` letters and digits (a template's rule, ToolFormat.id_length)."""
     counter = itertools.count()
+    if length is not None:
+        return lambda: digest_id(f"{request_id}:{next(counter)}", length)
     return lambda: prefix + hashlib.sha256(f"{request_id}:{next(counter)}".encode()).hexdigest()[:24]
 
 
 def parsed_output(text: str, fmt: ToolFormat, request_id: str, prefix: str = "call_") -> ToolOutput:
-    return parse_tool_output(text, fmt, call_ids(request_id, prefix))
+    return parse_tool_output(text, fmt, call_ids(request_id, prefix, fmt.id_length))
 
 
 def tool_call_body(call: ToolCall) -> dict[str, Any]:
@@ -61,7 +66,7 @@ class ToolChoiceStream:
     """One streamed choice's tool calls: its text deltas in, OpenAI's delta fields out."""
 
     def __init__(self, fmt: ToolFormat, request_id: str, prefix: str = "call_") -> None:
-        self.parser = ToolStreamParser(fmt, call_ids(request_id, prefix))
+        self.parser = ToolStreamParser(fmt, call_ids(request_id, prefix, fmt.id_length))
 
     def feed(self, text: str) -> dict[str, Any]:
         return delta_body(self.parser.feed(text))

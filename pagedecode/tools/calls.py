@@ -3,6 +3,7 @@ emits, and a whole output parsed. The server turns these into OpenAI's, the Resp
 Anthropic's shapes."""
 from __future__ import annotations
 
+import hashlib
 import secrets
 import string
 from dataclasses import dataclass, field
@@ -13,6 +14,25 @@ ID_ALPHABET = string.ascii_letters + string.digits
 def new_call_id() -> str:
     """`call_` and 24 random letters and digits (143 bits: unique without a registry)."""
     return "call_" + "".join(secrets.choice(ID_ALPHABET) for _ in range(24))
+
+
+def digest_id(text: str, length: int) -> str:
+    """`length` letters and digits drawn from sha256(text): the same text, the same id."""
+    n = int.from_bytes(hashlib.sha256(text.encode()).digest(), "big")       # 256 bits: 43 base-62 digits
+    out = []
+    for _ in range(length):
+        n, digit = divmod(n, len(ID_ALPHABET))
+        out.append(ID_ALPHABET[digit])
+    return "".join(out)
+
+
+def template_call_id(call_id: str, length: int) -> str:
+    """A call id as a template that takes only `length` letters and digits needs it (Mistral's
+    refuse any other id): the id itself when it is one, else its digest_id, so the assistant's
+    call and the tool result that answers it still name one id."""
+    if len(call_id) == length and call_id.isascii() and call_id.isalnum():
+        return call_id
+    return digest_id(call_id, length)
 
 
 @dataclass

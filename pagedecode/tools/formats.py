@@ -9,6 +9,9 @@ calls joined by SEPARATOR, the whole between SECTION_BEGIN and SECTION_END:
     generic   {"tool_calls": [{"name": "f", "arguments": {...}}]}           (any template; as
               or {"response": "text"}                                       llama.cpp's generic)
 
+Mistral's templates also take only call ids of 9 letters and digits (id_length): the calls a
+server returns are named so, and the history's ids are mapped to such ids (prompt.py).
+
 The generic format is for templates that know nothing of tools: the tools are described in the
 system message (prompt.py) and the whole output is one JSON envelope, a reply or calls. The
 constraint (constraint.py) writes exactly these strings; the parser (stream.py) also takes
@@ -36,6 +39,8 @@ class ToolFormat:
     args_key: str = "arguments"
     native: bool = True        # the chat template renders the tools itself
     envelope: bool = False     # the whole output is one JSON object (generic): calls only at its start
+    id_length: int | None = None   # the template takes call ids of exactly this many letters and digits
+                                   # (Mistral's raise on any other); None: any id
 
     def call_prefix(self, name: str) -> str:
         """A call's text up to its arguments object."""
@@ -54,7 +59,7 @@ HERMES = ToolFormat("hermes", trigger="<tool_call>", call_begin="<tool_call>\n",
                     separator="\n")
 LLAMA3 = ToolFormat("llama3", trigger='{"name": ', separator="; ", args_key="parameters")
 MISTRAL = ToolFormat("mistral", trigger="[TOOL_CALLS]", separator=", ", section_begin="[TOOL_CALLS][",
-                     section_end="]")
+                     section_end="]", id_length=9)
 GENERIC = ToolFormat("generic", trigger='{"tool_calls": ', separator=", ", section_begin='{"tool_calls": [',
                      section_end="]}", native=False, envelope=True)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, GENERIC)}

@@ -6,13 +6,16 @@ Templates follow Hugging Face's convention: `tools` is a list of `{"type": "func
 "function": {...}}`, an assistant's `tool_calls[i].function.arguments` is a dict (most templates
 write it with `tojson`: a JSON string would be quoted twice), a tool result is `{"role": "tool",
 "tool_call_id", "content"}`. A template without tool support gets plain turns instead: the
-assistant's calls as the generic envelope it was asked to write, a result as a user turn.
+assistant's calls as the generic envelope it was asked to write, a result as a user turn. A
+template that takes only ids of a fixed form (Mistral's: 9 letters and digits) gets the ids
+mapped to that form, a call's and its result's alike (calls.template_call_id).
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from .calls import template_call_id
 from .formats import ToolFormat
 from .spec import ToolSpec, field_error
 
@@ -67,7 +70,7 @@ def _turn(m: Message, i: int, fmt: ToolFormat) -> Message:
         if not isinstance(call_id, str):
             raise field_error(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers")
         if fmt.native:
-            return m
+            return m if fmt.id_length is None else {**m, "tool_call_id": template_call_id(call_id, fmt.id_length)}
         result = {"tool_call_id": call_id, "content": _text(m.get("content"))}
         return {"role": "user", "content": json.dumps({"tool_response": result}, ensure_ascii=False)}
     if role != "assistant" or not m.get("tool_calls"):
@@ -75,7 +78,7 @@ def _turn(m: Message, i: int, fmt: ToolFormat) -> Message:
     raw = m["tool_calls"]
     if not isinstance(raw, list):
         raise field_error(f"messages[{i}].tool_calls", "must be a list of calls")
-    calls = [_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(raw)]
+    calls = [_call(c, f"messages[{i}].tool_calls[{j}]", fmt) for j, c in enumerate(raw)]
     if fmt.native:
         return {**m, "tool_calls": calls}
     text = generic_envelope(calls)
@@ -83,7 +86,7 @@ def _turn(m: Message, i: int, fmt: ToolFormat) -> Message:
     return {k: v for k, v in m.items() if k != "tool_calls"} | {"content": (content + "\n" if content else "") + text}
 
 
-def _call(c: Any, where: str) -> dict[str, Any]:
+def _call(c: Any, where: str, fmt: ToolFormat) -> dict[str, Any]:
     if not isinstance(c, dict) or c.get("type", "function") != "function" or not isinstance(c.get("function"), dict):
         raise field_error(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
     fn = c["function"]
@@ -96,7 +99,10 @@ def _call(c: Any, where: str) -> dict[str, Any]:
         parsed: Any = json.loads(arguments)
     except ValueError:
         parsed = arguments                 # a cut call's text: kept as the client sent it
-    return {"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": parsed}}
+    call_id = c.get("id")
+    if fmt.id_length is not None and isinstance(call_id, str):
+        call_id = template_call_id(call_id, fmt.id_length)
+    return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": parsed}}
 
 
 def _text(content: Any) -> str:

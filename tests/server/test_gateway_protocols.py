@@ -161,3 +161,46 @@ def test_serve_flags_publish_kv_events_and_vllm_gauges(serve):
         sub.close(0)
         ctx.term()
         assert s.stop() == 0
+
+
+def test_serve_connecting_to_a_bound_subscriber_sends_every_batch_from_seq_0(serve):
+    """llm-d's way: the indexer binds, `serve --kv-events tcp://host:port` connects. A subscriber
+    there before the server starts receives every batch live from seq 0 (the engine's first
+    AllBlocksCleared, the first requests' pages), and the replay socket is offered in connect
+    mode too (--kv-events-replay)."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    s = serve("--kv-events", f"tcp://127.0.0.1:{port}", "--kv-events-replay", "tcp://127.0.0.1:*",
+              "--kv-events-topic", "kv")
+    m = re.search(r"KV events on (tcp://\S+) \(replay: (tcp://\S+)\)", s.output)
+    assert m is not None, s.output
+    try:
+        with httpx.Client(timeout=60) as c:
+            for k in range(2):                        # the first requests, at once: no warm-up
+                c.post(s.url + "/v1/completions", json={"prompt": [3 + k, *range(10, 60)], "max_tokens": 1}
+                       ).raise_for_status()
+        live: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            while sub.poll(100):
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == b"kv"
+                live.append((int.from_bytes(seq, "big"), payload))
+            kept = _replay(ctx, m.group(2), 0)
+            if live and kept[-1][0] == live[-1][0]:
+                break
+        assert live, "no batch reached the subscriber"
+        assert [q for q, _ in live] == list(range(len(live))), "every batch from seq 0, none lost"
+        assert live == kept, "the replay socket (connect mode) holds the very batches published"
+        assert msgpack.unpackb(live[0][1])[1] == [["AllBlocksCleared"]]
+        stored = [ev for _, p in live for ev in msgpack.unpackb(p)[1] if ev[0] == "BlockStored"]
+        for k in range(2):
+            head = [3 + k, 10, 11, 12]
+            assert any(ev[3][i:i + 4] == head for ev in stored for i in range(3)), f"request {k}'s pages never came"
+    finally:
+        sub.close(0)
+        ctx.term()
+        assert s.stop() == 0

@@ -45,3 +45,57 @@ def test_router_keys_a_chat_with_special_token_text_as_the_server_encodes_it(sto
     plain = tok.encode(template.render(MESSAGES), add_special_tokens=False)
     assert (server_ids == plain) == allow_special
     assert (keys_of(plain, 4, "m") == keys) == allow_special
+
+
+HERMES = ("{# calls: <tool_call>JSON</tool_call> #}"
+          "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}"
+          "<|im_end|>\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tool(name, prop):
+    parameters = {"type": "object", "properties": {prop: {"type": "string"}}}
+    return {"type": "function", "function": {"name": name, "description": f"{name} of a place",
+                                             "parameters": parameters}}
+
+
+@pytest.mark.parametrize("source, fmt_name", [(HERMES, "hermes"), (CHATML, "generic")])
+def test_router_keys_a_chat_with_its_tools_as_the_server_renders_it(stories_path, source, fmt_name):
+    """Chats that differ only in tools (or in tool_choice, which decides whether and how the
+    tools are shown) are different prompts to the replica: the router keys each as the replica
+    renders it (the template's `tools`, or the generic format's system message), so they are
+    not taken for the same prefix."""
+    from pagedecode.model.tokenizer import Tokenizer
+    from pagedecode.ray import Router, Spec
+    from pagedecode.server.admission import prompts_of
+    from pagedecode.server.chat import ChatTemplate, load_template
+    from pagedecode.server.protocol import Limits, parse_request
+    from pagedecode.tools import detect_format
+    tok = Tokenizer.from_dir(stories_path)
+    _, specials = load_template(stories_path)
+    template = ChatTemplate(source, specials)
+    fmt = detect_format(source, lambda m, e: template.render(m, extra=e))
+    assert fmt.name == fmt_name
+    state = SimpleNamespace(chat_template=template, engine=SimpleNamespace(tokenizer=tok, max_context=4096),
+                            options=SimpleNamespace(allow_special_tokens_in_content=False))
+    router = Router(Spec(model="m", served_model_name="m"), None, None)
+    router.routing_info = {"tokenizer": tok, "template": (source, specials), "page_size": 4, "tool_format": fmt.name}
+    router.template = template
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    bodies = {"no tools": {"messages": messages},
+              "weather": {"messages": messages, "tools": [tool("get_weather", "city")]},
+              "time": {"messages": messages, "tools": [tool("get_time", "zone")]},
+              "weather, required": {"messages": messages, "tools": [tool("get_weather", "city")],
+                                    "tool_choice": "required"},
+              "weather, none": {"messages": messages, "tools": [tool("get_weather", "city")], "tool_choice": "none"}}
+    keys = {}
+    for name, body in bodies.items():
+        [server_ids] = prompts_of(state, parse_request(body, True, {}, Limits(), 1, tool_format=fmt))
+        keys[name] = router.prompt_keys(body, chat=True)
+        assert keys[name] and keys[name] == keys_of(server_ids, 4, "m"), name
+    assert keys["weather"] != keys["no tools"] and keys["weather"] != keys["time"]
+    assert keys["weather, none"] == keys["no tools"]             # none: the tools are not shown
+    assert (keys["weather, required"] != keys["weather"]) == (fmt_name == "generic")    # its instructions differ

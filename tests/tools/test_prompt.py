@@ -109,3 +109,50 @@ def test_malformed_tool_turns_name_the_field(message, field):
     with pytest.raises(InvalidFieldError) as e:
         prepare_messages([message], None, HERMES)
     assert e.value.field == field
+
+
+# a Mistral-style template written for this test: it refuses call ids that are not 9 letters and
+# digits, as Mistral's own templates do (theirs check the length; mistral_common the alphabet)
+REFUSE = '{{ raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}'
+MISTRAL_TEMPLATE = (
+    '{%- set alnum = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789" -%}'
+    "{%- macro check(id) -%}"
+    "{%- if id is not string or id | length != 9 -%}" + REFUSE + "{%- endif -%}"
+    "{%- for ch in id -%}{%- if ch not in alnum -%}" + REFUSE + "{%- endif -%}{%- endfor -%}"
+    "{%- endmacro -%}"
+    "{%- for m in messages -%}"
+    '{%- if m.role == "user" -%}[INST] '
+    "{% if loop.last and tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{{ m.content }}[/INST]"
+    '{%- elif m.role == "assistant" and m.tool_calls -%}[TOOL_CALLS] ['
+    '{% for c in m.tool_calls %}{{ check(c.id) }}{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments | tojson }}, "id": "{{ c.id }}"}{% endfor %}]</s>'
+    '{%- elif m.role == "assistant" -%}{{ m.content }}</s>'
+    '{%- elif m.role == "tool" -%}{{ check(m.tool_call_id) }}[TOOL_RESULTS] '
+    '{"content": {{ m.content | tojson }}, "call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]'
+    "{%- endif -%}"
+    "{%- endfor -%}")
+
+
+def test_mistral_templates_get_call_ids_of_nine_letters_and_digits():
+    """Ids from another server ("call_1", "toolu_...") would make a Mistral template refuse the
+    history: they are mapped to 9 letters and digits, the call's and its result's alike; an id
+    already of that form is kept."""
+    from pagedecode.server.errors import ApiError
+    assert detect_format(MISTRAL_TEMPLATE, render(MISTRAL_TEMPLATE)) is MISTRAL
+    template = ChatTemplate(MISTRAL_TEMPLATE, {})
+    with pytest.raises(ApiError, match="length 9"):       # the template as given the ids unmapped
+        template.render(prepare_messages(HISTORY, None, HERMES))
+    history = [*HISTORY, {"role": "user", "content": "And Rome?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "a1B2c3D4e", "type": "function", "function": {"name": "get_weather",
+                                                                        "arguments": '{"city": "Rome"}'}}]},
+               {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": "25C"}]
+    messages = prepare_messages(history, parse_tool_fields(BODY), MISTRAL)
+    mapped = messages[1]["tool_calls"][0]["id"]
+    assert len(mapped) == 9 and mapped.isascii() and mapped.isalnum()
+    assert messages[2]["tool_call_id"] == mapped
+    assert messages[4]["tool_calls"][0]["id"] == messages[5]["tool_call_id"] == "a1B2c3D4e"
+    text = template.render(messages, extra=template_kwargs(parse_tool_fields(BODY), MISTRAL))
+    assert f'"call_id": "{mapped}"' in text and '"id": "a1B2c3D4e"' in text
+    assert prepare_messages(HISTORY, None, MISTRAL)[1]["tool_calls"][0]["id"] == mapped    # the same every time
