@@ -2,6 +2,8 @@
 
     python benchmarks/quantized.py                        # stories260k and llama135m, every format
     python benchmarks/quantized.py --models stories260k --formats f32,q8_0 --workloads single --repeat 1
+    python benchmarks/quantized.py --models smollm2       # the real model, every block type (issue 35.7)
+    python benchmarks/quantized.py --quick                # the real model: its Q4_1 file and Q4_K_M, once each
 
 Files  llama.cpp's convert script writes the checkpoint as an f32 GGUF; llama-quantize from the
        same build makes bf16 / q8_0 / q4_0 from it (--pure: every matrix in that type, the tied
@@ -19,6 +21,12 @@ Accuracy  --prompts fixed prompts (seeded token ids) and the float32 file's gree
        fraction of identical tokens (position by position) between pagedecode and llama.cpp
        (benchmarks/peers/greedy.cpp) each decoding greedily from the same prompts and file.
 Memory engine.weight_bytes (the weights as pagedecode's forward holds them) and the file size.
+
+Real   --models smollm2: SmolLM2-135M-Instruct's own Q4_1 file and llama-quantize's file of each
+model  --real-types type made from its float32 weights (benchmarks/llamacpp_files.py), pagedecode
+       (float32 compute on its --kv-cache-dtype cache) and llama.cpp interleaved on each at
+       --threads threads: single and mixed as above; tokens/s, the ratio and issue 35's goals
+       (single >= 1.0x, mixed >= 1.5x llama.cpp). Its accuracy is benchmarks/llamacpp_accuracy.py's.
 
 Without a llama.cpp build (`benchmarks/peers/llamacpp.sh` makes one) the JSON says why llama.cpp
 is left out and pagedecode runs from the Hugging Face folder instead, quantizing at load
@@ -44,12 +52,15 @@ import pagedecode as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_vs_hf as evh  # noqa: E402
+import llamacpp_files as lf  # noqa: E402
 from common import plot, result_path, write_json  # noqa: E402
+from real_model import smollm2_f32_gguf, smollm2_gguf  # noqa: E402
 from pagedecode.testing import prefill_batch  # noqa: E402
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_0")
 COMPUTE = {"f32": "float32", "bf16": "bfloat16", "q8_0": "float32", "q4_0": "float32"}
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "pd-greedy")
+REAL_TYPES = ("q4_1_file", *lf.QUANTIZE_TYPES)        # q4_1_file: the package's own file
 
 
 def llamacpp_missing() -> str | None:
@@ -176,6 +187,39 @@ def speed(names: list[str], src: dict[str, Any], files: dict[str, Path] | None, 
     return out
 
 
+def real_model_files(kinds: list[str]) -> dict[str, Path]:
+    """SmolLM2's file of each type: the package's own Q4_1, the others llama-quantize'd (cached)."""
+    return {k: smollm2_gguf() if k == "q4_1_file" else lf.quantized_file(smollm2_f32_gguf(), k) for k in kinds}
+
+
+def real_model(args: Any, rows: list[dict[str, Any]], out: Path, result: dict[str, Any]) -> None:
+    """Every type of the real model, pagedecode and llama.cpp interleaved per type and workload."""
+    kinds = args.real_types.split(",")
+    files = real_model_files(kinds)
+    vocab, context = 49152, 8192
+    for wname in args.workloads.split(","):
+        reqs = evh.workload(wname, vocab, context)
+        useful = sum(o for _, o in reqs)
+        repeat = args.repeat if wname == "single" else args.mixed_repeat
+        for kind in kinds:
+            src = {"path": files[kind], "dtype": "float32", "quantization": None, "kv_cache_dtype": args.kv_cache_dtype}
+            got = speed(["pagedecode", "llamacpp"], src, files, kind, reqs, args, files[kind], wname, repeat)
+            row: dict[str, Any] = {"model": "smollm2", "workload": wname, "format": kind, "requests": len(reqs),
+                                   "useful_tokens": useful, "file_bytes": files[kind].stat().st_size,
+                                   "tensor_types": lf.tensor_types(files[kind])}
+            for name, r in got.items():
+                row[name] = {k: v for k, v in r.items() if k not in ("tokens", "load")}
+                row[name]["seconds"] = round(r["seconds"], 3)
+                row[name]["tok_s"] = round(useful / r["seconds"], 1)
+            row["weight_bytes"] = got["pagedecode"].get("weight_bytes")
+            row["pagedecode_vs_llamacpp"] = round(got["llamacpp"]["seconds"] / got["pagedecode"]["seconds"], 2)
+            rows.append(row)
+            print(f"smollm2      {wname:<7} {kind:<9} tok/s: pagedecode {row['pagedecode']['tok_s']:>8.1f}  llamacpp "
+                  f"{row['llamacpp']['tok_s']:>8.1f}  {row['pagedecode_vs_llamacpp']}x llama.cpp  (load "
+                  f"{row['pagedecode']['runs_load']} / {row['llamacpp']['runs_load']})", file=sys.stderr, flush=True)
+            write_json(out, result)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="stories260k,llama135m")
@@ -193,9 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                     help="pagedecode's KV cache for the float32-computing formats (f32, q8_0, q4_0; bf16 keeps "
                          "its own): float16 is what llama.cpp holds by default (-ctk / -ctv f16)")
+    ap.add_argument("--real-types", default=",".join(REAL_TYPES),
+                    help="--models smollm2: the files (q4_1_file, the package's own, and llama-quantize types)")
+    ap.add_argument("--quick", action="store_true", help="the real model only: its Q4_1 file and Q4_K_M, "
+                    "single and mixed once each")
     ap.add_argument("--note", default="", help="a line kept in the JSON (e.g. what else loaded the machine)")
     ap.add_argument("--out", help="the JSON path (default: a new file under benchmarks/results/)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.real_types, args.repeat, args.mixed_repeat = "smollm2", "q4_1_file,q4_k_m", 1, 1
     formats = args.formats.split(",")
     if "f32" not in formats or any(f not in FORMATS for f in formats):
         raise SystemExit(f"--formats: a comma-separated subset of {','.join(FORMATS)} that includes f32 "
@@ -213,7 +263,14 @@ def main(argv: list[str] | None = None) -> int:
               "pagedecode_source": "the same GGUF file" if why_not is None else "the HF folder, quantization=",
               "kv_cache": {"pagedecode": f"{args.kv_cache_dtype} (bf16: bfloat16)", "llamacpp": "f16 (its default)"},
               "accuracy": acc, "results": rows}
-    models = evh.model_dirs(argparse.Namespace(model=None, models=args.models, stories=args.stories))
+    names = args.models.split(",")
+    if "smollm2" in names:
+        if why_not:
+            raise SystemExit(f"--models smollm2 compares with llama.cpp: {why_not}")
+        real_model(args, rows, out, result)
+        names.remove("smollm2")
+    models = evh.model_dirs(argparse.Namespace(model=None, models=",".join(names), stories=args.stories)) \
+        if names else []
     workloads = args.workloads.split(",")
     bar = evh.progress(len(models) * (1 + len(workloads) * len(formats)), "quantized.py", unit="step")
     for mname, path in models:
@@ -330,9 +387,15 @@ def matmul_floor(cfg: dict[str, Any], reqs: list, threads: int) -> dict[str, Any
 
 
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 24's targets on the 135M-shaped model, read off the rows (those that were measured)."""
+    """Issue 24's targets on the 135M-shaped model and issue 35's on the real one, read off the rows
+    (those that were measured)."""
     out = []
     for r in rows:
+        if r["model"] == "smollm2":
+            bound = 1.0 if r["workload"] == "single" else 1.5
+            out.append({"goal": f"smollm2 {r['workload']} {r['format']} >= {bound}x llama.cpp",
+                        "value": r["pagedecode_vs_llamacpp"], "met": r["pagedecode_vs_llamacpp"] >= bound})
+            continue
         if r["model"] != "llama135m" or "pagedecode_vs_llamacpp" not in r:
             continue
         if r["workload"] == "single" and r["format"] in ("q8_0", "q4_0"):
@@ -362,7 +425,7 @@ def draw(axes: Any, rows: list[dict[str, Any]], result: dict[str, Any]) -> None:
     left.set_ylabel("useful tokens/s (log)")
     left.set_title(f"CPU, {result['threads']} threads, {result['date']}")
     left.legend()
-    for mname, per in result["accuracy"].items():
+    for mname, per in result["accuracy"].items():     # (the real model's accuracy: llamacpp_accuracy.py)
         fmts = [f for f in per if f != "f32"]
         right.plot(fmts, [max(per[f]["mean_kl"], 1e-9) for f in fmts], "o-", label=f"{mname} mean KL")
         right.plot(fmts, [max(per[f]["max_abs_logit_diff"], 1e-9) for f in fmts], "s--",

@@ -3,44 +3,52 @@
 # benchmarks/.cache/llamacpp (ignored), and converts checkpoints to GGUF with llama.cpp's own
 # convert script. engine_vs_hf.py uses the build when it is there.
 #
-#   benchmarks/peers/llamacpp.sh                 # build (once) and convert stories260k
+#   benchmarks/peers/llamacpp.sh                 # build what bin/ lacks, and convert stories260k
 #   benchmarks/peers/llamacpp.sh convert DIR [OUT.gguf [f32|bf16]]   # one Hugging Face folder -> GGUF
 #   benchmarks/peers/llamacpp.sh quantize IN.gguf OUT.gguf q8_0|q4_0  # llama-quantize --pure (every matrix)
 #   LLAMACPP_PRE=gpt-2 ... convert DIR      # a tokenizer llama.cpp does not recognise: name its pre-tokenizer
 #
+# The build is incremental: a tool missing from bin/ is built as its one cmake target in the kept
+# build tree (llama-perplexity, llama-tokenize added later need no rebuild of the rest), and the peer
+# tools (peers/*.cpp: pd-greedy, pd-logits) are recompiled when their source is newer.
+# LLAMACPP_CACHE=DIR: another checkout's build (a git worktree beside the main one).
 # Needs: cmake, a C++ compiler, pip access to PyPI. Version: LLAMA_CPP_PYTHON (default below).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
-CACHE="$HERE/.cache/llamacpp"
+CACHE="${LLAMACPP_CACHE:-$HERE/.cache/llamacpp}"
 VERSION="${LLAMA_CPP_PYTHON:-0.3.36}"
 PY="${PYTHON:-$HERE/../.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
-build() {
-  local tool
-  for tool in llama-bench llama-batched-bench llama-parallel llama-quantize llama-lookup pd-greedy; do
-    [ -x "$CACHE/bin/$tool" ] || break
-  done
-  if [ -x "$CACHE/bin/$tool" ]; then
-    echo "llama.cpp already built in $CACHE/bin"; return
-  fi
-  mkdir -p "$CACHE/src"
+TOOLS=(llama-bench llama-batched-bench llama-parallel llama-quantize llama-lookup llama-perplexity llama-tokenize)
+PEERS=(greedy logits)          # peers/NAME.cpp -> bin/pd-NAME, linked against the same libraries
+
+build() {  # only what bin/ lacks: one cmake target, or one peer tool, at a time (the tree is kept)
+  mkdir -p "$CACHE/src" "$CACHE/bin"
   if [ ! -d "$CACHE/src/vendor/llama.cpp" ]; then
     "$PY" -m pip download --quiet --no-deps --no-binary :all: --dest "$CACHE/dl" "llama-cpp-python==$VERSION"
     tar -xzf "$CACHE"/dl/llama_cpp_python-*.tar.gz -C "$CACHE/src" --strip-components=1
   fi
-  cmake -S "$CACHE/src/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_SERVER=OFF >/dev/null
-  cmake --build "$CACHE/build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-parallel llama-quantize llama-lookup
-  mkdir -p "$CACHE/bin"
-  cp "$CACHE"/build/bin/llama-* "$CACHE/bin/"
-  # pd-greedy (peers/greedy.cpp): greedy token ids for prompts given as ids, against the same libraries
-  local src="$CACHE/src/vendor/llama.cpp"
-  "${CXX:-c++}" -O2 -std=c++17 "$HERE/peers/greedy.cpp" -I"$src/include" -I"$src/ggml/include" -o "$CACHE/bin/pd-greedy" \
-    -Wl,--start-group "$CACHE/build/src/libllama.a" $(find "$CACHE/build/ggml" -name 'libggml*.a') -Wl,--end-group \
-    -fopenmp -lpthread -ldl -lm
-  echo "built llama.cpp $VERSION (from llama-cpp-python sdist) into $CACHE/bin"
+  local src="$CACHE/src/vendor/llama.cpp" tool missing=()
+  if [ ! -f "$CACHE/build/CMakeCache.txt" ]; then
+    cmake -S "$src" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release \
+      -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_SERVER=OFF >/dev/null
+  fi
+  for tool in "${TOOLS[@]}"; do [ -x "$CACHE/bin/$tool" ] || missing+=("$tool"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    cmake --build "$CACHE/build" -j"$(nproc)" --target "${missing[@]}"
+    for tool in "${missing[@]}"; do cp "$CACHE/build/bin/$tool" "$CACHE/bin/"; done
+  fi
+  # pd-greedy (peers/greedy.cpp): greedy token ids for prompts given as ids; pd-logits
+  # (peers/logits.cpp): every position's logits of sequences given as ids, teacher-forced
+  for tool in "${PEERS[@]}"; do
+    [ "$CACHE/bin/pd-$tool" -nt "$HERE/peers/$tool.cpp" ] && continue
+    "${CXX:-c++}" -O2 -std=c++17 "$HERE/peers/$tool.cpp" -I"$src/include" -I"$src/ggml/include" -o "$CACHE/bin/pd-$tool" \
+      -Wl,--start-group "$CACHE/build/src/libllama.a" $(find "$CACHE/build/ggml" -name 'libggml*.a') -Wl,--end-group \
+      -fopenmp -lpthread -ldl -lm
+  done
+  echo "llama.cpp $VERSION (from llama-cpp-python sdist) in $CACHE/bin"
 }
 
 convert() {  # convert HF_DIR [OUT [OUTTYPE]]

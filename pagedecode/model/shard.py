@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..errors import ModelLoadError
 from .config import ModelConfig
 from .llama import LlamaModel
+from .shapes import Declared, check_weights
 
 
 def check_divisible(c: ModelConfig, n: int) -> None:
@@ -39,7 +40,9 @@ def rank_config(c: ModelConfig, n: int) -> ModelConfig:
 
 
 def load_shard(path: Path, c: ModelConfig, rank: int, n: int) -> dict[str, torch.Tensor]:
-    """This rank's slices of every tensor, read slice by slice (no full copy in any process)."""
+    """This rank's slices of every tensor, read slice by slice (no full copy in any process).
+    Every tensor's full shape is first checked against `c` (model/shapes.py), from the files'
+    headers: a checkpoint that disagrees with its config is refused before any slice is read."""
     from safetensors import safe_open
     from .loader import _read_json
     index = path / "model.safetensors.index.json"
@@ -47,6 +50,11 @@ def load_shard(path: Path, c: ModelConfig, rank: int, n: int) -> dict[str, torch
         files = sorted(set(_read_json(index)["weight_map"].values()))
     else:
         files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    declared: dict[str, Declared] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            declared.update((key, Declared(tuple(f.get_slice(key).get_shape()))) for key in f.keys())
+    check_weights(c, declared, path)
     D, H, Hkv, I, V = c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size
 
     out: dict[str, torch.Tensor] = {}

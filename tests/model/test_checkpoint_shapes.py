@@ -85,6 +85,16 @@ def test_config_json_kv_heads_disagreeing_with_the_tensors(default_dir):
         pd.load_model(default_dir)
 
 
+def test_tensor_parallel_shard_checks_the_full_shapes_first(default_dir):
+    """Each rank's loader (model/shard.load_shard) slices the tensors by the configuration: a
+    k_proj of 2 KV heads under a config of 4 sliced into a rank's "half" without complaint."""
+    from pagedecode.model.loader import load_config
+    from pagedecode.model.shard import load_shard
+    edit_config(default_dir, num_key_value_heads=4)
+    with pytest.raises(ModelLoadError, match=r"k_proj\.weight has shape \[64, 128\].*needs \[128, 128\]"):
+        load_shard(default_dir, load_config(default_dir), rank=0, n=2)
+
+
 def test_config_json_head_dim_disagreeing_with_the_tensors(default_dir):
     edit_config(default_dir, head_dim=64)
     with pytest.raises(ModelLoadError, match=r"q_proj\.weight has shape \[128, 128\].*needs \[256, 128\]"):
