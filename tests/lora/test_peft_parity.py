@@ -96,20 +96,27 @@ def test_a_batch_mixing_three_adapters_and_the_base_equals_each_alone(base, adap
     assert engine.lora.residency.loads >= (3 if max_loras == 3 else 4)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["prediction", "draft"])
 def test_speculation_verifies_under_the_requests_adapter(base, adapters, method):
-    """The drafts (prompt lookup, or the base model as draft) are verified by the target under
-    the adapter: the same tokens as without speculation."""
+    """The drafts (a Predicted Output: the tokens themselves; or the base model as draft model)
+    are verified by the target under the adapter: the same tokens as without speculation."""
     path, _ = base
-    prompt = [1, 5, 6, 7, 8, 9] * 4
-    spec = pd.SpeculativeConfig(method=method, num_tokens=3, min_acceptance=0.0, min_gain=0.0,
-                                draft_model=path if method == "draft" else None)
+    prompt = PROMPTS[1]
     params = pd.SamplingParams(max_tokens=12, ignore_eos=True)
+    want = hf_greedy(adapters["r8"][1], prompt, 12)
     plain = pd.Engine.from_pretrained(path, max_loras=1).generate(prompt, params, lora=lora(adapters, "r8"))[0]
-    engine = pd.Engine.from_pretrained(path, max_loras=1, speculative=spec)
+    assert plain.selected_token_ids == want
+    if method == "draft":
+        spec = pd.SpeculativeConfig(method="draft", num_tokens=3, min_acceptance=0.0, min_gain=0.0, draft_model=path)
+        engine = pd.Engine.from_pretrained(path, max_loras=1, speculative=spec)
+    else:
+        engine = pd.Engine.from_pretrained(path, max_loras=1)
+        params = pd.SamplingParams(max_tokens=12, ignore_eos=True, prediction=want)
     out = engine.generate(prompt, params, lora=lora(adapters, "r8"))[0]
     assert out.usage.draft_tokens > 0
-    assert out.selected_token_ids == plain.selected_token_ids == hf_greedy(adapters["r8"][1], prompt, 12)
+    assert out.selected_token_ids == want
+    if method == "prediction":
+        assert out.usage.accepted_prediction_tokens > 0      # the adapter's tokens, accepted as drafts
 
 
 def test_what_cannot_run_adapters_refuses_them_by_name(base, adapters):
