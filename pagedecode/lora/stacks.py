@@ -75,7 +75,8 @@ class LoRAStacks:
 def segments(seq_slots: Sequence[int], seq_rows: Sequence[int]) -> tuple[list[int], list[int]]:
     """Runs of consecutive sequences under one adapter slot (-1: none) as kernels/lora.py's
     segments: (starts (G + 1,), slots (G,)) over the rows, sequence i owning seq_rows[i] rows."""
-    starts, slots = [0], []
+    starts: list[int] = [0]
+    slots: list[int] = []
     for slot, rows in zip(seq_slots, seq_rows):
         if slots and slots[-1] == slot:
             starts[-1] += rows

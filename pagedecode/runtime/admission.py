@@ -62,7 +62,7 @@ class Admission:
         """Engine.generate's requests: all checked before any is queued (a bad one raises and
         queues nothing). lora: one adapter for all, or one (or None) per prompt."""
         prompts, plist = paired(prompts, params)
-        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, LoRARequest) else list(lora)
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         adapters = [self.lora.resolve(one) for one in loras]

@@ -73,7 +73,7 @@ async def admit(state: ServerState, request: Request, endpoint: Endpoint) -> Adm
     # the body's parse, the chat's render and the prompt's encoding take ~1 s per MiB: in a
     # worker thread, so /health and every stream go on meanwhile (cheap bounds refuse first)
     body = await asyncio.to_thread(jsonbody.load, raw)
-    lora = adapter_of(state, body)
+    lora = adapter_of(state.engine, state.options.model_name, body)
     parsing = await asyncio.to_thread(endpoint.parse, request, body, state.options)
     await prepare_grammar(state, parsing)
     header = request.headers.get("idempotency-key") if endpoint.idempotent else None
@@ -113,7 +113,7 @@ async def read_bytes(state: ServerState, request: Request) -> bytes:
 def check_model(state: ServerState, body: object) -> None:
     """404 for a body that names another model (no model field: this one); a LoRA adapter's
     name is this model too (lora.py)."""
-    adapter_of(state, body)
+    adapter_of(state.engine, state.options.model_name, body)
 
 
 async def prepare_grammar(state: ServerState, parsing: Parsing) -> None:

@@ -118,6 +118,6 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
                         ServerOptions(model_name=model_name or async_engine.engine.model_name, **options))
     app = Starlette(middleware=[Middleware(RequestGuard, allowed_hosts=state.options.allowed_hosts)], routes=ROUTES,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, 500: _server_error})
-    load_modules(state)                  # --lora-modules: a bad adapter stops the start, naming it
+    load_modules(state.engine, state.options.lora_modules)     # --lora-modules: a bad one stops the start, naming it
     app.state.pagedecode = state
     return app

@@ -8,7 +8,7 @@ rank, modules, files) a 400 naming it, and the server serves on."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Iterable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -16,41 +16,41 @@ from starlette.routing import Route
 
 from ..errors import AdapterError, UnknownAdapterError
 from ..lora.request import LoRARequest
+from ..runtime.engine import Engine
 from . import jsonbody
 from .errors import ApiError
 from .responses import now
-from .state import ServerState, state_of
+from .state import state_of
 
 
-def adapter_of(state: ServerState, body: object) -> LoRARequest | None:
-    """The adapter a body's `model` names (None: the base model, or no model field); 404 for a
-    name that is neither the base model nor a loaded adapter."""
-    name = state.options.model_name
+def adapter_of(engine: Engine, name: str, body: object) -> LoRARequest | None:
+    """The adapter a body's `model` names (None: the base model `name`, or no model field); 404
+    for a name that is neither the base model nor a loaded adapter."""
     model = body.get("model") if isinstance(body, dict) else None
     if model in (None, name):
         return None
-    for adapter in state.engine.lora_adapters():
+    for adapter in engine.lora_adapters():
         if adapter.name == model:
             return LoRARequest(adapter.name, adapter.path)
-    known = [name] + [a.name for a in state.engine.lora_adapters()]
+    known = [name] + [a.name for a in engine.lora_adapters()]
     raise ApiError(404, f"model {model!r} is not served here: neither the base model nor a loaded LoRA adapter "
                         f"(try one of {', '.join(map(repr, known))})", param="model", code="model_not_found")
 
 
-def model_cards(state: ServerState) -> list[dict[str, Any]]:
-    """/v1/models' entries: the base model, then each adapter with its parent and root."""
-    name, created = state.options.model_name, now()
+def model_cards(engine: Engine, name: str) -> list[dict[str, Any]]:
+    """/v1/models' entries: the base model `name`, then each adapter with its parent and root."""
+    created = now()
     base = {"id": name, "object": "model", "created": created, "owned_by": "pagedecode", "root": name,
-            "parent": None, "max_model_len": state.engine.max_context}
+            "parent": None, "max_model_len": engine.max_context}
     return [base] + [{"id": a.name, "object": "model", "created": created, "owned_by": "pagedecode",
-                      "root": str(a.path), "parent": name, "max_model_len": state.engine.max_context}
-                     for a in state.engine.lora_adapters()]
+                      "root": str(a.path), "parent": name, "max_model_len": engine.max_context}
+                     for a in engine.lora_adapters()]
 
 
-def load_modules(state: ServerState) -> None:
+def load_modules(engine: Engine, modules: Iterable[tuple[str, str]]) -> None:
     """--lora-modules NAME=PATH ...: each loaded (and checked) before the server answers."""
-    for name, path in state.options.lora_modules:
-        state.engine.load_lora(LoRARequest(name, path))
+    for name, path in modules:
+        engine.load_lora(LoRARequest(name, path))
 
 
 async def _runtime_body(request: Request, fields: tuple[str, ...]) -> dict[str, str]:
@@ -97,7 +97,7 @@ async def unload_lora_adapter(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = state_of(request)
     state.tenants.check(request)
-    return JSONResponse({"object": "list", "data": model_cards(state)})
+    return JSONResponse({"object": "list", "data": model_cards(state.engine, state.options.model_name)})
 
 
 ROUTES = [Route("/v1/models", models), Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
