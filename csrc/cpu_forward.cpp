@@ -666,11 +666,15 @@ bool last_rows_only(const Tensor& logits_indices, const int32_t* cu, int64_t S, 
 // Included here, inside this file's namespace, for quant_blocks() above.
 #include "model_stack.h"
 
+// -- LoRA adapters: csrc/lora_delta.h ---------------------------------------------------------------
+#include "lora_delta.h"
+
 // k_cache, v_cache: (layers, pages, page_size, Hkv, D), of type C.
 template <typename T, typename C>
 Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
-                    const Tensor& logits_indices, const Tensor& k_cache, const Tensor& v_cache, bool onednn, bool det) {
+                    const Tensor& logits_indices, const Tensor& k_cache, const Tensor& v_cache, bool onednn, bool det,
+                    const LoraRun& lora) {
   const float eps = static_cast<float>(m.eps), scale = static_cast<float>(m.scale);
   const int64_t H = m.H, Hkv = m.Hkv, D = m.D, hidden = m.hidden, I = m.inter;
   const int64_t T_ = ids.size(0), S = seq_lens.size(0);
@@ -705,6 +709,10 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
   for (int64_t i = 0; i < n_layers; ++i) {
     const std::vector<Tensor>& L = m.layers[i];
     Tensor qkv = mm(x, kQkv, L, buf_qkv).contiguous();                           // (T, (H + 2 Hkv) D)
+    if (lora.stack != nullptr)                         // LoRA on q | k | v, before RoPE (all T rows)
+      for (const auto& [p, col] : {std::pair{kLoraQ, int64_t{0}}, std::pair{kLoraK, H * D},
+                                   std::pair{kLoraV, (H + Hkv) * D}})
+        add_lora<T>(qkv, col, x, *lora.stack, i, p, lora.all, det);
     C* kc = k_cache.data_ptr<C>() + i * per_layer;
     C* vc = v_cache.data_ptr<C>() + i * per_layer;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, m.cos.data_ptr<float>(), m.sin.data_ptr<float>(), pos,
@@ -724,11 +732,18 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
               seq_lens.data_ptr<int32_t>(), cu, S, page_size, H, Hkv, D, scale, attn.data_ptr<T>(), det,
               /*pool=*/quant_blocks(L[kQkvW]), caches);
     if (!chunks.empty() && rows == T_) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, m.scale, attn);
+    const std::vector<LoraSegment>& segs = rows < T_ ? lora.last : lora.all;      // the rows kept from here on
     Tensor o = mm(attn, kO, L, buf_o);
+    if (lora.stack != nullptr) add_lora<T>(o, 0, attn, *lora.stack, i, kLoraO, segs, det);
     add_then_norm(hp, o.data_ptr<T>(), L[kLn2].data_ptr<T>(), x.data_ptr<T>(), rows, hidden, eps, det);
     Tensor gate_up = mm(x, kGateUp, L, buf_gate_up);                             // (rows, 2 I)
+    if (lora.stack != nullptr) {
+      add_lora<T>(gate_up, 0, x, *lora.stack, i, kLoraGate, segs, det);
+      add_lora<T>(gate_up, I, x, *lora.stack, i, kLoraUp, segs, det);
+    }
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), rows, I);
     Tensor down = mm(act, kDown, L, buf_down);
+    if (lora.stack != nullptr) add_lora<T>(down, 0, act, *lora.stack, i, kLoraDown, segs, det);
     const T* next_ln = i + 1 < n_layers ? m.layers[i + 1][kLn1].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), rows, hidden, eps, det);
   }
@@ -756,7 +771,9 @@ auto by_cache_dtype(at::ScalarType t, at::ScalarType c, const char* what, F&& f)
 
 // The batch (model/batch.py) through the model: every index checked against what it indexes first.
 Tensor forward(const Stack& m, Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
-               Tensor cu_q, Tensor logits_indices, Tensor k_cache, Tensor v_cache, bool onednn, bool deterministic) {
+               Tensor cu_q, Tensor logits_indices, Tensor k_cache, Tensor v_cache, bool onednn, bool deterministic,
+               const LoraStack* lora_stack, const std::optional<Tensor>& seg_starts,
+               const std::optional<Tensor>& seg_slots) {
   check(ids.dtype() == at::kLong && positions.dtype() == at::kLong && slot_mapping.dtype() == at::kLong &&
             logits_indices.dtype() == at::kLong, "ids, positions, slot_mapping, logits_indices must be int64");
   check(page_table.dtype() == at::kInt && seq_lens.dtype() == at::kInt && cu_q.dtype() == at::kInt,
@@ -783,9 +800,17 @@ Tensor forward(const Stack& m, Tensor ids, Tensor positions, Tensor slot_mapping
   check_range(slot_mapping, k_cache.size(1) * k_cache.size(2), "cache slot");
   check_range(logits_indices, T_, "logits row");
   check_tables(page_table, seq_lens, cu_q, T_, k_cache.size(1), k_cache.size(2), "forward");
+  LoraRun lora;                                        // adapters: csrc/lora_delta.h
+  if (lora_stack != nullptr && lora_stack->slots > 0) {     // (no slots: no projection is targeted)
+    check(seg_starts.has_value() && seg_slots.has_value(), "a LoraStack needs seg_starts and seg_slots");
+    check_lora_stack(m, *lora_stack);
+    lora.stack = lora_stack;
+    lora.all = lora_segments(*seg_starts, *seg_slots, T_, lora_stack->slots);
+    lora.last = lora_segments_of_rows(lora.all, logits_indices);
+  }
   return by_cache_dtype(m.final_norm.scalar_type(), k_cache.scalar_type(), "forward", [&](auto t, auto c) {
     return forward_impl<decltype(t), decltype(c)>(m, ids, positions, slot_mapping, page_table, seq_lens, cu_q,
-                                                  logits_indices, k_cache, v_cache, onednn, deterministic);
+                                                  logits_indices, k_cache, v_cache, onednn, deterministic, lora);
   });
 }
 
@@ -887,12 +912,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&make_stack), py::arg("layers"), py::arg("embed"), py::arg("final_norm"), py::arg("lm_head"),
            py::arg("lm_head_t"), py::arg("lm_head_packed"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"));
+  py::class_<LoraStack>(m, "LoraStack", "the resident LoRA adapters' stacked weights (csrc/lora_delta.h)")
+      .def(py::init(&make_lora_stack), py::arg("layers"), py::arg("ranks"));
+  m.def("lora_projections", [] { return std::vector<std::string>(kLoraProjNames, kLoraProjNames + kLoraProjs); },
+        "the projections' names, in the order LoraStack takes each layer's [A, B, scaling] triples");
   m.def("layer_slots", [] { return std::vector<std::string>(kSlotNames, kSlotNames + kSlots); },
         "the names of a layer's tensors, in the order Stack takes each layer's list");
   m.def("forward", &forward, "Llama forward over the paged KV cache, CPU (see csrc/cpu_forward.cpp)",
         py::arg("stack"), py::arg("ids"), py::arg("positions"), py::arg("slot_mapping"), py::arg("page_table"),
         py::arg("seq_lens"), py::arg("cu_q"), py::arg("logits_indices"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("onednn"), py::arg("deterministic"));
+        py::arg("onednn"), py::arg("deterministic"), py::arg("lora") = static_cast<LoraStack*>(nullptr),
+        py::arg("seg_starts") = py::none(), py::arg("seg_slots") = py::none());
   m.def("det_linear", &det_linear_op, "x @ w^T (+ b), each output in one fixed order whatever the rows (deterministic mode)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none(),
         pybind11::arg("packed") = pybind11::none());

@@ -5,8 +5,9 @@ under a small runtime that owns the page table, batch slots, continuous batching
 cancellation and the step-state invariants.
 """
 from . import testing
-from .errors import (DoubleReleaseError, ForgottenRequestError, IllegalTransitionError, InvalidRequestError,
-                     ModelLoadError, ModelUnavailableError, PageDecodeError, UnknownRequestError)
+from .errors import (AdapterError, DoubleReleaseError, ForgottenRequestError, IllegalTransitionError, InvalidRequestError,
+                     ModelLoadError, ModelUnavailableError, PageDecodeError, UnknownAdapterError, UnknownRequestError)
+from .lora.request import LoRARequest
 from .model.batch import ForwardBatch
 from .model.config import ModelConfig
 from .model.kv_cache import KVCache
@@ -28,11 +29,11 @@ from .runtime.trace import to_chrome, to_jsonl
 
 
 __all__ = [
-    "ALLOWED", "AsyncEngine", "DeltaEvent", "DoubleReleaseError", "Engine", "EngineConfig", "EngineSnapshot",
+    "ALLOWED", "AdapterError", "AsyncEngine", "DeltaEvent", "DoubleReleaseError", "Engine", "EngineConfig", "EngineSnapshot",
     "FinishReason", "ForgottenRequestError", "StructuredOutput", "TokenizerLike", "as_tokenizer",
-    "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "Model",
+    "ForwardBatch", "IllegalTransitionError", "InvalidRequestError", "KVCache", "LlamaModel", "LoRARequest", "Model",
     "ModelConfig", "ModelLoadError", "ModelUnavailableError", "PageDecodeError", "RequestOutput", "RequestState", "SamplingParams",
-    "SpeculativeConfig", "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "UnknownRequestError", "Usage", "load_model",
+    "SpeculativeConfig", "StartEvent", "STOP_RULE_VERSION", "TerminalEvent", "Timings", "Tokenizer", "UnknownAdapterError", "UnknownRequestError", "Usage", "load_model",
     "freeze_heap", "testing", "to_chrome", "to_jsonl",
 ]
 __version__ = "0.1.0"

@@ -9,12 +9,18 @@ class Stack:
                  sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float) -> None: ...
 
+class LoraStack:
+    """The resident LoRA adapters' stacked weights: per layer, [A, B, scaling] per projection."""
+    def __init__(self, layers: list[list[torch.Tensor]], ranks: torch.Tensor) -> None: ...
+
 def layer_slots() -> list[str]: ...
+def lora_projections() -> list[str]: ...
 
 def forward(
     stack: Stack, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, cu_q: torch.Tensor, logits_indices: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, onednn: bool, deterministic: bool,
+    v_cache: torch.Tensor, onednn: bool, deterministic: bool, lora: LoraStack | None = None,
+    seg_starts: torch.Tensor | None = None, seg_slots: torch.Tensor | None = None,
 ) -> torch.Tensor: ...
 
 def det_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,

@@ -19,6 +19,15 @@ class InvalidFieldError(InvalidRequestError):
         self.reason = reason
 
 
+class AdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served on this model (its files, shapes, rank or modules);
+    the message names the adapter. Nothing was loaded; the engine serves on."""
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """No LoRA adapter by that name is known to the server (--lora-modules, load_lora_adapter)."""
+
+
 class IllegalTransitionError(PageDecodeError, RuntimeError):
     """A request lifecycle move that the transition table does not allow."""
 

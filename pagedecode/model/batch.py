@@ -14,8 +14,12 @@ and seq_lens[s] = cached + n (its K/V are written before attention reads them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..lora.stacks import LoRABatch
 
 
 @dataclass
@@ -34,6 +38,8 @@ class ForwardBatch:
     max_seq_len: int | None = None # a host bound on seq_lens (a captured decode graph's: model/cuda_graphs.py),
                                    # so decode attention sizes its splits without reading seq_lens back;
                                    # None: it reads the batch's own longest length
+    lora: "LoRABatch | None" = None # LoRA: the resident adapters and which rows run under which (lora/stacks.py);
+                                   # None: no row of this batch has an adapter
     # for the token selector, not the model (sent in the same copy as the rows above): per
     # sampling row (the N rows of logits_indices), its batch slot and output position, int64
     sample_slots: torch.Tensor | None = None

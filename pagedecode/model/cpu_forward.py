@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..lora.adapter import PROJECTIONS
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -67,6 +68,21 @@ def onednn_bf16_supported() -> bool:
     """Whether oneDNN runs bfloat16 matmuls on this CPU."""
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(check()) if check is not None else torch.backends.mkldnn.is_available()
+
+
+def lora_stack(layers: list[list[torch.Tensor]], ranks: torch.Tensor) -> Any:
+    """The extension's LoraStack over lora/stacks.py's buffers: each layer's [A, B, scaling] per
+    projection, in the order the extension names them (lora_projections()), and each slot's rank."""
+    assert _cpu_ext is not None
+    if tuple(_cpu_ext.lora_projections()) != PROJECTIONS:
+        raise RuntimeError(f"pagedecode._cpu at {_cpu_ext.__file__} names the LoRA projections "
+                           f"{_cpu_ext.lora_projections()}, not {PROJECTIONS}: rebuild it")
+    return _cpu_ext.LoraStack(layers, ranks)
+
+
+def takes_lora() -> bool:
+    """Whether this build's forward adds LoRA deltas (an older build: LoRA batches take the torch path)."""
+    return _cpu_ext is not None and hasattr(_cpu_ext, "LoraStack")
 
 
 def plain(w: Weight) -> torch.Tensor:
@@ -219,7 +235,13 @@ class CompiledForward:
         return kv.k.dtype in (self.dtype, *narrower)
 
     def forward(self, b: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Logits (N, vocab) float32 of the batch's logits rows, its K/V written into kv."""
+        """Logits (N, vocab) float32 of the batch's logits rows, its K/V written into kv; a batch
+        with LoRA adapters (b.lora) adds each row's deltas in the call (csrc/lora_delta.h)."""
         assert _cpu_ext is not None
+        if b.lora is None:
+            return _cpu_ext.forward(self.stack, b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens,
+                                    b.cu_q, b.logits_indices, kv.k, kv.v, self.onednn, self.deterministic)
         return _cpu_ext.forward(self.stack, b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens,
-                                b.cu_q, b.logits_indices, kv.k, kv.v, self.onednn, self.deterministic)
+                                b.cu_q, b.logits_indices, kv.k, kv.v, self.onednn, self.deterministic,
+                                lora=b.lora.stacks.compiled_view(lora_stack), seg_starts=b.lora.seg_starts,
+                                seg_slots=b.lora.seg_slots)

@@ -57,9 +57,10 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
 
 def graphable(batch: ForwardBatch) -> bool:
     """A step a decode graph can run: every sequence adds one token and wants its logits row,
-    row i for sequence i (no prefill chunk, prompt logprobs or draft verification)."""
+    row i for sequence i (no prefill chunk, prompt logprobs or draft verification), and no LoRA
+    adapter (its segments change from step to step)."""
     n = batch.num_seqs
-    return n > 0 and batch.num_decode == n and batch.num_tokens == n and batch.logits_indices.shape[0] == n
+    return batch.lora is None and n > 0 and batch.num_decode == n and batch.num_tokens == n and batch.logits_indices.shape[0] == n
 
 
 class StaticDecodeInputs:

@@ -15,7 +15,7 @@ overrides (TorchOps'); tests hold every set to it. The one-call compiled CPU for
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +24,16 @@ from ..kernels._backend import use_triton
 from ..kernels.decode_attention import attend_gathered, context_slots, paged_decode_attention
 from ..kernels.extend_attention import paged_extend_attention
 from ..kernels.kv_write import write_kv
+from ..kernels.lora import lora_delta
 from ..kernels.matmul import deterministic_linear
 from ..kernels.quant_matmul import quant_matmul_deterministic
 from ..kernels.rmsnorm import rms_norm, rms_norm_triton
 from .batch import ForwardBatch
 from .kv_cache import KVCache
 from .quant import QuantizedWeight, RowStack, Weight, linear
+
+if TYPE_CHECKING:
+    from ..lora.stacks import LoRABatch
 
 # the cache slots of every decode sequence's context: (slots, lengths), computed once a step
 Context = tuple[torch.Tensor, torch.Tensor] | None
@@ -60,6 +64,11 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)                              # (T, I) each
         return F.silu(gate) * up
+
+    def lora_delta(self, x: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor, a: torch.Tensor,
+                   b: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
+        """One projection's LoRA delta for the batch's rows (kernels/lora.py: shapes, segments)."""
+        return lora_delta(x, seg_starts, seg_slots, a, b, scaling, backend=self.backend)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slots: torch.Tensor) -> None:
@@ -119,6 +128,26 @@ class DeterministicTritonOps(TritonOps):
             y = quant_matmul_deterministic(x, w.gguf_blocks(), w.kind, self.backend)
         return y if b is None else y + b
 
+    def lora_delta(self, x: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor, a: torch.Tensor,
+                   b: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
+        return segment_by_segment(x, seg_starts, seg_slots, a, b, scaling,
+                                  lambda x, w: deterministic_linear(x, w, None, self.backend))
+
+
+def segment_by_segment(x: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor, a: torch.Tensor,
+                       b: torch.Tensor, scaling: torch.Tensor,
+                       matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The LoRA delta with each segment's shrink and expand through `matmul(x, w) = x @ w^T` of a
+    deterministic mode: one order per output whatever the rows around it."""
+    out = torch.zeros(x.shape[0], b.shape[1], dtype=x.dtype, device=x.device)
+    starts = seg_starts.tolist()
+    for g, slot in enumerate(seg_slots.tolist()):
+        lo, hi = starts[g], starts[g + 1]
+        if slot >= 0 and hi > lo:
+            shrunk = matmul(x[lo:hi].contiguous(), a[slot])                     # (rows, R)
+            out[lo:hi] = matmul(shrunk, b[slot]) * scaling[slot].to(x.dtype)     # (rows, N)
+    return out
+
 
 class DeterministicCpuOps(TorchOps):
     """Deterministic mode on CPU: the compiled kernels (csrc/cpu_forward.cpp's det_*) in place of
@@ -153,6 +182,10 @@ class DeterministicCpuOps(TorchOps):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ext.silu_mul(gate_up)
 
+    def lora_delta(self, x: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor, a: torch.Tensor,
+                   b: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
+        return segment_by_segment(x, seg_starts, seg_slots, a, b, scaling, lambda x, w: self.ext.det_linear(x, w))
+
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slots: torch.Tensor) -> None:
         write_kv(k_cache, v_cache, k, v, slots, backend="torch")
@@ -177,3 +210,15 @@ def choose_ops(device: torch.device, backend: str, scale: float, quant_kernel: A
         raise RuntimeError("deterministic mode on CPU needs the compiled extension pagedecode._cpu (built by "
                            "setup.py with a C++ compiler)")
     return DeterministicCpuOps(ext, backend, scale, quant_kernel)
+
+
+def add_lora(ops: TorchOps, lora: "LoRABatch", layer: int, x: torch.Tensor, out: torch.Tensor,
+             parts: Sequence[tuple[str, int]]) -> None:
+    """out += each targeted projection's LoRA delta, in place, on its columns: a fused projection
+    (q | k | v, gate | up) takes each part's delta at that part's first column."""
+    stacks = lora.stacks
+    for proj, col in parts:
+        if proj in stacks.active:
+            a, b = stacks.a[layer][proj], stacks.b[layer][proj]
+            out[:, col:col + b.shape[1]] += ops.lora_delta(x, lora.seg_starts, lora.seg_slots, a, b,
+                                                           stacks.scaling[layer][proj])

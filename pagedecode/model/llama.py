@@ -20,7 +20,7 @@ from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layer_ops import TorchOps, choose_ops
+from .layer_ops import TorchOps, add_lora, choose_ops
 from .quant import BLOCK, QuantizedWeight, RowStack, Weight, cat_rows, embedding_rows, weight_bytes
 
 # read at call time (a test switches the compiled forward off by setting cpu_forward._cpu_ext)
@@ -65,6 +65,8 @@ class LlamaModel:
     a multiple of 32, and the LM head to Q8_0 (as llama.cpp keeps the output above the layers'
     type); the embedding (a tied head's table too) and the norms keep their type. cpu_matmul and
     cpu_pack_weights: see configure_cpu (None: the environment's default, as EngineConfig's)."""
+
+    applies_lora = True         # batches may carry LoRA adapters (ForwardBatch.lora); not a tensor-parallel shard
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -234,7 +236,8 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         self._cover_positions(batch, kv)
-        if self._compiled is not None and self.attention_backend == "auto" and self._compiled.runs(kv):
+        if (self._compiled is not None and self.attention_backend == "auto" and self._compiled.runs(kv)
+                and (batch.lora is None or compiled.takes_lora())):
             return self._compiled.forward(batch, kv)
         c, ops = self.config, self.ops
         T, H, Hkv, D = batch.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim
@@ -242,9 +245,12 @@ class LlamaModel:
         h = self._embed(batch.input_ids)                                  # (T, hidden)
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]   # (T, head_dim)
         ctx = ops.context(batch, kv)
+        lora = batch.lora
         for i, L in enumerate(self.layers):
             x = ops.norm(h, L.ln1, c.rms_norm_eps)
             qkv = ops.linear(x, L.qkv_w, L.qkv_b)                         # (T, (H + 2 Hkv) D)
+            if lora is not None:
+                add_lora(ops, lora, i, x, qkv, (("q_proj", 0), ("k_proj", q_end), ("v_proj", k_end)))
             v = qkv[:, k_end:].view(T, Hkv, D)
             if L.q_norm is None:     # rotate q and k in one go
                 qk = apply_rope(qkv[:, :k_end].view(T, H + Hkv, D), cos, sin)
@@ -256,9 +262,20 @@ class LlamaModel:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             ops.write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
             attn = ops.attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, H, D)
-            h = h + self._reduce(ops.linear(attn.reshape(T, q_end), L.o_w, L.o_b))
+            attn_rows = attn.reshape(T, q_end)
+            o = ops.linear(attn_rows, L.o_w, L.o_b)
+            if lora is not None:
+                add_lora(ops, lora, i, attn_rows, o, (("o_proj", 0),))
+            h = h + self._reduce(o)
             x = ops.norm(h, L.ln2, c.rms_norm_eps)
-            h = h + self._reduce(ops.linear(ops.silu_mul(ops.linear(x, L.gate_up_w)), L.down_w))
+            gate_up = ops.linear(x, L.gate_up_w)                          # (T, 2 I)
+            if lora is not None:
+                add_lora(ops, lora, i, x, gate_up, (("gate_proj", 0), ("up_proj", c.intermediate_size)))
+            act = ops.silu_mul(gate_up)
+            down = ops.linear(act, L.down_w)
+            if lora is not None:
+                add_lora(ops, lora, i, act, down, (("down_proj", 0),))
+            h = h + self._reduce(down)
         h = ops.norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return self._logits(h)                                           # (N, vocab)
 

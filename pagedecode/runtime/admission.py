@@ -7,7 +7,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Sequence
 
-from ..errors import ModelUnavailableError
+from ..errors import InvalidRequestError, ModelUnavailableError
+from ..lora.manager import LoRAManager
+from ..lora.request import LoRARequest
 from ..params import SamplingParams
 from ..protocols import Model, ModelParts
 from .delivery import Attachment, Delivery
@@ -22,7 +24,7 @@ from .scheduler import Scheduler
 class Admission:
     def __init__(self, intake: Intake, requests: RequestRegistry, delivery: Delivery, scheduler: Scheduler,
                  model: Model, model_name: str, deterministic: bool, lock: threading.RLock,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], lora: LoRAManager) -> None:
         self.intake = intake
         self.requests = requests
         self.delivery = delivery
@@ -32,32 +34,41 @@ class Admission:
         self.deterministic = deterministic
         self._lock = lock
         self._wake = wake
+        self.lora = lora
         self.outbox: list[Event] = []       # events of requests added since the last step
         self.prompt_tokens = 0              # prompt tokens added (the engine's snapshot)
 
     def add(self, prompt: object, params: SamplingParams | None, request_id: str | None, acked: bool,
-            attachment: Attachment | None, pinned: bool) -> Request:
-        """Engine.add_request: refused when the model has failed; the constraint's parse is waited
-        for outside the lock (the step loop goes on), then the request is made and queued."""
+            attachment: Attachment | None, pinned: bool, lora: LoRARequest | None = None) -> Request:
+        """Engine.add_request: refused when the model has failed; the constraint's parse and a
+        LoRA adapter's first load are waited for outside the lock (the step loop goes on), then
+        the request is made and queued."""
         failure = ModelParts(self.model).failure
         if failure is not None:
             raise ModelUnavailableError(f"the engine serves no more requests: {failure}")
+        adapter = self.lora.resolve(lora)
         job = self.intake.parsed_grammar(params)
         with self._lock:
-            req = self.intake.make(prompt, params, self.requests.new_id() if request_id is None else request_id, job)
+            req = self.intake.make(prompt, params, self.requests.new_id() if request_id is None else request_id, job,
+                                   adapter)
             self.delivery.open(req, acked, attachment)
             self.enqueue(req)
             if pinned:
                 self.requests.pin(req.request_id)
         return req
 
-    def add_all(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None) -> list[Request]:
+    def add_all(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None,
+                lora: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[Request]:
         """Engine.generate's requests: all checked before any is queued (a bad one raises and
-        queues nothing)."""
+        queues nothing). lora: one adapter for all, or one (or None) per prompt."""
         prompts, plist = paired(prompts, params)
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, LoRARequest) else list(lora)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        adapters = [self.lora.resolve(one) for one in loras]
         jobs = [self.intake.parsed_grammar(sp) for sp in plist]
         with self._lock:
-            reqs = self.intake.make_all(prompts, plist, jobs, self.requests)
+            reqs = self.intake.make_all(prompts, plist, jobs, self.requests, adapters)
             for req in reqs:
                 self.enqueue(req)
         return reqs

@@ -25,6 +25,7 @@ from typing import AsyncIterator
 
 import torch
 
+from ..lora.request import LoRARequest
 from ..params import SamplingParams
 from .engine import Engine
 from .events import Event, TerminalEvent
@@ -223,16 +224,16 @@ class AsyncEngine:
             if not waiters:
                 del self._followers[request_id]
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
-               ) -> RequestStream:
-        """Queue a request; its events arrive through the returned async iterator, which acks
-        what it takes (backpressure). Raises InvalidRequestError at once for a request that can
-        never be served."""
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+               lora: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (under the LoRA adapter `lora`, if given); its events arrive through
+        the returned async iterator, which acks what it takes (backpressure). Raises
+        InvalidRequestError at once for a request that can never be served."""
         if self._thread is None:
             raise RuntimeError("AsyncEngine is not running: use `async with AsyncEngine(engine)`")
         if self._stopping.is_set():
             raise RuntimeError("AsyncEngine is shutting down")
-        rid = self.engine.add_request(prompt, params, request_id, acked=True, pinned=True)
+        rid = self.engine.add_request(prompt, params, request_id, acked=True, pinned=True, lora=lora)
         return RequestStream(self, rid)
 
     async def _events_after(self, request_id: str, after_seq: int) -> list[Event]:

@@ -8,11 +8,27 @@ from __future__ import annotations
 
 import torch
 
+from ..lora.stacks import LoRABatch, LoRAStacks, segments
 from ..model.batch import ForwardBatch
 from .scheduler import SchedulerOutput
 
 
-def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> ForwardBatch:
+def lora_batch(plan: SchedulerOutput, stacks: LoRAStacks | None, device: torch.device) -> LoRABatch | None:
+    """The batch's LoRA segments (runs of sequences under one adapter slot); None when no
+    sequence of it runs under an adapter."""
+    seqs = plan.seqs
+    if stacks is None or all(s.request.seq.lora_slot is None for s in seqs):
+        return None
+    starts, slots = segments([-1 if s.request.seq.lora_slot is None else s.request.seq.lora_slot for s in seqs],
+                             [s.num_new for s in seqs])
+    table = torch.tensor(starts + slots, dtype=torch.int32)
+    if device.type != "cpu":
+        table = table.to(device, non_blocking=True)
+    return LoRABatch(stacks, table[:len(starts)], table[len(starts):])
+
+
+def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device,
+                lora_stacks: LoRAStacks | None = None) -> ForwardBatch:
     seqs = plan.seqs
     ids: list[int] = []
     positions: list[int] = []
@@ -80,4 +96,5 @@ def build_batch(plan: SchedulerOutput, page_size: int, device: torch.device) -> 
         request_ids=[s.request.request_id for s in seqs],
         token_ids=[s.request.prompt_ids for s in seqs],
         logits_seqs=logits_seqs, prompt_spans=prompt_spans,
-        output_ids=[s.request.output_ids for s in seqs], drafts=[s.drafts for s in seqs])
+        output_ids=[s.request.output_ids for s in seqs], drafts=[s.drafts for s in seqs],
+        lora=lora_batch(plan, lora_stacks, device))

@@ -82,6 +82,10 @@ class EngineConfig:
                                              # when it shuts down; None: the physical cores this process
                                              # may use, within its cgroup quota (runtime/threads.py)
     speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
+    max_loras: int = 4                       # LoRA adapters resident at once (their stacked weights are made on
+                                             # the first adapter's use; 0: none served); more adapters wait
+                                             # their turn, the least recently used evicted when none runs
+    max_lora_rank: int = 64                  # the largest adapter rank served: the stacks' padded rank
     kv_cache_dtype: "str | torch.dtype" = "auto"   # the KV cache's element type: "auto" (the model's dtype),
                                              # "bfloat16" / "float16" (half a float32 model's cache bytes:
                                              # K/V rounded once when written, attention still in float32)
@@ -150,6 +154,10 @@ class EngineConfig:
                              f"fp16 / f16 / half, or one of those torch dtypes), got {self.kv_cache_dtype!r}")
         dtype = KV_CACHE_DTYPES[kv.lower()]
         self.kv_cache_dtype = "auto" if dtype is None else KV_CACHE_NAMES[dtype]
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank must be an integer in [1, 1024], got {self.max_lora_rank!r}")
         if self.max_finished_bytes is not None and self.max_finished_bytes < 1:
             raise ValueError(f"max_finished_bytes must be >= 1 or None, got {self.max_finished_bytes}")
 

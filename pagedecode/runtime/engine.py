@@ -24,6 +24,9 @@ import torch
 
 from ..model.cuda_graphs import decode_graphs
 from ..model.kv_cache import KVCache
+from ..lora.adapter import LoRAAdapter
+from ..lora.manager import LoRAManager
+from ..lora.request import LoRARequest
 from ..model.tokenizer import TokenizerLike, as_tokenizer
 from ..params import SamplingParams
 from ..protocols import Model, ModelParts
@@ -81,8 +84,9 @@ class Engine:
                           kv_dtype, self.device)
         self.pool = PagePool(num_pages)
         self.slots = SlotTable(config.max_batch_size)
+        self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank)    # adapters (lora/manager.py)
         self.scheduler = Scheduler(self.pool, self.slots, config.page_size, config.max_tokens_per_step,
-                                   prefix_caching=config.enable_prefix_caching)
+                                   prefix_caching=config.enable_prefix_caching, adapters=self.lora.residency)
         # a sequence never holds more than the pool: that bounds the context too
         self.max_context = min(model_ctx, num_pages * config.page_size)
         self.vocab_size = mc.vocab_size
@@ -103,10 +107,11 @@ class Engine:
         self.delivery = Delivery(self.requests, self._lock, config, self._wake)
         self.endings = Endings(self.scheduler, self.requests, self.delivery, config, self._lock, self._wake)
         self.admission = Admission(self.intake, self.requests, self.delivery, self.scheduler, model,
-                                   self.model_name, config.deterministic, self._lock, self._wake)
+                                   self.model_name, config.deterministic, self._lock, self._wake, self.lora)
         # on CUDA, pure decode steps replay a CUDA graph per batch-size bucket (unless enforce_eager)
         stepped = decode_graphs(model, self.kv, config.enforce_eager, config.max_batch_size, self.max_context)
-        self.runner = StepRunner(stepped, self.kv, self.selector, self.constraints, config.page_size, self.device)
+        self.runner = StepRunner(stepped, self.kv, self.selector, self.constraints, config.page_size, self.device,
+                                 self.lora)
         self.commit = Commit(self.scheduler, self.endings, self.delivery, self.constraints, self.selector,
                              self.runner.select, self.eos_ids, self.max_context)
         # the consumer's side, answered by the parts that own it (thread-safe; see their docstrings)
@@ -166,12 +171,14 @@ class Engine:
     # -- requests in ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, acked: bool = False,
-                    attachment: Attachment | None = None, pinned: bool = False) -> str:
+                    attachment: Attachment | None = None, pinned: bool = False,
+                    lora: LoRARequest | None = None) -> str:
         """Queue a request; returns its id, or raises InvalidRequestError (nothing queued). Its
         events go to its history; acked=True gives it an ack cursor (backpressure: delivery.py).
         `attachment` (anything with `kept_bytes()`, such as the server's Track) is kept as long as
-        the request is, and counted; pinned=True pins it from the moment it exists (see `pin`)."""
-        return self.admission.add(prompt, params, request_id, acked, attachment, pinned).request_id
+        the request is, and counted; pinned=True pins it from the moment it exists (see `pin`).
+        lora: the LoRA adapter it runs under (loaded on first use; a bad one: AdapterError)."""
+        return self.admission.add(prompt, params, request_id, acked, attachment, pinned, lora).request_id
 
     def prepare_grammar(self, params: SamplingParams | None) -> CompileJob | None:
         """Start a constrained request's parse and compile in the grammar worker (cheap, any
@@ -179,14 +186,30 @@ class Engine:
         event loop first, so `add_request` does not wait for it."""
         return self.intake.prepare_grammar(params)
 
-    def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run the prompts to completion; outputs in the order given. All requests are checked
-        before any is queued, so a bad one raises and queues nothing."""
-        reqs = self.admission.add_all(prompts, params)
+        before any is queued, so a bad one raises and queues nothing. lora: one adapter for
+        every prompt, or one (or None) per prompt."""
+        reqs = self.admission.add_all(prompts, params, lora)
         while any(not r.state.terminal for r in reqs):
             self.step()
         return [output(r) for r in reqs]
+
+    # -- LoRA adapters (lora/) ----------------------------------------------------------------------
+    def load_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter now (rather than at its first request); AdapterError if bad."""
+        return self.lora.load(lora.name, lora.path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (UnknownAdapterError if not loaded); its running requests finish under it."""
+        adapter = self.lora.unload(name)
+        with self._lock:
+            self.lora.residency.forget(adapter.key)
+
+    def lora_adapters(self) -> list[LoRAAdapter]:
+        """The adapters loaded, by name."""
+        return self.lora.adapters()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests.live)

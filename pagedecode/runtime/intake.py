@@ -7,7 +7,7 @@ from __future__ import annotations
 import numbers
 import random
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import InvalidRequestError
 from ..model.tokenizer import TokenizerLike
@@ -20,6 +20,9 @@ from .prefix_cache import namespace
 from .registry import RequestRegistry
 from .request import Request
 from .trace import Trace
+
+if TYPE_CHECKING:
+    from ..lora.adapter import LoRAAdapter
 
 MAX_REQUEST_ID_CHARS = 256
 
@@ -67,7 +70,7 @@ def prompt_ids(prompt: object, tokenizer: TokenizerLike, vocab_size: int, max_co
 def make_request(prompt: object, params: SamplingParams | None, request_id: str, *, tokenizer: TokenizerLike,
                  vocab_size: int, max_context: int, rng: random.Random, trace_level: str,
                  cache_identity: str = "", constraints: Constraints | None = None,
-                 job: CompileJob | None = None) -> Request:
+                 job: CompileJob | None = None, lora: "LoRAAdapter | None" = None) -> Request:
     """The checked Request. A constrained one's grammar is attached (`job`: its parse, prepared
     by `Intake.prepare_grammar` outside the engine's lock)."""
     if params is None:
@@ -95,8 +98,8 @@ def make_request(prompt: object, params: SamplingParams | None, request_id: str,
                    deadline=None if params.deadline_s is None else now + params.deadline_s,
                    first_token_deadline=None if params.first_token_timeout_s is None
                    else now + params.first_token_timeout_s,
-                   cache_namespace=namespace(cache_identity, params.cache_salt), grammar=grammar,
-                   prediction=prediction_cursor(params.prediction, tokenizer))
+                   cache_namespace=namespace(cache_identity, params.cache_salt, None if lora is None else lora.key),
+                   grammar=grammar, prediction=prediction_cursor(params.prediction, tokenizer), lora=lora)
 
 
 def prediction_cursor(prediction: str | Sequence[int] | None, tokenizer: TokenizerLike) -> PredictionCursor | None:
@@ -144,21 +147,21 @@ class Intake:
             self.constraints.wait_parsed(job)
         return job
 
-    def make(self, prompt: object, params: SamplingParams | None, request_id: str, job: CompileJob | None
-             ) -> Request:
+    def make(self, prompt: object, params: SamplingParams | None, request_id: str, job: CompileJob | None,
+             lora: "LoRAAdapter | None" = None) -> Request:
         return make_request(prompt, params, request_id, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                             max_context=self.max_context, rng=self.rng, trace_level=self.trace_level,
-                            cache_identity=self.cache_identity, constraints=self.constraints, job=job)
+                            cache_identity=self.cache_identity, constraints=self.constraints, job=job, lora=lora)
 
     def make_all(self, prompts: list[Any], plist: list[SamplingParams | None], jobs: list[CompileJob | None],
-                 registry: RequestRegistry) -> list[Request]:
+                 registry: RequestRegistry, loras: "Sequence[LoRAAdapter | None]") -> list[Request]:
         """Every request checked before any is queued (a bad one raises: none is made). Each id is
         drawn from the registry and held there until all are made, so no two are the same; the
         registry is left as it was (the caller adds them)."""
         reqs: list[Request] = []
         try:
-            for prompt, params, job in zip(prompts, plist, jobs):
-                reqs.append(self.make(prompt, params, registry.new_id(), job))
+            for prompt, params, job, lora in zip(prompts, plist, jobs, loras):
+                reqs.append(self.make(prompt, params, registry.new_id(), job, lora))
                 registry.live[reqs[-1].request_id] = reqs[-1]   # reserve its id meanwhile
         finally:
             for req in reqs:

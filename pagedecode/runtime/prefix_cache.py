@@ -3,8 +3,9 @@ tokens start the same way.
 
     key(page i) = sha256(key(page i - 1) || token ids of page i || namespace)
 
-The namespace holds the model's identity and the request's `cache_salt`, so requests with
-different salts never share a page. Only full pages are keyed, and only after the step that
+The namespace holds the model's identity, the request's `cache_salt` and its LoRA adapter's
+name and weights' digest, so requests with different salts, or under different adapters (or one
+and the base model), never share a page: K/V computed under an adapter is that adapter's. Only full pages are keyed, and only after the step that
 wrote their last token committed. At admission the longest chain of cached pages is matched,
 at most up to the second-to-last known token (the last one is always computed, to produce the
 logits that choose the next token), each page confirmed by the pool against its tokens and
@@ -30,8 +31,10 @@ def page_key(prev: bytes, tokens: list[int], namespace: bytes) -> bytes:
     return h.digest()
 
 
-def namespace(model_id: str, cache_salt: str | None) -> bytes:
-    return hashlib.sha256(f"{model_id}\x00{cache_salt or ''}".encode()).digest()
+def namespace(model_id: str, cache_salt: str | None, adapter: tuple[str, str] | None = None) -> bytes:
+    """adapter: the LoRA adapter's (name, digest of its weights), None for the base model."""
+    lora = "" if adapter is None else f"\x00lora\x00{adapter[0]}\x00{adapter[1]}"
+    return hashlib.sha256(f"{model_id}\x00{cache_salt or ''}{lora}".encode()).digest()
 
 
 def _page_tokens(req: Request, i: int, page_size: int) -> list[int]:

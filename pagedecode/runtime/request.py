@@ -28,6 +28,7 @@ from .prediction import PredictionCursor
 from .trace import Trace
 
 if TYPE_CHECKING:
+    from ..lora.adapter import LoRAAdapter
     from .grammar import GrammarState
 
 RESOURCES = ("pages", "slot", "rng", "stream", "trace", "grammar")
@@ -45,6 +46,7 @@ class SeqState:
     pages_registered: int = 0             # leading pages of `pages` that are in the prefix cache
     cached_tokens: int = 0                # prompt tokens served from the prefix cache
     slot: int | None = None               # its batch slot while it runs
+    lora_slot: int | None = None          # its LoRA adapter's slot in the stacks while it runs
 
 
 @dataclass(eq=False)
@@ -66,6 +68,7 @@ class Request:
     accepted_draft_tokens: int = 0        # ... and of them, selected
     grammar: GrammarState | None = None   # its matcher's state when the request is constrained
     prediction: PredictionCursor | None = None   # Predicted Outputs: its drafts' source (prediction.py)
+    lora: "LoRAAdapter | None" = None     # the LoRA adapter it runs under (None: the base model)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | tuple[int, ...] | None = None
     error: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..lora.manager import LoRAManager
 from ..model.kv_cache import KVCache
 from ..protocols import Model
 from .batching import build_batch
@@ -16,8 +17,9 @@ from .selector import SampleRows, Selection, TokenSelector, prompt_logprobs
 
 class StepRunner:
     def __init__(self, model: Model, kv: KVCache, selector: TokenSelector, constraints: Constraints,
-                 page_size: int, device: torch.device) -> None:
+                 page_size: int, device: torch.device, lora: LoRAManager | None = None) -> None:
         self.model = model
+        self.lora = lora                 # the adapters' stacks, when a request runs under one
         self.kv = kv
         self.selector = selector
         self.constraints = constraints
@@ -29,7 +31,7 @@ class StepRunner:
         where asked, and the logits after each draft token (verified at the commit)."""
         for req in plan.admitted:       # a (re)admitted request brings its sampler state to its slot
             self.selector.admit(req)
-        batch = build_batch(plan, self.page_size, self.device)
+        batch = build_batch(plan, self.page_size, self.device, None if self.lora is None else self.lora.stacks)
         logits = self.model.forward(batch, self.kv)
         choosers = [s.request for s in plan.seqs if s.samples]
         n, scored = len(choosers), sum(c for _, _, c in batch.prompt_spans)

@@ -26,6 +26,8 @@ from .slots import SlotTable
 if TYPE_CHECKING:
     import torch
 
+    from ..lora.residency import AdapterResidency
+
 
 @dataclass
 class ScheduledSeq:
@@ -68,8 +70,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: PagePool, slots: SlotTable, page_size: int, max_tokens_per_step: int,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, adapters: "AdapterResidency | None" = None) -> None:
         self.pool = pool
+        self.adapters = adapters        # LoRA: a running request holds its adapter's slot (lora/residency.py)
         self.prefix_caching = prefix_caching
         self.cache_queries = 0          # prompt tokens looked up in the prefix cache
         self.cache_hits = 0             # ... and found there
@@ -122,7 +125,11 @@ class Scheduler:
     def _give_back(self, req: Request) -> None:
         pages, req.seq.pages = req.seq.pages, []
         slot, req.seq.slot = req.seq.slot, None
+        lora_slot, req.seq.lora_slot = req.seq.lora_slot, None
         req.seq.pages_registered = 0
+        if lora_slot is not None:
+            assert self.adapters is not None
+            self.adapters.release(lora_slot)
         try:
             if pages:
                 self.pool.release(reversed(pages))      # tail first: chain tails are evicted before heads
@@ -156,6 +163,10 @@ class Scheduler:
             queue.append(ScheduledSeq(req, n, n == left))
         self._admit(out, budget, scheduled, runnable)
         self._check_writes(out)
+        if self.adapters is not None and any(s.request.seq.lora_slot is not None for s in out.seqs):
+            # rows grouped by adapter (fewer, longer LoRA segments), decode rows still first
+            out.decode.sort(key=_adapter_order)
+            out.prefill.sort(key=_adapter_order)
         return out
 
     def try_extend(self, req: Request, tokens: int) -> bool:
@@ -200,8 +211,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and self.slots.free_slots:
             req = self.waiting.popleft()
-            if not runnable(req):
-                skipped.append(req)               # a paused consumer holds back only itself
+            if not runnable(req) or (req.lora is not None and not self._adapter_fits(req)):
+                skipped.append(req)               # a paused consumer (or a busy adapter slot) holds back only itself
                 continue
             hit = self._match(req)
             n = min(req.num_tokens - req.seq.num_computed, budget)
@@ -214,6 +225,9 @@ class Scheduler:
             self._count_hit(req, hit)
             req.seq.pages.extend(pages)
             req.seq.slot = self.slots.acquire()
+            if req.lora is not None:
+                assert self.adapters is not None
+                req.seq.lora_slot = self.adapters.acquire(req.lora)
             self.running.append(req)
             if req.state == RequestState.QUEUED:
                 req.transition(RequestState.PREFILLING)
@@ -222,6 +236,13 @@ class Scheduler:
             budget -= n
             out.prefill.append(ScheduledSeq(req, n, req.seq.num_computed + n == req.num_tokens))
         self.waiting.extendleft(reversed(skipped))
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether req's LoRA adapter has, or can take, a slot in the stacks now."""
+        if self.adapters is None:
+            raise RuntimeError(f"request {req.request_id} names a LoRA adapter, but this scheduler holds none")
+        assert req.lora is not None
+        return self.adapters.can_acquire(req.lora)
 
     def _match(self, req: Request) -> int:
         """Take the longest cached prefix of a request that holds no pages; tokens matched."""
@@ -303,3 +324,8 @@ class Scheduler:
         req.seq.num_computed = 0
         req.trace.add("preempted", output_tokens=len(req.output_ids))
         self.waiting.appendleft(req)
+
+
+def _adapter_order(s: ScheduledSeq) -> int:
+    slot = s.request.seq.lora_slot
+    return -1 if slot is None else slot

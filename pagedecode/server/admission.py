@@ -2,7 +2,7 @@
 
     tenant    its API key names the tenant (401)
     body      at most max_body_bytes (413), JSON (jsonbody.py; 400)
-    model     the body names this model, or none (404)
+    model     the body names this model, a loaded LoRA adapter (lora.py), or none (404)
     parse     the endpoint's own step: the body -> Parsing (400 naming the endpoint's field)
     grammar   a constrained request's grammar parsed in the engine's grammar worker (400)
     key       a retry with the same Idempotency-Key and body attaches to what the first try
@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from starlette.requests import ClientDisconnect, Request
 
 from ..errors import InvalidRequestError
+from ..lora.request import LoRARequest
 from . import jsonbody
 from ..tools import check_grammars
 from .chat import encode_chat
 from .errors import ApiError
 from .idempotency import IdempotencyEntry
+from .lora import adapter_of
 from .protocol import Parsed, Prompt, invalid
 from .reader import Reader
 from .state import ServerOptions, ServerState
@@ -71,7 +73,7 @@ async def admit(state: ServerState, request: Request, endpoint: Endpoint) -> Adm
     # the body's parse, the chat's render and the prompt's encoding take ~1 s per MiB: in a
     # worker thread, so /health and every stream go on meanwhile (cheap bounds refuse first)
     body = await asyncio.to_thread(jsonbody.load, raw)
-    check_model(state, body)
+    lora = adapter_of(state.engine, state.options.model_name, body)
     parsing = await asyncio.to_thread(endpoint.parse, request, body, state.options)
     await prepare_grammar(state, parsing)
     header = request.headers.get("idempotency-key") if endpoint.idempotent else None
@@ -80,7 +82,7 @@ async def admit(state: ServerState, request: Request, endpoint: Endpoint) -> Adm
         return Admitted(parsing, attach(state, entry, endpoint, parsing), retried=True)
     prompts = await asyncio.to_thread(prompts_of, state, parsing.parsed)
     check_room(state, len(prompts) * parsing.parsed.n)
-    tracks = start(state, prompts, parsing, endpoint, tenant)
+    tracks = start(state, prompts, parsing, endpoint, tenant, lora)
     state.keys.remember(key, raw, [t.request_id for t in tracks])
     return Admitted(parsing, Reader(state, tracks), retried=False)
 
@@ -109,11 +111,9 @@ async def read_bytes(state: ServerState, request: Request) -> bytes:
 
 
 def check_model(state: ServerState, body: object) -> None:
-    """404 for a body that names another model (no model field: this one)."""
-    name = state.options.model_name
-    if isinstance(body, dict) and body.get("model") not in (None, name):
-        raise ApiError(404, f"model {body.get('model')!r} is not served here (try {name!r})",
-                       param="model", code="model_not_found")
+    """404 for a body that names another model (no model field: this one); a LoRA adapter's
+    name is this model too (lora.py)."""
+    adapter_of(state.engine, state.options.model_name, body)
 
 
 async def prepare_grammar(state: ServerState, parsing: Parsing) -> None:
@@ -192,8 +192,8 @@ def prompts_of(state: ServerState, parsed: Parsed) -> list[Prompt]:
                         max_context=state.engine.max_context)]
 
 
-def start(state: ServerState, prompts: list[Prompt], parsing: Parsing, endpoint: Endpoint, tenant: str
-          ) -> list[Track]:
+def start(state: ServerState, prompts: list[Prompt], parsing: Parsing, endpoint: Endpoint, tenant: str,
+          lora: LoRARequest | None = None) -> list[Track]:
     """n independent requests per prompt, each with its Track, prompt-major (prompt i, sample j
     is tracks[i * n + j]), each pinned. Sample j is seeded seed + j whatever its prompt, so each
     prompt's choices are what a request for that prompt alone would get."""
@@ -208,7 +208,7 @@ def start(state: ServerState, prompts: list[Prompt], parsing: Parsing, endpoint:
                     params = replace(params, seed=params.seed + j)
                 track = Track("", time.perf_counter(), endpoint.chat, reply, tenant, response=parsing.response)
                 track.request_id = state.engine.add_request(prompt, params, request_id=request_id, acked=True,
-                                                            attachment=track, pinned=True)
+                                                            attachment=track, pinned=True, lora=lora)
                 state.tracks[track.request_id] = track
                 tracks.append(track)
     except InvalidRequestError as e:

@@ -28,7 +28,8 @@ from .chat import ChatTemplate
 from .completions import chat_completions, completions
 from .errors import ApiError
 from .guard import RequestGuard
-from .responses import id_headers, now
+from .lora import ROUTES as LORA_ROUTES, load_modules
+from .responses import id_headers
 from .reader import Reader
 from .responses_api import ROUTES as RESPONSES_ROUTES
 from .sse import check_resume, last_event_id, one_sse
@@ -40,14 +41,6 @@ async def health(request: Request) -> Response:
     if not state_of(request).serving:
         return JSONResponse({"status": "unavailable"}, status_code=503)
     return JSONResponse({"status": "ok"})
-
-
-async def models(request: Request) -> Response:
-    state = state_of(request)
-    state.tenants.check(request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": state.options.model_name, "object": "model", "created": now(), "owned_by": "pagedecode",
-         "max_model_len": state.engine.max_context}]})
 
 
 async def metrics(request: Request) -> Response:
@@ -82,7 +75,7 @@ async def trace(request: Request) -> Response:
 
 
 ROUTES = [
-    Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+    Route("/health", health), *LORA_ROUTES, Route("/metrics", metrics),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/requests/{request_id}/events", events), Route("/v1/requests/{request_id}/trace", trace),
@@ -125,5 +118,6 @@ def build_app(async_engine: AsyncEngine, *, model_name: str | None = None, chat_
                         ServerOptions(model_name=model_name or async_engine.engine.model_name, **options))
     app = Starlette(middleware=[Middleware(RequestGuard, allowed_hosts=state.options.allowed_hosts)], routes=ROUTES,
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, 500: _server_error})
+    load_modules(state.engine, state.options.lora_modules)     # --lora-modules: a bad one stops the start, naming it
     app.state.pagedecode = state
     return app

@@ -48,6 +48,14 @@ def positive(text: str) -> int:
     return n
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """argparse's type for --lora-modules: NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its PEFT folder), got {text!r}")
+    return name.strip(), path.strip()
+
+
 def byte_size(text: str) -> int:
     """argparse's type for a size: bytes, or a number with K, M, G (powers of 1024), e.g. 512M."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -138,6 +146,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-compat", default=None, choices=["vllm"],
                    help="also export the gauges an inference gateway reads under vLLM's names "
                         "(vllm:num_requests_waiting, ...), so llm-d / KServe can route to this server")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served under their names: a request's model NAME runs under "
+                        "it (--max-loras of them resident at once)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (403 otherwise)")
     p.add_argument("--tool-format", default=None, choices=["hermes", "llama3", "mistral", "generic"],
                    help="how the model writes tool calls (default: chosen from its chat template; generic for "
                         "a template without tool support)")
@@ -223,7 +236,9 @@ def server_options(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str,
                 max_prompts_per_request=args.max_prompts_per_request, log_text=args.log_text,
                 resume_grace_s=args.resume_grace, on_disconnect=args.on_disconnect,
                 idempotency_ttl_s=args.idempotency_ttl, idempotency_max_keys=args.idempotency_max_keys,
-                metrics_compat=args.metrics_compat, tool_format=args.tool_format)
+                metrics_compat=args.metrics_compat, tool_format=args.tool_format,
+                lora_modules=tuple(getattr(args, "lora_modules", ())),
+                allow_runtime_lora=getattr(args, "allow_runtime_lora", False))
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -46,6 +46,8 @@ class ServerOptions:
                                                 # its chat template
     response_id_prefix: str = "resp_"           # Responses API ids: this and 128 random bits (a Ray replica's
                                                 # names it, as its engine's request_id_prefix does)
+    lora_modules: tuple[tuple[str, str], ...] = ()   # --lora-modules: (name, folder) of each adapter loaded at start
+    allow_runtime_lora: bool = False            # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.py)
 
 
 class ServerState:
