@@ -71,6 +71,8 @@ def test_the_tokenizer_is_built_from_metadata_in_well_under_a_second(smollm2_pat
     took = time.process_time() - start
     assert tok.encode("Hello world", add_special_tokens=False) == [19556, 905]
     assert took < 1.0, took
+    # given from the token list, as the vocabulary would give it on the first request
+    assert tok.max_token_bytes == max(len(s.encode()) for s in tok._tok.get_vocab(with_added_tokens=True)) == 162
 
 
 def test_the_load_runs_on_one_torch_thread(stories_path, monkeypatch):
