@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             s["vs_llamacpp"] = {
                 "load_ratio": round(s["load"]["process_to_first_token_s"]["median"] /
                                     lsum["process_to_first_token_s"]["median"], 2),
+                "cpu_ratio": round(s["load"]["process_cpu_s"]["median"] / lsum["process_cpu_s"]["median"], 2),
                 "peak_rss_ratio": round(s["load"]["peak_rss_mb"]["median"] / lsum["peak_rss_mb"]["median"], 2)}
         result["trees"][str(tree)] = {"runs": got, "summary": s, "goals_met": checks}
     path = result_path("load_time", args.out)
