@@ -198,14 +198,17 @@ def serve_once(tree: Path, model: Path, threads: int | None, timeout: float = 12
         t1 = time.time()
         status, body = http(url + "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}],
                                                             "max_tokens": 16, "temperature": 0})
+        if status == 400 and b"no chat template" in body:            # a base model: a plain completion
+            status, body = http(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
         request_s = time.time() - t1
         if status != 200:
-            raise SystemExit(f"the chat request failed ({status}): {body[:500]!r}")
+            raise SystemExit(f"the request failed ({status}): {body[:500]!r}")
         settle_s = wait_until_idle(p.pid)
         rss = rss_of(p.pid)
         hwm = next(int(line.split()[1]) * 1024 for line in open(f"/proc/{p.pid}/status")
                    if line.startswith("VmHWM:"))
-        answer = json.loads(body)["choices"][0]["message"]["content"]
+        choice = json.loads(body)["choices"][0]
+        answer = choice["message"]["content"] if "message" in choice else choice["text"]
     finally:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
