@@ -28,7 +28,7 @@ def imported_after(code: str, interpret: bool = False) -> list[str]:
 
 def test_import_pagedecode_imports_no_optional_module():
     got = imported_after("import pagedecode")
-    assert got == ([] if CPU_TORCH else ["triton"]) or got == [], got
+    assert set(got) <= (set() if CPU_TORCH else {"triton"}), got
 
 
 @pytest.mark.skipif(not CPU_TORCH, reason="a CUDA torch imports Triton for its kernels")
@@ -43,4 +43,4 @@ def test_loading_a_gguf_file_and_a_token_import_none_of_them(smollm2_path):
     code = (f"import pagedecode as pd\nengine = pd.Engine.from_pretrained({str(smollm2_path)!r})\n"
             "engine.generate(['Hi'], pd.SamplingParams(max_tokens=1))")
     got = imported_after(code)
-    assert got == ([] if CPU_TORCH else ["triton"]) or got == [], got
+    assert set(got) <= (set() if CPU_TORCH else {"triton"}), got
