@@ -172,3 +172,20 @@ def test_gpu_e2e_runs_its_rows_on_a_tiny_llama_on_cpu(monkeypatch):
         assert r["greedy_agrees_with_transformers"] >= 2 / 3
     profiles = [r["step_profile"] for r in rows if "step_profile" in r]
     assert [p["batch"] for p in profiles] == [3, 3, 1, 1] and all(p["wall_us_per_step"] > 0 for p in profiles)
+
+
+def test_load_time_on_stories(stories_path, tmp_path):
+    """benchmarks/load_time.py end to end on the small model (fresh processes, serve included,
+    llama.cpp left out): the JSON has every figure and says which goals were met."""
+    import load_time
+    out = tmp_path / "load.json"
+    assert load_time.main(["--model", str(stories_path), "--repeat", "1", "--no-llamacpp", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (tree,) = result["trees"].values()
+    (load,), (serve,) = tree["runs"]["load"], tree["runs"]["serve"]
+    assert 0 < load["from_pretrained_to_first_token_s"] < load["process_to_first_token_s"] <= load["process_s"]
+    assert load["peak_rss_mb"] >= load["rss_mb"] > load["weight_mb"] > 0
+    assert serve["ready_s"] > 0 and serve["rss_after_request_mb"] > 0 and serve["answer"]
+    assert "KV cache of" in serve["startup_log"]
+    assert set(tree["goals_met"]) == {"load_to_first_token_s", "serve_ready_s", "serve_rss_mb"}
+    assert result["llamacpp"]["missing"] == "skipped (--no-llamacpp)"

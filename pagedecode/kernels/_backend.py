@@ -9,13 +9,6 @@ import os
 
 import torch
 
-try:  # triton is an optional extra: the CPU path never needs it
-    import triton  # noqa: F401  (availability probe)
-    import triton.language as tl  # noqa: F401
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the environment
-    HAS_TRITON = False
-
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -24,16 +17,33 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def triton_can_run() -> bool:
+    """Whether a Triton kernel could run in this process: a torch built for CUDA or ROCm, or the
+    interpreter. A CPU-only torch never gives Triton a tensor it can take, so there Triton is not
+    imported at all (its import cost ~0.5 s and ~70 MB resident of libtriton.so for nothing)."""
+    return interpreting() or torch.version.cuda is not None or torch.version.hip is not None
+
+
+HAS_TRITON = False
+if triton_can_run():
+    try:  # triton is an optional extra: the CPU path never needs it
+        import triton  # noqa: F401  (availability probe)
+        import triton.language as tl  # noqa: F401
+        HAS_TRITON = True
+    except Exception:  # pragma: no cover - depends on the environment
+        pass
+
+
 def use_triton(tensor: torch.Tensor, backend: str) -> bool:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return False
     if backend == "triton":
-        if not HAS_TRITON:
-            raise RuntimeError("backend='triton' but triton is not installed (pip install pagedecode[triton])")
         if not tensor.is_cuda and not interpreting():
             raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+        if not HAS_TRITON:
+            raise RuntimeError("backend='triton' but triton is not installed (pip install pagedecode[triton])")
         return True
     return HAS_TRITON and tensor.is_cuda
 

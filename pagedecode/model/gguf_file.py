@@ -1,8 +1,8 @@
 """Load a GGUF file (llama.cpp's format): hyperparameters, weights and tokenizer from one file.
 
-Read with model/gguf_reader.py (every count bounded by the file's size; the `gguf` package
-names the tensor types). Tensor types: F32, F16, BF16 as float tensors; Q8_0, Q4_0, Q4_1, Q5_0,
-Q5_1, Q4_K, Q5_K and Q6_K kept in their blocks as the file stores them (model/quant.py,
+Read with model/gguf_reader.py (every count bounded by the file's size; the tensor types named
+as the `gguf` package names them). Tensor types: F32, F16, BF16 as float tensors; Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K kept in their blocks as the file stores them (model/quant.py,
 kernels/quant_types.py); any other type fails to load naming it. Each tensor's shape is checked
 against the configuration, and its bytes against its shape and type, before anything is copied.
 
@@ -48,10 +48,6 @@ def is_gguf(path: str | Path) -> bool:
 
 def read_contents(path: Path) -> GGUFContents:
     """The file's metadata and tensor table (model/gguf_reader.py), every count bounded by its size."""
-    try:
-        import gguf  # noqa: F401  (the tensor types' names and block sizes)
-    except ImportError:  # pragma: no cover - a core dependency
-        raise ModelLoadError("loading a GGUF file needs the `gguf` package (pip install gguf)") from None
     return read_file(path)
 
 
@@ -87,7 +83,9 @@ def tensor_nbytes(name: str, kind: str, shape: tuple[int, ...]) -> int:
 
 def read_tensor(t: Any) -> Weight:
     """One ReaderTensor as a float tensor or QuantizedWeight, in torch's (rows, columns) order; its
-    bytes checked against its shape and type before they are copied."""
+    bytes checked against its shape and type. A view of the file's mapping, not a copy: the model
+    copies each weight once, where it stacks or owns it (LlamaModel), and the mapping goes with
+    the last view."""
     kind = t.tensor_type.name
     shape = tuple(int(n) for n in reversed(t.shape))     # GGUF lists the fastest dimension first
     data = np.asarray(t.data)
@@ -96,14 +94,14 @@ def read_tensor(t: Any) -> Weight:
         raise ModelLoadError(f"tensor {t.name}: {data.nbytes} bytes in the file, but a {kind} tensor of shape "
                              f"{shape} takes {expected}")
     if kind == "F32":
-        return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+        return torch.from_numpy(data.astype(np.float32, copy=False).reshape(shape))
     if kind == "F16":
-        return torch.from_numpy(np.array(data, dtype=np.float16).reshape(shape))
+        return torch.from_numpy(data.astype(np.float16, copy=False).reshape(shape))
     if kind == "BF16":
-        return torch.from_numpy(np.array(data).view(np.int16).reshape(shape)).view(torch.bfloat16)
+        return torch.from_numpy(data.view(np.int16).reshape(shape)).view(torch.bfloat16)
     if len(shape) != 2:
         raise ModelLoadError(f"tensor {t.name}: a {kind} tensor of shape {shape}; pagedecode keeps blocks for matrices only")
-    blocks = torch.from_numpy(np.array(data).reshape(shape[0], -1))
+    blocks = torch.from_numpy(data.view(np.uint8).reshape(shape[0], -1))
     return QuantizedWeight(kind.lower(), blocks, (shape[0], shape[1]))
 
 

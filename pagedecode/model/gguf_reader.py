@@ -11,11 +11,14 @@ A string is a u64 byte length and that many UTF-8 bytes; an array an item type u
 and the items. Every count and length is checked against the bytes left before anything is
 allocated or looped over, so a hostile or cut-short file fails at once in one line ("truncated at
 byte N: ... declares N items, which need ...") instead of reading, allocating or looping for what
-the file does not hold. The file is memory-mapped: a numeric array or a tensor's data is a view,
-read when used; string arrays are decoded in one tight loop (a tokenizer's vocabulary is one).
+the file does not hold. The file is memory-mapped, privately (copy-on-write: the views are
+writable numpy arrays that torch takes as they are, and nothing ever writes the file): a numeric
+array or a tensor's data is a view, read when used, never copied here; string arrays are decoded in
+one tight loop (a tokenizer's vocabulary is one). The mapping lives as long as a view of it does.
 """
 from __future__ import annotations
 
+import enum
 import mmap
 import struct
 from dataclasses import dataclass
@@ -35,6 +38,32 @@ SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 # the fewest bytes one item of an array of that type takes, to bound a count before reading it
 MIN_ITEM_BYTES = {**{k: struct.calcsize(f) for k, f in SCALARS.items()}, STRING: 8, ARRAY: 12}
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+
+
+class GGMLType(enum.IntEnum):
+    """ggml's tensor types (ggml.h's ggml_type; gguf.GGMLQuantizationType has the same values and
+    names, and compares equal): listed here because importing the `gguf` package builds every
+    enum of its constants, ~0.1 s of a load, for the few types a file holds."""
+    F32, F16, Q4_0, Q4_1 = 0, 1, 2, 3
+    Q5_0, Q5_1, Q8_0, Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = range(6, 16)
+    IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS = range(16, 24)
+    I8, I16, I32, I64, F64, IQ1_M, BF16 = range(24, 31)
+    TQ1_0, TQ2_0 = 34, 35
+    MXFP4, NVFP4, Q1_0, Q2_0 = 39, 40, 41, 42
+
+
+# (inputs per block, bytes per block) of each type, as gguf.GGML_QUANT_SIZES has them
+QUANT_SIZES = {
+    GGMLType.F32: (1, 4), GGMLType.F16: (1, 2), GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20),
+    GGMLType.Q5_0: (32, 22), GGMLType.Q5_1: (32, 24), GGMLType.Q8_0: (32, 34), GGMLType.Q8_1: (32, 36),
+    GGMLType.Q2_K: (256, 84), GGMLType.Q3_K: (256, 110), GGMLType.Q4_K: (256, 144), GGMLType.Q5_K: (256, 176),
+    GGMLType.Q6_K: (256, 210), GGMLType.Q8_K: (256, 292), GGMLType.IQ2_XXS: (256, 66), GGMLType.IQ2_XS: (256, 74),
+    GGMLType.IQ3_XXS: (256, 98), GGMLType.IQ1_S: (256, 50), GGMLType.IQ4_NL: (32, 18), GGMLType.IQ3_S: (256, 110),
+    GGMLType.IQ2_S: (256, 82), GGMLType.IQ4_XS: (256, 136), GGMLType.I8: (1, 1), GGMLType.I16: (1, 2),
+    GGMLType.I32: (1, 4), GGMLType.I64: (1, 8), GGMLType.F64: (1, 8), GGMLType.IQ1_M: (256, 56),
+    GGMLType.BF16: (1, 2), GGMLType.TQ1_0: (256, 54), GGMLType.TQ2_0: (256, 66), GGMLType.MXFP4: (32, 17),
+    GGMLType.NVFP4: (64, 36), GGMLType.Q1_0: (128, 18), GGMLType.Q2_0: (64, 18),
+}
 # tensor types whose data GGUFReader (and read_tensor) sees as elements, not bytes
 ELEMENT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                   "I32": np.int32, "I64": np.int64}
@@ -44,7 +73,7 @@ ELEMENT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8":
 class GGUFTensor:
     """One tensor of the table, with the attributes of gguf's ReaderTensor that loading reads."""
     name: str
-    tensor_type: Any                  # gguf.GGMLQuantizationType
+    tensor_type: GGMLType             # equal to gguf.GGMLQuantizationType's member
     shape: tuple[int, ...]            # GGUF's order: the fastest dimension first
     data: np.ndarray                  # a view of the mapped file: elements, or bytes (rows, bytes per row)
     data_offset: int
@@ -146,7 +175,7 @@ def read_file(path: Path) -> GGUFContents:
     """The metadata and tensor table of a GGUF file; ModelLoadError naming what is wrong."""
     with open(path, "rb") as f:
         try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except ValueError:                        # an empty file
             raise ModelLoadError(f"{path} is empty, not a GGUF file") from None
     cur = _Cursor(path, buf)
@@ -189,10 +218,9 @@ def _tensor_entry(cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]
 
 def _tensor(cur: _Cursor, name: str, dims: tuple[int, ...], kind: int, start: int) -> GGUFTensor:
     """The tensor's data as a view, after checking its type, its shape and that its bytes are there."""
-    import gguf
     try:
-        qtype = gguf.GGMLQuantizationType(kind)
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        qtype = GGMLType(kind)
+        block, type_size = QUANT_SIZES[qtype]
     except (ValueError, KeyError):
         raise ModelLoadError(f"{cur.path}: tensor {name} has unknown type {kind}") from None
     if dims[0] % block:

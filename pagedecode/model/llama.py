@@ -85,11 +85,15 @@ class LlamaModel:
                 if required:
                     raise KeyError(f"checkpoint has no tensor {name!r}")
                 return None
-            if isinstance(t, (QuantizedWeight, RowStack)):
+            # never the caller's memory (own): a file's memory map (safetensors, GGUF) would stay
+            # mapped for it, every page the stacked layers read resident beside their stacked copies
+            if isinstance(t, QuantizedWeight):
+                q = t.to(self.device)
+                shared = q.blocks.data_ptr() == t.blocks.data_ptr()
+                return QuantizedWeight(q.kind, q.blocks.clone(), q.shape) if own and shared else q
+            if isinstance(t, RowStack):
                 return t.to(self.device)
             out = t.to(device=self.device, dtype=dtype).contiguous()
-            # never the caller's memory (own): a safetensors file's memory map would stay mapped for
-            # it, every page the stacked layers read resident beside their stacked copies
             return out.clone() if own and out.data_ptr() == t.data_ptr() else out
 
         def stack(*names: str) -> Weight:

@@ -205,12 +205,13 @@ def embedding_rows(table: Weight, ids: torch.Tensor, dtype: torch.dtype) -> torc
 
 def cat_rows(parts: Sequence[Weight], dtype: torch.dtype) -> Weight:
     """q, k, v (or gate, up) stacked: in one kind's blocks when all share it, each in its own
-    blocks when all are quantized (RowStack), else in float."""
+    blocks when all are quantized (RowStack), else in float; always a copy (never a view of the
+    parts, which may be a file's mapping)."""
     quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(quantized) == len(parts) and len({p.kind for p in quantized}) == 1:
         return QuantizedWeight.cat(quantized)
     if len(quantized) == len(parts):
-        return RowStack(quantized)
+        return RowStack([QuantizedWeight.cat([p]) for p in quantized])
     return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in parts], 0)
 
 

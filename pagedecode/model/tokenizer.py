@@ -130,7 +130,8 @@ class Tokenizer:
     the decoder allows them (`byte_pieces`)."""
 
     def __init__(self, tok: Any, *, add_bos: bool | None = None, add_eos: bool = False,
-                 bos_token_id: int | None = None, eos_token_ids: Iterable[int] = ()) -> None:
+                 bos_token_id: int | None = None, eos_token_ids: Iterable[int] = (),
+                 max_token_bytes: int | None = None) -> None:
         self._tok = tok
         self.add_bos = add_bos
         self.add_eos = add_eos
@@ -148,7 +149,7 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._alphabet = byte_alphabet() if self.kind == "bytelevel" else None
         self._pieces: dict[tuple[int, bool], bytes] = {}
-        self._max_token_bytes: int | None = None
+        self._max_token_bytes = max_token_bytes       # None: read from the vocabulary when first asked
         self._byte_values: dict[int, int | None] = {}
         self._escape: SpecialTokenEscape | None = None
 

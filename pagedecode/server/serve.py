@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -154,19 +155,26 @@ def lifespan(ae: AsyncEngine, app: Starlette, grace_s: float
              ) -> Callable[[Any], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def run(_: Any) -> AsyncIterator[None]:
-        warming = ae.engine.warm_grammar()      # the first constrained request then stalls nobody
-        if warming is not None:
-            try:
-                await asyncio.wrap_future(warming)
-            except Exception:       # a broken xgrammar fails constrained requests, not the server
-                logging.getLogger("pagedecode.server").exception("structured output is unavailable")
         ae.start()
+        # the grammar backend warms in its worker while the server starts answering, not before:
+        # xgrammar's import (transformers with it) is ~1 s of CPU, which kept `serve` from being
+        # ready within 3 s; a constrained request that comes first waits for it in that worker
+        warming = ae.engine.warm_grammar()
+        if warming is not None:
+            warming.add_done_callback(_report_broken_grammar)
         try:
             yield
         finally:
             await drain(ae, app.state.pagedecode, grace_s)
             await ae.shutdown()
     return run
+
+
+def _report_broken_grammar(warming: concurrent.futures.Future[None]) -> None:
+    """A broken xgrammar fails constrained requests, not the server: said once, at start."""
+    error = warming.exception() if not warming.cancelled() else None
+    if error is not None:
+        log.error("structured output is unavailable", exc_info=error)
 
 
 async def drain(ae: AsyncEngine, state: ServerState, grace_s: float, hurry: Callable[[], bool] = lambda: False) -> None:

@@ -68,6 +68,27 @@ def test_tensors_as_gguf_reads_them(written):
         assert t.data.dtype == theirs[name].data.dtype and np.array_equal(t.data, theirs[name].data), name
 
 
+def test_the_type_table_is_ggufs():
+    """The reader names types without importing `gguf` (whose import builds every enum of its
+    constants): the same numbers, names and block sizes."""
+    from pagedecode.model.gguf_reader import QUANT_SIZES, GGMLType
+    theirs = {int(q): (q.name, gguf.GGML_QUANT_SIZES[q]) for q in gguf.GGMLQuantizationType}
+    ours = {int(q): (q.name, QUANT_SIZES[q]) for q in GGMLType}
+    assert {k: v for k, v in theirs.items() if k in ours} == ours
+    assert set(ours) >= {0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30}       # every type pagedecode loads
+    assert GGMLType.Q4_1 == gguf.GGMLQuantizationType.Q4_1
+
+
+def test_tensor_data_are_writable_views_of_a_private_map(written):
+    """torch takes the views as they are (no copy, no read-only warning); a write stays in this
+    process's copy of the page, never in the file."""
+    before = written.read_bytes()
+    t = next(iter(read_file(written).tensors.values()))
+    assert t.data.flags.writeable and not t.data.flags.owndata
+    t.data.reshape(-1).view(np.uint8)[:4] = 0xAB
+    assert written.read_bytes() == before
+
+
 def test_not_utf8_names_the_key(written, tmp_path):
     data = bytearray(written.read_bytes())
     at = data.index("naïve".encode())

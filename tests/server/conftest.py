@@ -28,7 +28,10 @@ class Running:
         return self.ae.engine
 
 
-def start_server(stories_path, *, api_key=None, template=TEMPLATE, engine_options=None, **build_options):
+def start_server(stories_path, *, api_key=None, template=TEMPLATE, engine_options=None, warm_grammar=True,
+                 **build_options):
+    """warm_grammar: return once the grammar backend has warmed (serve warms it while it starts
+    answering), so that no test measures the import beside its own requests."""
     import uvicorn
 
     from pagedecode.server import build_app
@@ -51,6 +54,9 @@ def start_server(stories_path, *, api_key=None, template=TEMPLATE, engine_option
             break
         time.sleep(0.025)
     assert server.started, "server did not start"
+    warming = engine.warm_grammar() if warm_grammar else None
+    if warming is not None:
+        warming.result(timeout=120)
     port = server.servers[0].sockets[0].getsockname()[1]
     return Running(f"http://127.0.0.1:{port}", app, ae, server, thread)
 
