@@ -185,7 +185,7 @@ def test_without_deterministic_the_needle_moves(stories_path):
 
 
 @needs_ext
-@pytest.mark.parametrize("name,kv", [("stories260k", "auto"), ("llama135m", "auto"), ("llama135m", "int8"),
+@pytest.mark.parametrize("name,kv", [("stories260k", "auto"), ("llama135m", "auto"), ("stories260k", "int8"),
                                      ("stories260k", "fp8_e4m3")])
 def test_needle_under_chunking_prefix_cache_preemption_and_threads(name, kv, stories_path):
     """(An 8-bit cache too: each row quantized with its own scale as it is written, so chunking,
