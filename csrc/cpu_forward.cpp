@@ -219,11 +219,38 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, floa
   });
 }
 
+// -- 8-bit KV caches (kernels/kv_quant.py): int8 / float8_e4m3fn rows, a float32 scale per (token, KV head)
+template <typename C>
+constexpr bool kQuantCache = std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
+template <typename C>
+constexpr float kQuantMax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
+
+// One head's row x[0, D) -> q[0, D); returns its scale (kv_quant.quantize_rows, bit for bit: the
+// same float32 divisions, and half-to-even rounding by adding 1.5 * 2^23)
+template <typename C>
+inline float quantize_row(const float* x, int64_t D, C* q) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::fabs(x[d]) > amax ? std::fabs(x[d]) : amax;
+  const float scale = amax / kQuantMax<C>, safe = scale > 0.f ? scale : 1.f;
+  for (int64_t d = 0; d < D; ++d) {
+    float y = x[d] / safe;
+    y = y < -kQuantMax<C> ? -kQuantMax<C> : (y > kQuantMax<C> ? kQuantMax<C> : y);
+    if constexpr (std::is_same_v<C, int8_t>) {
+      q[d] = static_cast<int8_t>((y + 12582912.f) - 12582912.f);    // kv_quant.ROUNDER (no -ffast-math here)
+    } else {
+      q[d] = C(y);
+    }
+  }
+  return scale;
+}
+
 // In place on the (T, (H + 2 Hkv) D) qkv rows: rotate q and k heads ("rotate half", with the
-// signed-sin table of kernels/rope.py), then write k and v to their cache slots.
+// signed-sin table of kernels/rope.py), then write k and v to their cache slots (an 8-bit cache:
+// quantized, each head's scale into ks / vs at slot * Hkv + head).
 template <typename T, typename C>
 void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, const float* cos,
-                    const float* sin, const int64_t* pos, const int64_t* slots, C* kc, C* vc) {
+                    const float* sin, const int64_t* pos, const int64_t* slots, C* kc, C* vc,
+                    float* ks = nullptr, float* vs = nullptr) {
   const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(D);
@@ -238,7 +265,14 @@ void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, con
         for (int64_t d = 0; d < D; ++d) x[d] = to<T>(tmp[d]);
       }
       const int64_t slot = slots[r];
-      if constexpr (std::is_same_v<T, C>) {
+      if constexpr (kQuantCache<C>) {
+        for (int64_t h = 0; h < Hkv; ++h) {
+          for (int64_t d = 0; d < D; ++d) tmp[d] = f32(row[(H + h) * D + d]);
+          ks[slot * Hkv + h] = quantize_row(tmp.data(), D, kc + (slot * Hkv + h) * D);
+          for (int64_t d = 0; d < D; ++d) tmp[d] = f32(row[(H + Hkv + h) * D + d]);
+          vs[slot * Hkv + h] = quantize_row(tmp.data(), D, vc + (slot * Hkv + h) * D);
+        }
+      } else if constexpr (std::is_same_v<T, C>) {
         std::copy(row + H * D, row + (H + Hkv) * D, kc + slot * Hkv * D);
         std::copy(row + (H + Hkv) * D, row + width, vc + slot * Hkv * D);
       } else {                                  // a narrower cache: rounded to nearest even
@@ -669,12 +703,13 @@ bool last_rows_only(const Tensor& logits_indices, const int32_t* cu, int64_t S, 
 // -- LoRA adapters: csrc/lora_delta.h ---------------------------------------------------------------
 #include "lora_delta.h"
 
-// k_cache, v_cache: (layers, pages, page_size, Hkv, D), of type C.
+// k_cache, v_cache: (layers, pages, page_size, Hkv, D), of type C; an 8-bit C's scales k_scale,
+// v_scale (layers, pages, page_size, Hkv, 1) float32 (undefined otherwise).
 template <typename T, typename C>
 Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, const Tensor& slot_mapping,
                     const Tensor& page_table, const Tensor& seq_lens, const Tensor& cu_q,
                     const Tensor& logits_indices, const Tensor& k_cache, const Tensor& v_cache, bool onednn, bool det,
-                    const LoraRun& lora) {
+                    const LoraRun& lora, const Tensor& k_scale = Tensor(), const Tensor& v_scale = Tensor()) {
   const float eps = static_cast<float>(m.eps), scale = static_cast<float>(m.scale);
   const int64_t H = m.H, Hkv = m.Hkv, D = m.D, hidden = m.hidden, I = m.inter;
   const int64_t T_ = ids.size(0), S = seq_lens.size(0);
@@ -701,7 +736,13 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
     return det ? det_linear<T>(in, L[p.w], b, L[p.packed], &buf)
                : linear<T>(in, L[p.w], b, L[p.t], L[p.packed], buf, onednn);
   };
-  const work::Keep caches{k_cache, v_cache};         // what a late attention worker reads (work_pool.h)
+  work::Keep caches{k_cache, v_cache};               // what a late attention worker reads (work_pool.h)
+  const bool quant = k_scale.defined();
+  if (quant) {
+    caches.push_back(k_scale);
+    caches.push_back(v_scale);
+  }
+  const int64_t scales_per_layer = per_layer / D;
   std::vector<int32_t> cu_last;
   const bool trim = last_rows_only(logits_indices, cu_q.data_ptr<int32_t>(), S, T_, cu_last);
   int64_t rows = T_;                                   // the rows the layer's outputs are kept for
@@ -715,8 +756,10 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
         add_lora<T>(qkv, col, x, *lora.stack, i, p, lora.all, det);
     C* kc = k_cache.data_ptr<C>() + i * per_layer;
     C* vc = v_cache.data_ptr<C>() + i * per_layer;
+    float* ks = quant ? k_scale.data_ptr<float>() + i * scales_per_layer : nullptr;
+    float* vs = quant ? v_scale.data_ptr<float>() + i * scales_per_layer : nullptr;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, m.cos.data_ptr<float>(), m.sin.data_ptr<float>(), pos,
-                   slots, kc, vc);
+                   slots, kc, vc, ks, vs);
     const int32_t* cu = cu_q.data_ptr<int32_t>();
     if (trim && i + 1 == n_layers) {                   // last_rows_only: from here on the logits' rows
       rows = logits_indices.size(0);
@@ -730,8 +773,10 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
     }
     attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, k_cache.size(1), page_table.data_ptr<int32_t>(), page_table.size(1),
               seq_lens.data_ptr<int32_t>(), cu, S, page_size, H, Hkv, D, scale, attn.data_ptr<T>(), det,
-              /*pool=*/quant_blocks(L[kQkvW]), caches);
-    if (!chunks.empty() && rows == T_) prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, m.scale, attn);
+              /*pool=*/quant_blocks(L[kQkvW]), caches, ks, vs);
+    if (!chunks.empty() && rows == T_)
+      prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, m.scale, attn,
+                        quant ? k_scale[i] : Tensor(), quant ? v_scale[i] : Tensor());
     const std::vector<LoraSegment>& segs = rows < T_ ? lora.last : lora.all;      // the rows kept from here on
     Tensor o = mm(attn, kO, L, buf_o);
     if (lora.stack != nullptr) add_lora<T>(o, 0, attn, *lora.stack, i, kLoraO, segs, det);
@@ -755,7 +800,7 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
 }
 
 // f(T{}, C{}) for activations of dtype t over a KV cache of dtype c: a float32 model's cache is
-// float32, bfloat16 or float16 (kv_cache_dtype), a bfloat16 model's its own dtype
+// float32, bfloat16, float16, int8 or float8_e4m3fn (kv_cache_dtype), a bfloat16 model's its own dtype
 template <typename F>
 auto by_cache_dtype(at::ScalarType t, at::ScalarType c, const char* what, F&& f) {
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "pagedecode._cpu.", what, ": float32 or bfloat16 only");
@@ -765,15 +810,35 @@ auto by_cache_dtype(at::ScalarType t, at::ScalarType c, const char* what, F&& f)
   }
   if (c == at::kBFloat16) return f(float{}, at::BFloat16{});
   if (c == at::kHalf) return f(float{}, at::Half{});
-  TORCH_CHECK(c == at::kFloat, "pagedecode._cpu.", what, ": a float32 model's KV cache must be float32, bfloat16 or float16");
+  if (c == at::kChar) return f(float{}, int8_t{});
+  if (c == at::kFloat8_e4m3fn) return f(float{}, c10::Float8_e4m3fn{});
+  TORCH_CHECK(c == at::kFloat, "pagedecode._cpu.", what,
+              ": a float32 model's KV cache must be float32, bfloat16, float16, int8 or float8_e4m3fn");
   return f(float{}, float{});
+}
+
+// An 8-bit cache's scales: given exactly when the cache is 8-bit, shaped as its rows with a last
+// dimension of 1, float32 and contiguous
+void check_scales(const Tensor& cache, const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+                  const char* what) {
+  const bool quant = cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quant == k_scale.has_value() && quant == v_scale.has_value(), "pagedecode._cpu.", what,
+              ": an int8 / float8_e4m3fn cache needs k_scale and v_scale, and only it takes them");
+  if (!quant) return;
+  std::vector<int64_t> shape(cache.sizes().begin(), cache.sizes().end());
+  shape.back() = 1;
+  for (const Tensor* t : {&*k_scale, &*v_scale})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef(shape),
+                "pagedecode._cpu.", what, ": scales must be float32, contiguous, ", at::IntArrayRef(shape), ", got ",
+                t->sizes());
 }
 
 // The batch (model/batch.py) through the model: every index checked against what it indexes first.
 Tensor forward(const Stack& m, Tensor ids, Tensor positions, Tensor slot_mapping, Tensor page_table, Tensor seq_lens,
                Tensor cu_q, Tensor logits_indices, Tensor k_cache, Tensor v_cache, bool onednn, bool deterministic,
                const LoraStack* lora_stack, const std::optional<Tensor>& seg_starts,
-               const std::optional<Tensor>& seg_slots) {
+               const std::optional<Tensor>& seg_slots, const std::optional<Tensor>& k_scale,
+               const std::optional<Tensor>& v_scale) {
   check(ids.dtype() == at::kLong && positions.dtype() == at::kLong && slot_mapping.dtype() == at::kLong &&
             logits_indices.dtype() == at::kLong, "ids, positions, slot_mapping, logits_indices must be int64");
   check(page_table.dtype() == at::kInt && seq_lens.dtype() == at::kInt && cu_q.dtype() == at::kInt,
@@ -808,9 +873,12 @@ Tensor forward(const Stack& m, Tensor ids, Tensor positions, Tensor slot_mapping
     lora.all = lora_segments(*seg_starts, *seg_slots, T_, lora_stack->slots);
     lora.last = lora_segments_of_rows(lora.all, logits_indices);
   }
+  check_scales(k_cache, k_scale, v_scale, "forward");
+  const Tensor ks = k_scale.value_or(Tensor()), vs = v_scale.value_or(Tensor());
   return by_cache_dtype(m.final_norm.scalar_type(), k_cache.scalar_type(), "forward", [&](auto t, auto c) {
     return forward_impl<decltype(t), decltype(c)>(m, ids, positions, slot_mapping, page_table, seq_lens, cu_q,
-                                                  logits_indices, k_cache, v_cache, onednn, deterministic, lora);
+                                                  logits_indices, k_cache, v_cache, onednn, deterministic, lora,
+                                                  ks, vs);
   });
 }
 
@@ -864,7 +932,8 @@ Tensor silu_mul_op(const Tensor& gate_up) {
 // q (T, H, D) against the paged cache of one layer (pages, page_size, Hkv, D): every row through the
 // paged kernel in its fixed order (decode rows and chunks alike) -> (T, H, D)
 Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_layer, const Tensor& page_table,
-                        const Tensor& seq_lens, const Tensor& cu_q, double scale, bool pool) {
+                        const Tensor& seq_lens, const Tensor& cu_q, double scale, bool pool,
+                        const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_layer.dim() == 4 && k_layer.is_contiguous() && v_layer.is_contiguous() &&
                   v_layer.scalar_type() == k_layer.scalar_type() && page_table.is_contiguous() &&
                   page_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -876,6 +945,14 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
               "pagedecode._cpu.det_attention: heads and head size");
   // the layout every item relies on (the kernel computes nothing for an item that breaks it)
   check_tables(page_table, lens, cu, q.size(0), k_layer.size(0), k_layer.size(1), "det_attention");
+  check_scales(k_layer, k_scale, v_scale, "det_attention");
+  work::Keep keep{k_layer, v_layer};
+  const float* ks = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
+  if (ks != nullptr) {
+    keep.push_back(*k_scale);
+    keep.push_back(*v_scale);
+  }
   Tensor out = at::empty_like(qc);
   by_cache_dtype(q.scalar_type(), k_layer.scalar_type(), "det_attention", [&](auto t, auto c) {
     using T = decltype(t);
@@ -883,7 +960,7 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
     attention(qc.data_ptr<T>(), H * D, k_layer.data_ptr<C>(), v_layer.data_ptr<C>(), k_layer.size(0),
               page_table.data_ptr<int32_t>(),
               page_table.size(1), lens.data_ptr<int32_t>(), cu.data_ptr<int32_t>(), lens.size(0), k_layer.size(1),
-              H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true, pool, work::Keep{k_layer, v_layer});
+              H, Hkv, D, static_cast<float>(scale), out.data_ptr<T>(), true, pool, keep, ks, vs);
     return 0;
   });
   return out;
@@ -922,7 +999,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stack"), py::arg("ids"), py::arg("positions"), py::arg("slot_mapping"), py::arg("page_table"),
         py::arg("seq_lens"), py::arg("cu_q"), py::arg("logits_indices"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("onednn"), py::arg("deterministic"), py::arg("lora") = static_cast<LoraStack*>(nullptr),
-        py::arg("seg_starts") = py::none(), py::arg("seg_slots") = py::none());
+        py::arg("seg_starts") = py::none(), py::arg("seg_slots") = py::none(), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("det_linear", &det_linear_op, "x @ w^T (+ b), each output in one fixed order whatever the rows (deterministic mode)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none(),
         pybind11::arg("packed") = pybind11::none());
@@ -932,7 +1010,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("det_attention", &det_attention_op, "causal attention over the paged cache, one order per query position "
         "(pool: under 8 rows on the spinning pool, as the forward of a quantized model runs it)",
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("page_table"), py::arg("seq_lens"),
-        py::arg("cu_q"), py::arg("scale"), py::arg("pool") = false);
+        py::arg("cu_q"), py::arg("scale"), py::arg("pool") = false, py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
   m.def("drain_pool", [] { work::Pool::drain_current(); },

@@ -168,12 +168,13 @@ void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t
   for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;
 }
 
-// dst[0, n) = src[0, n) as float: a page of a 16-bit cache
+// dst[0, n) = src[0, n) as float: a page of a 16-bit or 8-bit cache (8-bit: unscaled; attend_block
+// applies each row's scale to its scores)
 template <typename C>
 inline void widen(const C* src, int64_t n, float* dst) {
   int64_t e = 0;
 #if defined(__AVX512F__)
-  for (; e + 16 <= n; e += 16) {
+  for (; sizeof(C) == 2 && e + 16 <= n; e += 16) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
     if constexpr (std::is_same_v<C, c10::Half>)
       _mm512_storeu_ps(dst + e, _mm512_cvtph_ps(x));
@@ -184,12 +185,27 @@ inline void widen(const C* src, int64_t n, float* dst) {
   for (; e < n; ++e) dst[e] = f32(src[e]);
 }
 
+// every float8_e4m3fn value as float, by its byte (AVX-512 has no e4m3 conversion: a gather reads it)
+inline const float* fp8_e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
 #if defined(__AVX512F__)
 // 16 cache values as float, widened in registers (exactly, for every cache type)
 template <typename C>
 inline __m512 load16(const C* p) {
   if constexpr (std::is_same_v<C, float>) {
     return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<C, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  } else if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_i32gather_ps(bytes, fp8_e4m3_table(), 4);
   } else {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     if constexpr (std::is_same_v<C, c10::Half>)
@@ -295,7 +311,26 @@ struct AttendArgs {
   float scale;
   bool det;
   bool pool;      // few rows on the spinning pool: where the matmuls around it run there too
+  // an 8-bit cache's scales, one per (slot, kv head) at slot * Hkv + head; nullptr for a float cache
+  const float* ks = nullptr;
+  const float* vs = nullptr;
 };
+
+// scores[j * width + p] *= scale of position p's row (kv head kvh(j)), p < vis[j]: an 8-bit cache's
+// K scale on q . k, or its V scale folded into the softmax weights before they multiply V
+// (sum p_o s_o v_o), so no page is ever dequantized element by element
+template <typename KvHead>
+inline void scale_scores(float* scores, int64_t width, int64_t nq, const int64_t* vis, const int32_t* pages,
+                         int64_t page_size, int64_t Hkv, const float* sc, KvHead kvh) {
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = scores + j * width;
+    for (int64_t p0 = 0; p0 < vis[j]; p0 += page_size) {        // page by page: its scales Hkv apart
+      const float* page = sc + static_cast<int64_t>(pages[p0 / page_size]) * page_size * Hkv + kvh(j);
+      const int64_t n = std::min(page_size, vis[j] - p0);
+      for (int64_t o = 0; o < n; ++o) sj[p0 + o] *= page[o * Hkv];
+    }
+  }
+}
 
 // A value a late pool worker may see rewritten under it (see decode_attention): read once, so that
 // what was checked is what is used
@@ -405,12 +440,17 @@ bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, 
       qk_scores<kD>(q.data() + j * D, k + kv_head(j), a.Hkv * D, std::min(n, vis[j] - p0), D,
                     scores.data() + j * width + p0);
   }
+  [[maybe_unused]] auto kv_index = [&](int64_t j) { return (h0 + j % nh) / G; };
+  if constexpr (kQuantCache<C>)
+    scale_scores(scores.data(), width, nq, vis.data(), pages.data(), page_size, a.Hkv, a.ks, kv_index);
   denom.resize(nq);
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = scores.data() + j * width;
     const float shift = row_max(sj, vis[j]);
     denom[j] = a.det ? exp_shifted_sum_fixed(sj, vis[j], shift) : exp_shifted_sum(sj, vis[j], shift);
   }
+  if constexpr (kQuantCache<C>)
+    scale_scores(scores.data(), width, nq, vis.data(), pages.data(), page_size, a.Hkv, a.vs, kv_index);
   acc.assign(nq * D, 0.f);
   for (int64_t p0 = 0; p0 < width; p0 += page_size) {
     const int64_t n = std::min(page_size, width - p0);
@@ -560,9 +600,10 @@ void paged_attention(const AttendArgs<T, C>& a, T* out, const work::Keep& caches
 template <typename T, typename C>
 void attention(const T* qkv, int64_t q_stride, const C* kc, const C* vc, int64_t num_pages, const int32_t* pt,
                int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H,
-               int64_t Hkv, int64_t D, float scale, T* out, bool det, bool pool, const work::Keep& caches) {
+               int64_t Hkv, int64_t D, float scale, T* out, bool det, bool pool, const work::Keep& caches,
+               const float* ks = nullptr, const float* vs = nullptr) {
   const AttendArgs<T, C> a{qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, S > 0 ? cu[S] : 0, num_pages,
-                        page_size, H, Hkv, D, scale, det, pool};
+                        page_size, H, Hkv, D, scale, det, pool, ks, vs};
   auto run = [&](auto fixed) { paged_attention<T, C, decltype(fixed)::value>(a, out, caches); };
   switch (D) {
     case 8: run(std::integral_constant<int64_t, 8>()); break;
@@ -602,15 +643,26 @@ std::vector<Chunk> matmul_chunks(const int32_t* pt, int64_t pt_stride, const int
   return out;
 }
 
+// cache rows `rows` of a (slots, Hkv, D) layer as float: an 8-bit one's through its bytes (index_select
+// has no float8 kernel) and times its scales (slots, Hkv, 1)
+inline Tensor rows_as_float(const Tensor& flat, const Tensor& scale, const Tensor& rows) {
+  if (!scale.defined()) return flat.index_select(0, rows).to(at::kFloat);
+  const Tensor bytes = flat.view(at::kByte).index_select(0, rows).view(flat.scalar_type());
+  return bytes.to(at::kFloat) * scale.index_select(0, rows);
+}
+
 void prefill_attention(const std::vector<Chunk>& chunks, const Tensor& qkv, const Tensor& k_layer,
-                       const Tensor& v_layer, int64_t H, int64_t Hkv, int64_t D, double scale, Tensor& attn) {
+                       const Tensor& v_layer, int64_t H, int64_t Hkv, int64_t D, double scale, Tensor& attn,
+                       const Tensor& ks_layer = Tensor(), const Tensor& vs_layer = Tensor()) {
   const Tensor kf = k_layer.view({-1, Hkv, D}), vf = v_layer.view({-1, Hkv, D});
+  const Tensor ksf = ks_layer.defined() ? ks_layer.view({-1, Hkv, 1}) : Tensor();
+  const Tensor vsf = vs_layer.defined() ? vs_layer.view({-1, Hkv, 1}) : Tensor();
   for (const Chunk& c : chunks) {
     Tensor q = qkv.narrow(0, c.row0, c.n).narrow(1, 0, H * D).view({c.n, H, D}).transpose(0, 1).to(at::kFloat);
     // (H, width, D): each kv head repeated for its G query heads. enable_gqa would avoid the copy but
     // sends the CPU to SDPA's unfused math path (several times slower than its fused kernel).
-    Tensor k = kf.index_select(0, c.rows).to(at::kFloat).repeat_interleave(H / Hkv, 1).transpose(0, 1);
-    Tensor v = vf.index_select(0, c.rows).to(at::kFloat).repeat_interleave(H / Hkv, 1).transpose(0, 1);
+    Tensor k = rows_as_float(kf, ksf, c.rows).repeat_interleave(H / Hkv, 1).transpose(0, 1);
+    Tensor v = rows_as_float(vf, vsf, c.rows).repeat_interleave(H / Hkv, 1).transpose(0, 1);
     // 4-D (batch of one): the fused kernel takes nothing else
     Tensor o = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                                 c.mask.defined() ? std::optional<Tensor>(c.mask)

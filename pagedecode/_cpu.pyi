@@ -21,6 +21,7 @@ def forward(
     seq_lens: torch.Tensor, cu_q: torch.Tensor, logits_indices: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, onednn: bool, deterministic: bool, lora: LoraStack | None = None,
     seg_starts: torch.Tensor | None = None, seg_slots: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor: ...
 
 def det_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -33,7 +34,8 @@ def det_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor: ...
 
 def det_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, page_table: torch.Tensor,
-                  seq_lens: torch.Tensor, cu_q: torch.Tensor, scale: float, pool: bool = False) -> torch.Tensor: ...
+                  seq_lens: torch.Tensor, cu_q: torch.Tensor, scale: float, pool: bool = False,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
 
 def keep_freed_memory() -> bool: ...
 

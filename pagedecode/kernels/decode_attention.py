@@ -8,6 +8,10 @@ Shapes:
     returns     (B, q_heads, head_dim) in q's dtype
 
 Query head h reads KV head h // (q_heads // kv_heads) (grouped-query attention).
+
+An 8-bit cache (kernels/kv_quant.py) comes with k_scale, v_scale (num_pages, page_size, kv_heads, 1)
+float32; every path widens each row to float32 times its scale and attends in float32, as it
+widens a float16 cache.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Literal
 import torch
 
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
+from .kv_quant import dequantize
 
 if HAS_TRITON:
     import triton
@@ -65,8 +70,13 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """(num_pages, page, H, D) cache -> (B, n_tokens, H, D) contiguous context per sequence."""
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, n_tokens: int,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(num_pages, page, H, D) cache -> (B, n_tokens, H, D) contiguous context per sequence; with an
+    8-bit cache's scale (num_pages, page, H, 1), the rows read back in float32."""
+    if scale is not None:
+        return dequantize(gather_pages(cache.view(torch.uint8), page_table, n_tokens).view(cache.dtype),
+                          gather_pages(scale, page_table, n_tokens))
     page_size = cache.shape[1]
     n_pages = -(-n_tokens // page_size)
     pages = page_table[:, :n_pages].long().clamp(min=0)              # (B, n_pages)
@@ -87,10 +97,11 @@ def context_slots(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: i
     return pages * page_size + pos % page_size, valid
 
 
-def attend_gathered(q, k_flat, v_flat, slots, valid, scale: float):
+def attend_gathered(q, k_flat, v_flat, slots, valid, scale: float, k_scale_flat=None, v_scale_flat=None):
     """q (B, Hq, D) against the cache rows `slots` (B, L) of k_flat / v_flat (rows, Hkv, D),
     where `valid` (B, L) says which rows belong to the sequence. Shared by the reference and the
-    model's CPU path, which computes slots and mask once per step for all layers.
+    model's CPU path, which computes slots and mask once per step for all layers. An 8-bit
+    cache's scales come as k_scale_flat / v_scale_flat (rows, Hkv, 1).
 
     Rows outside the sequence may hold anything (a free page, another request's tail, NaN):
     their K and V are zeroed and their scores set to -inf with `where`, never by adding -inf,
@@ -99,8 +110,14 @@ def attend_gathered(q, k_flat, v_flat, slots, valid, scale: float):
     Hkv, D = k_flat.shape[1], k_flat.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
     rows = slots.reshape(-1)
-    k = k_flat.view(k_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D)
-    v = v_flat.view(v_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D)
+    if k_scale_flat is not None:     # 8-bit rows gathered through their bytes, read back in float32
+        k = dequantize(k_flat.view(torch.uint8).view(k_flat.shape[0], -1).index_select(0, rows)
+                       .view(k_flat.dtype).view(B, L, Hkv, D), k_scale_flat[rows].view(B, L, Hkv, 1))
+        v = dequantize(v_flat.view(torch.uint8).view(v_flat.shape[0], -1).index_select(0, rows)
+                       .view(v_flat.dtype).view(B, L, Hkv, D), v_scale_flat[rows].view(B, L, Hkv, 1))
+    else:
+        k = k_flat.view(k_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D)
+        v = v_flat.view(v_flat.shape[0], -1).index_select(0, rows).view(B, L, Hkv, D)
     keep = valid[:, :, None, None]
     if not bool(valid.all()):
         k = torch.where(keep, k, 0)
@@ -115,10 +132,18 @@ def attend_gathered(q, k_flat, v_flat, slots, valid, scale: float):
     return out.reshape(q.shape).to(q.dtype)
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale: float):
+def paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale: float, k_scale=None, v_scale=None):
     page_size = k_cache.shape[1]
     slots, valid = context_slots(page_table, seq_lens, page_size, int(seq_lens.max()))
-    return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, valid, scale)
+    return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), slots, valid, scale,
+                           *flat_scales(k_scale, v_scale))
+
+
+def flat_scales(k_scale, v_scale) -> tuple:
+    """An 8-bit cache's scales (pages, page, Hkv, 1) as rows by slot (slots, Hkv, 1); (None, None)."""
+    if k_scale is None:
+        return None, None
+    return k_scale.flatten(0, 1), v_scale.flatten(0, 1)
 
 
 
@@ -136,15 +161,20 @@ def merge_partials_ref(part_out: torch.Tensor, part_lse: torch.Tensor, own_split
 
 if HAS_TRITON:
     @triton.jit
-    def _kv_tile(kc_ptr, vc_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co, stride_ch,
-                 PAGE_SIZE: tl.constexpr):
+    def _kv_tile(kc_ptr, vc_ptr, ks_ptr, vs_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co,
+                 stride_ch, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
         """K and V rows (BLOCK_N, BLOCK_D), as float32, at logical positions `pos` of the sequence
-        whose page-table row starts at pt_row. Page ids are promoted to int64 before any stride."""
+        whose page-table row starts at pt_row. Page ids are promoted to int64 before any stride.
+        QUANT: an 8-bit cache (contiguous), each row times its scale, which sits at the row's
+        offset / HEAD_DIM in ks_ptr / vs_ptr (one per slot and KV head)."""
         page = tl.load(pt_row + pos // PAGE_SIZE, mask=pos_ok, other=0)
         row = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_co + kvh * stride_ch
         mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
         v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if QUANT:
+            k = k * tl.load(ks_ptr + row // HEAD_DIM, mask=pos_ok, other=0.0)[:, None]
+            v = v * tl.load(vs_ptr + row // HEAD_DIM, mask=pos_ok, other=0.0)[:, None]
         return k, v
 
     @triton.jit
@@ -160,13 +190,14 @@ if HAS_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, lens_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-                             sm_scale_log2,
+    def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pt_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+                             out_ptr, sm_scale_log2,
                              stride_qb, stride_qh, stride_cp, stride_co, stride_ch, stride_ptb,
                              stride_ob, stride_oh, num_splits, split_tokens,
                              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, WRITE_OUT: tl.constexpr):
+                             BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, WRITE_OUT: tl.constexpr,
+                             QUANT: tl.constexpr):
         """One (sequence, KV head, split): its query heads against tokens
         [split * split_tokens, min((split + 1) * split_tokens, seq_len)). WRITE_OUT (one split per
         sequence): the normalised output goes straight to out_ptr, bit for bit what the merge
@@ -192,8 +223,8 @@ if HAS_TRITON:
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)         # logical token positions of this tile
             pos_ok = pos < end
-            k, v = _kv_tile(kc_ptr, vc_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co, stride_ch,
-                            PAGE_SIZE)
+            k, v = _kv_tile(kc_ptr, vc_ptr, ks_ptr, vs_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co,
+                            stride_ch, PAGE_SIZE, HEAD_DIM, QUANT)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * sm_scale_log2          # (G, N), log2 units
             s = tl.where(pos_ok[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE)
@@ -256,7 +287,8 @@ def decode_partials(q, k_cache, v_cache, page_table, seq_lens, scale: float, spl
 
 
 def _launch(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_tokens: int, block_n: int | None,
-            num_warps: int, num_stages: int, finish: Finish, max_len: int | None = None):
+            num_warps: int, num_stages: int, finish: Finish, max_len: int | None = None, k_scale=None,
+            v_scale=None):
     """finish: "direct" (one split per sequence: the split kernel writes the output), "merge"
     (split kernel, then the merge kernel), "partials" (the split kernel's partials, unmerged)."""
     B, Hq, D = q.shape
@@ -264,6 +296,9 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_token
     group = Hq // Hkv
     assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and page_table.stride(-1) == 1
+    quant = k_scale is not None
+    assert not quant or (k_cache.is_contiguous() and v_scale is not None and k_scale.is_contiguous()
+                         and v_scale.is_contiguous())
     block_n = block_n or (16 if interpreting() else 64)
     assert split_tokens % block_n == 0 and block_n >= 16
     num_splits = max(1, -(-(int(seq_lens.max()) if max_len is None else max_len) // split_tokens))
@@ -274,12 +309,13 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_token
     block_g = max(16, triton.next_power_of_2(group))      # tl.dot needs M >= 16 on NVIDIA
     block_d = max(16, triton.next_power_of_2(D))
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_out, part_lse, out,
+        q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, page_table, seq_lens,
+        part_out, part_lse, out,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), out.stride(0), out.stride(1), num_splits, split_tokens,
         GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_G=block_g,
-        BLOCK_N=block_n, BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), WRITE_OUT=direct,
+        BLOCK_N=block_n, BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), WRITE_OUT=direct, QUANT=quant,
         num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out
@@ -293,7 +329,7 @@ def _launch(q, k_cache, v_cache, page_table, seq_lens, scale: float, split_token
 def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale: float,
                                   split_tokens: int | None = None, deterministic: bool = False,
                                   block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                                  max_seq_len: int | None = None):
+                                  max_seq_len: int | None = None, k_scale=None, v_scale=None):
     """split_tokens None: SPLIT_TOKENS in deterministic mode, else split_tokens_for()'s choice.
     A launch whose sequences all fit one split skips the merge (outside deterministic mode, whose
     bits must not depend on whether a longer sequence shares the batch). Launch parameters are
@@ -307,19 +343,22 @@ def paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, sca
     one_split = max_len <= split_tokens
     finish: Finish = "direct" if one_split and not deterministic else "merge"
     return _launch(q, k_cache, v_cache, page_table, seq_lens, scale, split_tokens, block_n, num_warps,
-                   num_stages, finish, max_len)
+                   num_stages, finish, max_len, k_scale, v_scale)
 
 
 def paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float | None = None,
-                           backend: str = "auto", deterministic: bool = False, max_seq_len: int | None = None):
+                           backend: str = "auto", deterministic: bool = False, max_seq_len: int | None = None,
+                           k_scale=None, v_scale=None):
     """Attention of one query token per sequence over its paged context (see module docstring).
     On CUDA tensors (backend "auto") the split-KV Triton kernel, its splits sized by
     split_tokens_for(); deterministic: fixed SPLIT_TOKENS splits (batch-invariant bits).
     max_seq_len: a host bound on seq_lens that sizes the splits instead of seq_lens' own maximum
-    (which costs a device-to-host copy, impossible inside a CUDA graph)."""
+    (which costs a device-to-host copy, impossible inside a CUDA graph). k_scale, v_scale: an
+    8-bit cache's scales (module docstring), else None."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(q, backend):
         return paged_decode_attention_triton(q, k_cache, v_cache, page_table, seq_lens, scale,
-                                             deterministic=deterministic, max_seq_len=max_seq_len)
-    return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale)
+                                             deterministic=deterministic, max_seq_len=max_seq_len,
+                                             k_scale=k_scale, v_scale=v_scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, scale, k_scale, v_scale)

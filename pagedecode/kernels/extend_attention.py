@@ -8,6 +8,7 @@ Shapes:
     cu_q        (S + 1,) int32: sequence s owns q rows cu_q[s] : cu_q[s + 1]
     seq_lens    (S,) int32: cached tokens after the write, prefix + new
     returns     (T, q_heads, head_dim)
+    k_scale, v_scale   an 8-bit cache's scales (num_pages, page_size, kv_heads, 1), else None
 
 Positions: sequence s has n = cu_q[s+1] - cu_q[s] new tokens at logical positions
 seq_len - n .. seq_len - 1; new token i sees cache positions 0 .. seq_len - n + i.
@@ -40,7 +41,8 @@ if HAS_TRITON:
     import triton.language as tl
 
 
-def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float):
+def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float, k_scale=None,
+                               v_scale=None):
     acc = torch.promote_types(q.dtype, torch.float32)     # float32, or float64 for a float64 oracle
     out = torch.empty_like(q)
     cu = cu_q.tolist()
@@ -49,8 +51,8 @@ def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, 
         n = hi - lo
         if n == 0:
             continue
-        k = gather_pages(k_cache, page_table[s:s + 1], L)[0].to(acc).transpose(0, 1)   # (Hkv, L, D)
-        v = gather_pages(v_cache, page_table[s:s + 1], L)[0].to(acc).transpose(0, 1)
+        k = gather_pages(k_cache, page_table[s:s + 1], L, k_scale)[0].to(acc).transpose(0, 1)   # (Hkv, L, D)
+        v = gather_pages(v_cache, page_table[s:s + 1], L, v_scale)[0].to(acc).transpose(0, 1)
         # query i sits at position L - n + i and sees keys 0 .. L - n + i
         if n == L:          # no cached prefix: the plain causal mask
             mask, causal = None, True
@@ -65,12 +67,12 @@ def paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, 
 
 if HAS_TRITON:
     @triton.jit
-    def _extend_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, cu_ptr, lens_ptr, out_ptr, sm_scale_log2,
+    def _extend_kernel(q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, pt_ptr, cu_ptr, lens_ptr, out_ptr, sm_scale_log2,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_cp, stride_co, stride_ch, stride_ptb,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                       BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, QUANT: tl.constexpr):
         # one program: BLOCK_M new tokens of one sequence x all GROUP query heads of one KV head,
         # packed as rows r = token * GROUP_PAD + head, so each K/V tile is loaded once per group
         s = tl.program_id(0)
@@ -102,8 +104,8 @@ if HAS_TRITON:
             for n0 in range(0, kv_end, BLOCK_N):
                 pos = n0 + tl.arange(0, BLOCK_N)
                 pos_ok = pos < kv_end
-                k, v = _kv_tile(kc_ptr, vc_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp, stride_co,
-                                stride_ch, PAGE_SIZE)
+                k, v = _kv_tile(kc_ptr, vc_ptr, ks_ptr, vs_ptr, pt_row, pos, pos_ok, kvh, d, d_ok, stride_cp,
+                                stride_co, stride_ch, PAGE_SIZE, HEAD_DIM, QUANT)
                 sc = tl.dot(q, tl.trans(k.to(DOT_DTYPE))) * sm_scale_log2        # (rows, N)
                 visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
                 sc = tl.where(visible, sc, float("-inf"))
@@ -115,7 +117,8 @@ if HAS_TRITON:
 
 def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float,
                                   max_new: int | None = None, block_rows: int | None = None,
-                                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2):
+                                  block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                                  k_scale=None, v_scale=None):
     """Launch parameters are arguments so benchmarks/kernel_sweep.py --sweep can compare them.
     block_rows: rows of one program = tokens x (query heads per KV head, padded to a power of 2)."""
     T, Hq, D = q.shape
@@ -123,6 +126,9 @@ def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_len
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     assert Hq % Hkv == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and page_table.stride(-1) == 1
+    quant = k_scale is not None
+    assert not quant or (k_cache.is_contiguous() and v_scale is not None and k_scale.is_contiguous()
+                         and v_scale.is_contiguous())
     out = torch.empty_like(q)
     if T == 0:
         return out
@@ -136,11 +142,12 @@ def paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_len
     block_d = max(16, triton.next_power_of_2(D))
     grid = (S, Hkv, -(-max_new // block_m))
     _extend_kernel[grid](
-        q, k_cache, v_cache, page_table, cu_q, seq_lens, out, scale * 1.4426950408889634,
+        q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, page_table, cu_q,
+        seq_lens, out, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_D=block_d, DOT_DTYPE=dot_dtype(q), QUANT=quant, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -165,29 +172,32 @@ def extend_rows_as_decode(page_table, cu_q, seq_lens, num_tokens: int):
 DETERMINISTIC_PARTIALS_BYTES = 256 * 1024**2
 
 
-def _extend_as_decode(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float):
+def _extend_as_decode(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float, k_scale=None, v_scale=None):
     rows, lens = extend_rows_as_decode(page_table, cu_q, seq_lens, q.shape[0])
     T, Hq, D = q.shape
     splits = -(-int(lens.max()) // SPLIT_TOKENS)
     per_launch = max(1, DETERMINISTIC_PARTIALS_BYTES // (Hq * splits * D * 4))
     if per_launch >= T:
-        return paged_decode_attention(q, k_cache, v_cache, rows, lens, scale, backend="triton", deterministic=True)
+        return paged_decode_attention(q, k_cache, v_cache, rows, lens, scale, backend="triton", deterministic=True,
+                                      k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(q)
     for i in range(0, T, per_launch):
         out[i:i + per_launch] = paged_decode_attention(q[i:i + per_launch], k_cache, v_cache, rows[i:i + per_launch],
                                                        lens[i:i + per_launch], scale, backend="triton",
-                                                       deterministic=True)
+                                                       deterministic=True, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def paged_extend_attention(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale: float | None = None,
-                           backend: str = "auto", max_new: int | None = None, deterministic: bool = False):
+                           backend: str = "auto", max_new: int | None = None, deterministic: bool = False,
+                           k_scale=None, v_scale=None):
     """Causal attention of packed new tokens over cached prefix + themselves (module docstring).
     deterministic: on the Triton path, the bits decode attention gives each token (see above)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if use_triton(q, backend):
         if deterministic and q.shape[0]:
-            return _extend_as_decode(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale)
-        return paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale, max_new)
-    return paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale)
+            return _extend_as_decode(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale, k_scale, v_scale)
+        return paged_extend_attention_triton(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale, max_new,
+                                             k_scale=k_scale, v_scale=v_scale)
+    return paged_extend_attention_ref(q, k_cache, v_cache, page_table, cu_q, seq_lens, scale, k_scale, v_scale)

@@ -2,26 +2,37 @@
 
 Layout: k_cache, v_cache are (num_pages, page_size, kv_heads, head_dim); a slot is
 page * page_size + offset within the page. A slot of -1 means "padding: write nothing".
+
+An 8-bit cache (kernels/kv_quant.py) comes with k_scale, v_scale (num_pages, page_size, kv_heads, 1)
+float32: each row is quantized as it is written, its scale stored at the same slot.
 """
 from __future__ import annotations
 
+import torch
 
 from ._backend import HAS_TRITON, use_triton
+from .kv_quant import QMAX, quantize_rows
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
 
-def write_kv_ref(k_cache, v_cache, k, v, slot_mapping) -> None:
+def write_kv_ref(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
     """k, v: (T, kv_heads, head_dim); slot_mapping: (T,) int. Writes in place."""
     slots = slot_mapping.long()
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     # slot = page * page_size + offset is the row of the cache seen as (pages * page_size, H, D)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    for cache, scale, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        if scale is None:
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+            continue
+        q, s = quantize_rows(x, cache.dtype)
+        # index_copy_ has no 8-bit float kernel on CPU: the rows go in through their bytes
+        cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, q.view(torch.uint8))
+        scale.view(-1, *scale.shape[2:]).index_copy_(0, slots, s)
 
 
 if HAS_TRITON:
@@ -46,10 +57,56 @@ if HAS_TRITON:
             tl.store(kc_ptr + dst, kx.to(kc_ptr.dtype.element_ty), mask=m)
             tl.store(vc_ptr + dst, vx.to(vc_ptr.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _quantize_store(x, c_ptr, s_ptr, dst, srow, m, h_ok, QLIMIT: tl.constexpr, IS_INT: tl.constexpr):
+        """x (BLOCK_H, BLOCK_D) float32 rows -> 8-bit values at c_ptr + dst, each row's scale at
+        s_ptr + srow (kernels/kv_quant.py's quantize_rows)."""
+        amax = tl.max(tl.where(m, tl.abs(x), 0.0), 1)                      # (BLOCK_H,)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, QLIMIT, tl.float32))
+        safe = tl.where(scale > 0, scale, 1.0)
+        y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape))
+        y = tl.minimum(tl.maximum(y, -QLIMIT), QLIMIT)
+        if IS_INT:
+            y = (y + 12582912.0) - 12582912.0               # kv_quant.ROUNDER: half to even, then exact
+        tl.store(c_ptr + dst, y.to(c_ptr.dtype.element_ty), mask=m)
+        tl.store(s_ptr + srow, scale, mask=h_ok)
 
-def write_kv_triton(k_cache, v_cache, k, v, slot_mapping) -> None:
+    @triton.jit
+    def _write_kv_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+                               stride_kt, stride_kh, stride_vt, stride_vh,
+                               PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QLIMIT: tl.constexpr,
+                               IS_INT: tl.constexpr):
+        # one program per token, all its heads; the caches are contiguous, so slot s's head h
+        # starts at (s * HEADS + h) * HEAD_DIM and its scale sits at s * HEADS + h
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            h = tl.arange(0, BLOCK_H)
+            d = tl.arange(0, BLOCK_D)[None, :]
+            h_ok = h < HEADS
+            m = h_ok[:, None] & (d < HEAD_DIM)
+            srow = slot * HEADS + h
+            dst = srow[:, None] * HEAD_DIM + d
+            kx = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d, mask=m).to(tl.float32)
+            vx = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d, mask=m).to(tl.float32)
+            _quantize_store(kx, kc_ptr, ks_ptr, dst, srow, m, h_ok, QLIMIT, IS_INT)
+            _quantize_store(vx, vc_ptr, vs_ptr, dst, srow, m, h_ok, QLIMIT, IS_INT)
+
+
+def write_kv_triton(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
     T, H, D = k.shape
     if T == 0:
+        return
+    if k_scale is not None:
+        assert v_scale is not None and k.stride(-1) == 1 and v.stride(-1) == 1
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_scale.is_contiguous() and v_scale.is_contiguous()
+        _write_kv_quant_kernel[(T,)](
+            k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            PAGE_SIZE=k_cache.shape[1], HEADS=H, HEAD_DIM=D,
+            BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+            QLIMIT=QMAX[k_cache.dtype], IS_INT=k_cache.dtype == torch.int8)
         return
     assert k_cache.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
@@ -61,9 +118,10 @@ def write_kv_triton(k_cache, v_cache, k, v, slot_mapping) -> None:
         BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D))
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping, backend: str = "auto") -> None:
-    """Write k, v (T, kv_heads, head_dim) to the slots in slot_mapping (T,); -1 skips a row."""
+def write_kv(k_cache, v_cache, k, v, slot_mapping, backend: str = "auto", k_scale=None, v_scale=None) -> None:
+    """Write k, v (T, kv_heads, head_dim) to the slots in slot_mapping (T,); -1 skips a row.
+    k_scale, v_scale: an 8-bit cache's scales (each row quantized as it is written), else None."""
     if use_triton(k, backend):
-        write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+        write_kv_triton(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+        write_kv_ref(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)

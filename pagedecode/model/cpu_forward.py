@@ -230,18 +230,20 @@ class CompiledForward:
 
     def runs(self, kv: KVCache) -> bool:
         """Whether forward() takes this batch's cache: the model's dtype, or for a float32 model a
-        bfloat16 / float16 one (kv_cache_dtype)."""
-        narrower = (torch.bfloat16, torch.float16) if self.dtype == torch.float32 else ()
+        bfloat16 / float16 one, or an 8-bit one with its scales (kv_cache_dtype)."""
+        narrower = (torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn) if self.dtype == torch.float32 else ()
         return kv.k.dtype in (self.dtype, *narrower)
 
     def forward(self, b: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits (N, vocab) float32 of the batch's logits rows, its K/V written into kv; a batch
         with LoRA adapters (b.lora) adds each row's deltas in the call (csrc/lora_delta.h)."""
         assert _cpu_ext is not None
+        # an 8-bit cache's scales, else None
         if b.lora is None:
             return _cpu_ext.forward(self.stack, b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens,
-                                    b.cu_q, b.logits_indices, kv.k, kv.v, self.onednn, self.deterministic)
+                                    b.cu_q, b.logits_indices, kv.k, kv.v, self.onednn, self.deterministic,
+                                    k_scale=kv.k_scale, v_scale=kv.v_scale)
         return _cpu_ext.forward(self.stack, b.input_ids, b.positions, b.slot_mapping, b.page_table, b.seq_lens,
                                 b.cu_q, b.logits_indices, kv.k, kv.v, self.onednn, self.deterministic,
                                 lora=b.lora.stacks.compiled_view(lora_stack), seg_starts=b.lora.seg_starts,
-                                seg_slots=b.lora.seg_slots)
+                                seg_slots=b.lora.seg_slots, k_scale=kv.k_scale, v_scale=kv.v_scale)

@@ -1,10 +1,15 @@
-"""The KV cache tensors: one pool of pages per layer, addressed by slot (see kernels.kv_write)."""
+"""The KV cache tensors: one pool of pages per layer, addressed by slot (see kernels.kv_write).
+
+An 8-bit cache (int8 / float8_e4m3fn: kernels/kv_quant.py) keeps a float32 scale per token and KV
+head beside the pages, k_scale / v_scale, in the same paged layout (slot-addressed like the rows)."""
 from __future__ import annotations
 
 import math
 import mmap
 
 import torch
+
+from ..kernels.kv_quant import SCALE_DTYPE, is_quantized
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -27,8 +32,29 @@ class KVCache:
         self.v = zeros(shape, dtype, device)
         self.page_size = page_size
         self.num_pages = num_pages
+        # an 8-bit cache's scales, (layers, pages, page_size, kv_heads, 1): one per row of head_dim
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if is_quantized(dtype):
+            self.k_scale = torch.zeros((*shape[:-1], 1), dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros((*shape[:-1], 1), dtype=SCALE_DTYPE, device=device)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer`'s (k_scale, v_scale), each (pages, page_size, kv_heads, 1); (None, None)
+        for a float cache."""
+        if self.k_scale is None or self.v_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x element size."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """2 (K and V) x layers x kv_heads x (head_dim x element size, plus an 8-bit cache's
+        float32 scale)."""
+        row = head_dim * torch.empty((), dtype=dtype).element_size()
+        if is_quantized(dtype):
+            row += torch.empty((), dtype=SCALE_DTYPE).element_size()
+        return 2 * num_layers * num_kv_heads * row

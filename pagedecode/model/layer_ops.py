@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._backend import use_triton
-from ..kernels.decode_attention import attend_gathered, context_slots, paged_decode_attention
+from ..kernels.decode_attention import attend_gathered, context_slots, flat_scales, paged_decode_attention
 from ..kernels.extend_attention import paged_extend_attention
 from ..kernels.kv_write import write_kv
 from ..kernels.lora import lora_delta
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 # the cache slots of every decode sequence's context: (slots, lengths), computed once a step
 Context = tuple[torch.Tensor, torch.Tensor] | None
+# an 8-bit cache layer's (k_scale, v_scale), each (pages, page_size, kv_heads, 1); (None, None) for a
+# float cache (KVCache.scales)
+Scales = tuple[torch.Tensor | None, torch.Tensor | None]
+NO_SCALES: Scales = (None, None)
 
 
 class TorchOps:
@@ -71,35 +75,40 @@ class TorchOps:
         return lora_delta(x, seg_starts, seg_slots, a, b, scaling, backend=self.backend)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-        write_kv(k_cache, v_cache, k, v, slots, backend=self.backend)
+                 slots: torch.Tensor, scales: Scales = NO_SCALES) -> None:
+        write_kv(k_cache, v_cache, k, v, slots, backend=self.backend, k_scale=scales[0], v_scale=scales[1])
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: ForwardBatch,
-                  ctx: Context) -> torch.Tensor:
+                  ctx: Context, scales: Scales = NO_SCALES) -> torch.Tensor:
         """q (T, H, D) against one layer's pages -> (T, H, D). Decode rows come first (see
-        ForwardBatch): one vectorised decode call, one extend call."""
+        ForwardBatch): one vectorised decode call, one extend call. scales: an 8-bit cache's."""
         nd = b.num_decode
+        ks, vs = scales
         if nd == b.num_seqs:
-            return self._decode(q, k_cache, v_cache, b.page_table, b.seq_lens, ctx, b.max_seq_len)
+            return self._decode(q, k_cache, v_cache, b.page_table, b.seq_lens, ctx, b.max_seq_len, scales)
         if nd == 0:
             return paged_extend_attention(q, k_cache, v_cache, b.page_table, b.cu_q, b.seq_lens, self.scale,
-                                          backend=self.backend, max_new=b.max_new, deterministic=self.deterministic)
+                                          backend=self.backend, max_new=b.max_new, deterministic=self.deterministic,
+                                          k_scale=ks, v_scale=vs)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd], ctx)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, b.page_table[:nd], b.seq_lens[:nd], ctx, scales=scales)
         cu = b.cu_q[nd:] - b.cu_q[nd]
         out[nd:] = paged_extend_attention(q[nd:], k_cache, v_cache, b.page_table[nd:], cu, b.seq_lens[nd:],
                                           self.scale, backend=self.backend, max_new=b.max_new,
-                                          deterministic=self.deterministic)
+                                          deterministic=self.deterministic, k_scale=ks, v_scale=vs)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                seq_lens: torch.Tensor, ctx: Context, max_seq_len: int | None = None) -> torch.Tensor:
+                seq_lens: torch.Tensor, ctx: Context, max_seq_len: int | None = None,
+                scales: Scales = NO_SCALES) -> torch.Tensor:
         """max_seq_len: the batch's longest context when known without a device sync (a CUDA
         graph's static batch): the split-KV kernel sizes its splits by it."""
         if ctx is not None:
-            return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1], self.scale)
+            return attend_gathered(q, k_cache.flatten(0, 1), v_cache.flatten(0, 1), ctx[0], ctx[1], self.scale,
+                                   *flat_scales(*scales))
         return paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, self.scale, backend=self.backend,
-                                      deterministic=self.deterministic, max_seq_len=max_seq_len)
+                                      deterministic=self.deterministic, max_seq_len=max_seq_len,
+                                      k_scale=scales[0], v_scale=scales[1])
 
 
 class TritonOps(TorchOps):
@@ -187,12 +196,13 @@ class DeterministicCpuOps(TorchOps):
         return segment_by_segment(x, seg_starts, seg_slots, a, b, scaling, lambda x, w: self.ext.det_linear(x, w))
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-        write_kv(k_cache, v_cache, k, v, slots, backend="torch")
+                 slots: torch.Tensor, scales: Scales = NO_SCALES) -> None:
+        write_kv(k_cache, v_cache, k, v, slots, backend="torch", k_scale=scales[0], v_scale=scales[1])
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: ForwardBatch,
-                  ctx: Context) -> torch.Tensor:
-        return self.ext.det_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, b.cu_q, self.scale)
+                  ctx: Context, scales: Scales = NO_SCALES) -> torch.Tensor:
+        return self.ext.det_attention(q, k_cache, v_cache, b.page_table, b.seq_lens, b.cu_q, self.scale, False,
+                                      scales[0], scales[1])
 
 
 def choose_ops(device: torch.device, backend: str, scale: float, quant_kernel: Any, deterministic: bool,

@@ -264,8 +264,9 @@ class LlamaModel:
                 q = ops.norm(qkv[:, :q_end].view(T, H, D), L.q_norm, c.rms_norm_eps)
                 k = ops.norm(qkv[:, q_end:k_end].view(T, Hkv, D), L.k_norm, c.rms_norm_eps)
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            ops.write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping)
-            attn = ops.attention(q, kv.k[i], kv.v[i], batch, ctx)         # (T, H, D)
+            scales = kv.scales(i)                                         # an 8-bit cache's, else None
+            ops.write_kv(kv.k[i], kv.v[i], k, v, batch.slot_mapping, scales)
+            attn = ops.attention(q, kv.k[i], kv.v[i], batch, ctx, scales)  # (T, H, D)
             attn_rows = attn.reshape(T, q_end)
             o = ops.linear(attn_rows, L.o_w, L.o_b)
             if lora is not None:

@@ -20,11 +20,14 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 # tokens, and the server stays near 600 MB resident); --kv-cache-memory / max_cache_tokens for more
 DEFAULT_KV_BUDGET_BYTES = 128 << 20
 CPU_MATMULS = ("onednn", "aten")
-# kv_cache_dtype: "auto" (the model's dtype) or a float type, under its usual names (kept as the first)
+# kv_cache_dtype: "auto" (the model's dtype), a float type, under its usual names (kept as the first),
+# or an 8-bit type with a float32 scale per token and KV head (kernels/kv_quant.py)
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
                    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                   "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16}
-KV_CACHE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+                   "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+                   "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
+KV_CACHE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                  torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
 
 
 def default_keep_freed_memory() -> bool:
@@ -89,8 +92,10 @@ class EngineConfig:
     kv_cache_dtype: "str | torch.dtype" = "auto"   # the KV cache's element type: "auto" (the model's dtype),
                                              # "bfloat16" / "float16" (half a float32 model's cache bytes:
                                              # K/V rounded once when written, attention still in float32)
-                                             # or "float32"; an alias (bf16, fp16, ...) or a torch
-                                             # dtype is kept as that name
+                                             # or "float32"; "int8" / "fp8_e4m3" (8 bits and a float32
+                                             # scale per token and KV head: ~1.9x float16's tokens per
+                                             # byte; kernels/kv_quant.py); an alias (bf16, fp16, ...)
+                                             # or a torch dtype is kept as that name
 
     def threads(self) -> int:
         """num_threads, or the default for this process when it is None."""
@@ -150,8 +155,9 @@ class EngineConfig:
         kv = KV_CACHE_NAMES.get(self.kv_cache_dtype, self.kv_cache_dtype) if isinstance(
             self.kv_cache_dtype, torch.dtype) else self.kv_cache_dtype
         if not isinstance(kv, str) or kv.lower() not in KV_CACHE_DTYPES:
-            raise ValueError("kv_cache_dtype must be one of auto, float32, bfloat16, float16 (or fp32 / f32, bf16, "
-                             f"fp16 / f16 / half, or one of those torch dtypes), got {self.kv_cache_dtype!r}")
+            raise ValueError("kv_cache_dtype must be one of auto, float32, bfloat16, float16, int8, fp8_e4m3 (or "
+                             "fp32 / f32, bf16, fp16 / f16 / half, float8_e4m3fn, or one of those torch dtypes), "
+                             f"got {self.kv_cache_dtype!r}")
         dtype = KV_CACHE_DTYPES[kv.lower()]
         self.kv_cache_dtype = "auto" if dtype is None else KV_CACHE_NAMES[dtype]
         if not isinstance(self.max_loras, int) or self.max_loras < 0:

@@ -60,22 +60,39 @@ def cases():
     for dt, tdt in DTYPES.items():
         kv = {"q_ptr": f"*{dt}", "kc_ptr": f"*{dt}", "vc_ptr": f"*{dt}", "pt_ptr": "*i32", "lens_ptr": "*i32",
               "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sm_scale_log2": "fp32", "cu_ptr": "*i32",
-              "out_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "slot_ptr": "*i64"}
+              "out_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "slot_ptr": "*i64",
+              "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
         for block_n in ((32, 64, 128) if dt == "bf16" else (64,)):
             yield f"decode split {dt} n={block_n}", DA._decode_split_kernel, kv, dict(
                 GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=block_n, BLOCK_D=128, DOT_DTYPE=tdt,
-                WRITE_OUT=False)
+                WRITE_OUT=False, QUANT=False)
         # one split per sequence: the split kernel writes the output itself (no merge launch)
         yield f"decode split direct {dt}", DA._decode_split_kernel, kv, dict(
-            GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_DTYPE=tdt, WRITE_OUT=True)
+            GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, BLOCK_D=128, DOT_DTYPE=tdt, WRITE_OUT=True,
+            QUANT=False)
         yield f"decode merge {dt}", DA._decode_merge_kernel, kv, dict(HEAD_DIM=128, BLOCK_D=128,
                                                                             BLOCK_S=DA.MERGE_BLOCK)
         for bm, bn in (((64, 64), (128, 64), (128, 32), (64, 32)) if dt == "bf16" else ((64, 64),)):
             yield f"extend {dt} m={bm} n={bn}", EA._extend_kernel, kv, dict(
                 GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=bm // 4, BLOCK_N=bn, BLOCK_D=128,
-                DOT_DTYPE=tdt)
+                DOT_DTYPE=tdt, QUANT=False)
         yield f"kv write {dt}", KW._write_kv_kernel, kv, dict(PAGE_SIZE=16, HEADS=8, HEAD_DIM=128, BLOCK_H=8,
                                                             BLOCK_D=128)
+    # 8-bit KV caches (kernels/kv_quant.py) under a float32 model: the attention kernels' scaled
+    # loads and the quantizing write, int8 and fp8 e4m3 (sm_90 converts e4m3 in hardware)
+    for cdt, qmax in (("i8", 127.0), ("fp8e4nv", 448.0)):
+        kv = {"q_ptr": "*fp32", "kc_ptr": f"*{cdt}", "vc_ptr": f"*{cdt}", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+              "pt_ptr": "*i32", "lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+              "sm_scale_log2": "fp32", "cu_ptr": "*i32", "out_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32",
+              "slot_ptr": "*i64"}
+        yield f"decode split {cdt} cache", DA._decode_split_kernel, kv, dict(
+            GROUP=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_G=16, BLOCK_N=64, BLOCK_D=64, DOT_DTYPE=tl.float32,
+            WRITE_OUT=False, QUANT=True)
+        yield f"extend {cdt} cache", EA._extend_kernel, kv, dict(
+            GROUP=4, GROUP_PAD=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64,
+            DOT_DTYPE=tl.float32, QUANT=True)
+        yield f"kv write {cdt} cache", KW._write_kv_quant_kernel, kv, dict(
+            PAGE_SIZE=16, HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64, QLIMIT=qmax, IS_INT=cdt == "i8")
     yield "speculative rejection", RJ._rejection_kernel, {
         "target_ptr": "*fp32", "draft_ptr": "*fp32", "ids_ptr": "*i64", "n_ptr": "*i32", "seed_ptr": "*i64",
         "index_ptr": "*i64", "tokens_ptr": "*i64", "accepted_ptr": "*i32"}, dict(BLOCK_V=4096)

@@ -94,12 +94,14 @@ def test_kv_cache_dtype_takes_the_usual_names_and_refuses_others():
     assert EngineConfig().kv_dtype(torch.bfloat16) == torch.bfloat16
     for name, dtype in (("float16", torch.float16), ("FP16", torch.float16), ("bf16", torch.bfloat16),
                         ("float32", torch.float32), ("half", torch.float16), (torch.bfloat16, torch.bfloat16),
-                        ("AUTO", None)):
+                        ("AUTO", None), ("int8", torch.int8), (torch.int8, torch.int8), ("FP8_E4M3", torch.float8_e4m3fn),
+                        ("float8_e4m3fn", torch.float8_e4m3fn)):
         config = EngineConfig(kv_cache_dtype=name)
         assert config.kv_dtype(torch.float32) == (dtype or torch.float32)
-        assert config.kv_cache_dtype == {torch.float16: "float16", torch.bfloat16: "bfloat16",
-                                         torch.float32: "float32", None: "auto"}[dtype]
-    for bad in ("fp8", "int8", "", " float16", None, 16, torch.int8, torch.float64):
+        assert config.kv_cache_dtype == {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
+                                         torch.float8_e4m3fn: "fp8_e4m3", torch.float32: "float32",
+                                         None: "auto"}[dtype]
+    for bad in ("fp8", "int4", "", " float16", None, 16, torch.uint8, torch.float8_e5m2, torch.float64):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
             EngineConfig(kv_cache_dtype=bad)
 

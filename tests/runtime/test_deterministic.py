@@ -2,6 +2,8 @@
 else runs -- other requests, chunked prefill, the prefix cache, preemption, the thread count."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -159,16 +161,19 @@ def test_needle_alone_and_in_batches_of_2_7_31(model_name, dtype, stories_path):
 
 
 @needs_ext
-def test_needle_on_a_float16_cache_alone_and_in_a_batch(stories_path):
-    """kv_cache_dtype="float16" under a float32 model keeps the batch invariance: K/V are rounded
-    as they are written, whatever the batch, and attention over them is the same fixed order."""
+@pytest.mark.parametrize("kv", ["float16", "int8", "fp8_e4m3"])
+def test_needle_on_a_narrower_cache_alone_and_in_a_batch(stories_path, kv):
+    """kv_cache_dtype="float16" / "int8" / "fp8_e4m3" under a float32 model keeps the batch
+    invariance: K/V are rounded (8-bit: quantized with their own row's scale) as they are written,
+    whatever the batch, and attention over them is the same fixed order."""
     model, tok = get_model("stories260k", torch.float32, stories_path)
-    alone = run_needle(make_engine(model, tok, kv_cache_dtype="float16"))
-    engine = make_engine(model, tok, kv_cache_dtype="float16")
-    assert engine.kv.k.dtype == torch.float16 and model._compiled.runs(engine.kv)
+    alone = run_needle(make_engine(model, tok, kv_cache_dtype=kv))
+    engine = make_engine(model, tok, kv_cache_dtype=kv)
+    assert engine.kv.k.dtype == EngineConfig(kv_cache_dtype=kv).kv_dtype(torch.float32)
+    assert model._compiled.runs(engine.kv)
     rng = random.Random(8)
     assert run_needle(engine, random_load(rng, 5, True), {2: random_load(rng, 6, True)}) == alone
-    assert alone != run_needle(make_engine(model, tok)), "the float16 cache changed no logprob: not in use?"
+    assert alone != run_needle(make_engine(model, tok)), f"the {kv} cache changed no logprob: not in use?"
 
 
 @needs_ext
@@ -186,19 +191,23 @@ def test_without_deterministic_the_needle_moves(stories_path):
 
 
 @needs_ext
-@pytest.mark.parametrize("name", ["stories260k", "llama135m"])
-def test_needle_under_chunking_prefix_cache_preemption_and_threads(name, stories_path):
+@pytest.mark.parametrize("name,kv", [("stories260k", "auto"), ("llama135m", "auto"), ("stories260k", "int8"),
+                                     ("stories260k", "fp8_e4m3")])
+def test_needle_under_chunking_prefix_cache_preemption_and_threads(name, kv, stories_path):
+    """(An 8-bit cache too: each row quantized with its own scale as it is written, so chunking,
+    a prefix-cache hit and a recompute after preemption write the same bytes.)"""
     model, tok = get_model(name, torch.float32, stories_path)
-    alone = run_needle(make_engine(model, tok, enable_prefix_caching=False))
+    make = functools.partial(make_engine, kv_cache_dtype=kv)
+    alone = run_needle(make(model, tok, enable_prefix_caching=False))
     for mtps in (16, 61):
-        assert run_needle(make_engine(model, tok, max_tokens_per_step=mtps), random_load(random.Random(mtps), 3, False)) \
+        assert run_needle(make(model, tok, max_tokens_per_step=mtps), random_load(random.Random(mtps), 3, False)) \
             == alone, mtps
-    engine = make_engine(model, tok, max_tokens_per_step=16)
+    engine = make(model, tok, max_tokens_per_step=16)
     first, cached = run_needle(engine, repeat=2)
     assert first == alone and cached == alone and engine.snapshot().prefix_cache_hits > 0
     # a pool of 6 pages: the needle (37 + 4 tokens, 3 pages) is preempted when its neighbours grow,
     # then recomputed
-    engine = make_engine(model, tok, max_cache_tokens=96)
+    engine = make(model, tok, max_cache_tokens=96)
     rng = random.Random(5)
     others = [([1] + [rng.randrange(3, 512) for _ in range(13)], 6) for _ in range(3)]
     ids: list[str] = []
@@ -208,7 +217,7 @@ def test_needle_under_chunking_prefix_cache_preemption_and_threads(name, stories
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            assert run_needle(make_engine(model, tok), random_load(random.Random(threads), 5, False)) == alone
+            assert run_needle(make(model, tok), random_load(random.Random(threads), 5, False)) == alone
     finally:
         torch.set_num_threads(before)
 
