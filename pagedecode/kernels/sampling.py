@@ -198,7 +198,7 @@ def sampling_probs(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     (without penalties or a mask): at temperature > 0, softmax(logits / temperature) over the
     tokens top-k, min-p and top-p keep (thresholds_ref: the kernel's kept set), 0 elsewhere; a
     greedy row (temperature 0) is one-hot at its first maximum. Speculation's rejection rule
-    compares the target's and the draft's (runtime/spec_rejection.py)."""
+    compares the target's and the draft's (runtime/spec/rejection.py)."""
     inp = inp.per_row()
     x = logits.float()
     greedy = inp.temperature <= 0                                    # (B,)

@@ -10,8 +10,8 @@ from typing import Any, Callable, Sequence
 from ..errors import ModelUnavailableError
 from ..params import SamplingParams
 from ..protocols import Model, ModelParts
-from .delivery import Attachment, Delivery
-from .events import Event
+from .output.delivery import Attachment, Delivery
+from .output.events import Event
 from .intake import Intake, paired
 from .lifecycle import RequestState
 from .registry import RequestRegistry

@@ -1,6 +1,6 @@
 """AsyncEngine: the step loop in a background thread; each request an async stream of events.
 
-One delivery path (runtime/delivery.py): every reader reads a request's history after its own
+One delivery path (runtime/output/delivery.py): every reader reads a request's history after its own
 cursor. `submit` returns a RequestStream that does so and acks what it takes (the request is
 added with acked=True), so a slow reader pauses only its own request (backpressure);
 `follow` reads without acking (for a reconnecting client, or a server that acks what it sent).
@@ -27,7 +27,7 @@ import torch
 
 from ..params import SamplingParams
 from .engine import Engine
-from .events import Event, TerminalEvent
+from .output.events import Event, TerminalEvent
 from .lifecycle import FinishReason
 
 log = logging.getLogger("pagedecode")

@@ -81,7 +81,7 @@ class EngineConfig:
                                              # compiled forward's pool takes): set by the engine, put back
                                              # when it shuts down; None: the physical cores this process
                                              # may use, within its cgroup quota (runtime/threads.py)
-    speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
+    speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/spec/speculative.py); None: off
     kv_cache_dtype: "str | torch.dtype" = "auto"   # the KV cache's element type: "auto" (the model's dtype),
                                              # "bfloat16" / "float16" (half a float32 model's cache bytes:
                                              # K/V rounded once when written, attention still in float32)
@@ -160,7 +160,7 @@ class SpeculativeConfig:
     in one forward pass, keep exactly the ones the engine would have chosen anyway; with
     method="draft", a sampling request without penalties, bias, grammar, pending min_tokens or
     logprobs takes the rejection rule instead (its tokens follow the target's distribution
-    exactly, not token for token: runtime/spec_rejection.py)."""
+    exactly, not token for token: runtime/spec/rejection.py)."""
     method: str = "ngram"                    # "ngram": prompt lookup in the request's own tokens;
                                              # "draft": a smaller model with the same tokenizer
     num_tokens: int = 4                      # k: draft tokens proposed per request and step

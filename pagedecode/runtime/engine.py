@@ -30,9 +30,9 @@ from ..protocols import Model, ModelParts
 from .config import EngineConfig
 from .admission import Admission
 from .commit import Commit
-from .delivery import Attachment, Delivery, output
+from .output.delivery import Attachment, Delivery, output
 from .endings import Endings
-from .events import Event
+from .output.events import Event
 from .grammar import Constraints
 from .grammar_compiler import CompileJob
 from .intake import Intake
@@ -41,13 +41,13 @@ from .lifecycle import RequestState
 from .page_pool import CacheEvent, PagePool
 from .registry import RequestRegistry
 from .request import Request
-from .result import RequestOutput
+from .output.result import RequestOutput
 from .runner import StepRunner
 from .scheduler import Scheduler
 from .selector import TokenSelector
 from .slots import SlotTable
 from .snapshot import EngineSnapshot, take_snapshot
-from .speculative import Speculator
+from .spec import Speculator
 from .threads import apply_num_threads
 from .trace import now_us
 

@@ -8,7 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..runtime.result import RequestOutput
+from ..runtime.output.result import RequestOutput
 from ..tools import tool_finish_reason
 from .admission import Endpoint, Parsing, admit
 from .errors import ApiError

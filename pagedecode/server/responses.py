@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from ..model.tokenizer import TokenizerLike
-from ..runtime.events import DeltaEvent, Usage
-from ..runtime.result import RequestOutput
+from ..runtime.output.events import DeltaEvent, Usage
+from ..runtime.output.result import RequestOutput
 from ..runtime.lifecycle import FinishReason
 
 # pagedecode's reasons as OpenAI clients know them; every other reason keeps its own name

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import UnknownRequestError
-from ..runtime.result import RequestOutput
+from ..runtime.output.result import RequestOutput
 from .admission import Endpoint, Parsing, admit
 from .integers import parse_decimal
 from .errors import ApiError, bad

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
-from ..runtime.events import DeltaEvent, Event, TerminalEvent
-from ..runtime.result import RequestOutput
+from ..runtime.output.events import DeltaEvent, Event, TerminalEvent
+from ..runtime.output.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
 from .responses import reason_name
 from .reader import Reader

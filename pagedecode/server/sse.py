@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 
 from ..runtime.engine import Engine
-from ..runtime.events import DeltaEvent, TerminalEvent
-from ..runtime.result import RequestOutput
+from ..runtime.output.events import DeltaEvent, TerminalEvent
+from ..runtime.output.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
 from .integers import parse_decimal
 from .errors import ApiError
