@@ -14,7 +14,7 @@ from .admission import Endpoint, Parsing, admit
 from .errors import ApiError
 from .protocol import parse_request
 from .reader import Reader
-from .responses import (chat_choice, completion_choice, id_headers, echo_logprobs_body, logprobs_body, prompt_logprobs_body,
+from .openai_shapes import (chat_choice, completion_choice, id_headers, echo_logprobs_body, logprobs_body, prompt_logprobs_body,
                         sum_usage)
 from .sse import check_resume, choices_sse, last_event_id, one_sse
 from .state import ServerOptions, state_of

@@ -20,7 +20,7 @@ from .admission import Endpoint, Parsing, admit
 from .integers import parse_decimal
 from .errors import ApiError, bad
 from .reader import Reader
-from .responses import id_headers
+from .openai_shapes import id_headers
 from .responses_input import parse_body, renamed
 from .responses_output import response_body, response_sse, status_of
 from .state import ServerOptions, ServerState, state_of

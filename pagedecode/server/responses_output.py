@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 from ..runtime.output.events import DeltaEvent, Event, TerminalEvent
 from ..runtime.output.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
-from .responses import reason_name
+from .openai_shapes import reason_name
 from .reader import Reader
 from .responses_tools import ToolItemEvents, message_item, output_items, output_text
 from .tracks import Track

@@ -1,6 +1,6 @@
-"""Response shapes the handlers share: finish reasons, choices, usage, SSE frames, chunks,
-logprobs objects. Pure functions of what the engine returned (and the tokenizer, for token
-strings): a replay builds the same bytes."""
+"""OpenAI's chat / completions response shapes, which the handlers share: finish reasons,
+choices, usage, SSE frames, chunks, logprobs objects. Pure functions of what the engine returned
+(and the tokenizer, for token strings): a replay builds the same bytes."""
 from __future__ import annotations
 
 import json
