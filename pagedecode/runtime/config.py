@@ -1,14 +1,13 @@
 """EngineConfig: every engine option, validated once."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .. import env
 from ..kernels._backend import BACKENDS
-from ..model.cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 from ..model.quant import QUANTIZATIONS
 from .threads import default_num_threads
 from .trace import TRACE_LEVELS
@@ -25,10 +24,6 @@ KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32
                    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16}
 KV_CACHE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def default_keep_freed_memory() -> bool:
-    return os.environ.get("PAGEDECODE_MALLOC") != "default"
 
 
 @dataclass
@@ -65,16 +60,16 @@ class EngineConfig:
                                              # kernels (csrc/cpu_forward.cpp, kernels/), fixed-order all-reduce
     enforce_eager: bool = False              # CUDA: run every step eagerly, no decode graphs (model/cuda_graphs.py)
     # the compiled CPU forward (csrc/cpu_forward.cpp): each default comes from the environment
-    # variable named, read when the config is made; a value given here wins over it
-    cpu_matmul: str = field(default_factory=default_cpu_matmul)
+    # variable named, read when the config is made (env.py); a value given here wins over it
+    cpu_matmul: str = field(default_factory=env.cpu_matmul)
                                              # its larger matmuls: "onednn" (oneDNN's linear) or "aten"
                                              # (at::mm); PAGEDECODE_CPU_MATMUL=aten sets the default
-    cpu_pack_weights: bool = field(default_factory=default_cpu_pack_weights)
+    cpu_pack_weights: bool = field(default_factory=env.cpu_pack_weights)
                                              # a second copy of each float weight in oneDNN's blocked
                                              # layout: 8-52-row float32 matmuls 1.3-2.5x faster, at twice
                                              # the weights' memory; off by default (one resident copy),
                                              # PAGEDECODE_CPU_PACK=1 turns it on
-    cpu_keep_freed_memory: bool = field(default_factory=default_keep_freed_memory)
+    cpu_keep_freed_memory: bool = field(default_factory=env.keep_freed_memory)
                                              # glibc keeps what a step frees for the next (mallopt, applied
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
     num_threads: int | None = None           # the CPU forward's threads (torch's intra-op count, which the
