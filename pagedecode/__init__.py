@@ -19,7 +19,7 @@ from .protocols import Model
 from .runtime.async_engine import AsyncEngine
 from .runtime.config import EngineConfig, SpeculativeConfig
 from .runtime.engine import Engine
-from .runtime.heap import freeze_heap
+from .runtime.process import freeze_heap
 from .runtime.output.events import DeltaEvent, StartEvent, TerminalEvent, Usage
 from .runtime.output.result import STOP_RULE_VERSION, RequestOutput, Timings
 from .runtime.lifecycle import ALLOWED, FinishReason, RequestState

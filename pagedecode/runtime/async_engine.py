@@ -162,14 +162,14 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         if self.leave_core_for_loop and self.engine.device.type == "cpu" and torch.get_num_threads() > 1:
             self._saved_threads = torch.get_num_threads()
-            torch.set_num_threads(self._saved_threads - 1)
+            self.engine.process.set_threads(self._saved_threads - 1)
         self.engine.wakeup = self._work.set
         self._thread = threading.Thread(target=self._run, name="pagedecode-steps", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         if self._saved_threads is not None:      # OpenMP's thread count is per thread: set it here too
-            torch.set_num_threads(self._saved_threads - 1)
+            self.engine.process.set_threads(self._saved_threads - 1)
         engine = self.engine
         while not self._stopping.is_set():
             if not engine.has_unfinished():
@@ -282,5 +282,5 @@ class AsyncEngine:
         self._resolve_followers()          # their terminal events are in the history now
         self.engine.wakeup = None
         if self._saved_threads is not None:
-            torch.set_num_threads(self._saved_threads)
+            self.engine.process.set_threads(self._saved_threads)
             self._saved_threads = None
