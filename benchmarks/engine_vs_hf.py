@@ -156,7 +156,7 @@ def run_pagedecode(path: Path, reqs: list, device: str, dtype: str, quantization
                                        quantization=quantization, **options)
     weight_bytes = engine.weight_bytes
     engine.generate([reqs[0][0][:8]], pd.SamplingParams(max_tokens=4, ignore_eos=True))     # warm-up
-    pd.freeze_heap()                                    # as `pagedecode serve` runs (runtime/heap.py)
+    pd.freeze_heap()                                    # as `pagedecode serve` runs (runtime/process.py)
     bar = progress(sum(o for _, o in reqs), "pagedecode")
     t0 = time.perf_counter()
     rids = [engine.add_request(p, pd.SamplingParams(max_tokens=o, ignore_eos=True)) for p, o in reqs]

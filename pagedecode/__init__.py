@@ -20,9 +20,9 @@ from .protocols import Model
 from .runtime.async_engine import AsyncEngine
 from .runtime.config import EngineConfig, SpeculativeConfig
 from .runtime.engine import Engine
-from .runtime.heap import freeze_heap
-from .runtime.events import DeltaEvent, StartEvent, TerminalEvent, Usage
-from .runtime.result import STOP_RULE_VERSION, RequestOutput, Timings
+from .runtime.process import freeze_heap
+from .runtime.output.events import DeltaEvent, StartEvent, TerminalEvent, Usage
+from .runtime.output.result import STOP_RULE_VERSION, RequestOutput, Timings
 from .runtime.lifecycle import ALLOWED, FinishReason, RequestState
 from .runtime.snapshot import EngineSnapshot
 from .runtime.trace import to_chrome, to_jsonl

@@ -14,7 +14,7 @@ from typing import Any
 from .errors import ModelLoadError, PageDecodeError
 from .model.hub import is_hub_name, resolve_model
 from .params import SamplingParams
-from .runtime.events import DeltaEvent, TerminalEvent
+from .runtime.output.events import DeltaEvent, TerminalEvent
 from .runtime.snapshot import EngineSnapshot
 from .terminal_chat import ChatSetupError
 

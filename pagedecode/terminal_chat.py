@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from .params import SamplingParams
-from .runtime.events import DeltaEvent, TerminalEvent
+from .runtime.output.events import DeltaEvent, TerminalEvent
 
 COMMANDS = "/reset forgets the conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply"
 PROMPT = "> "

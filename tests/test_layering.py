@@ -1,7 +1,11 @@
 """The package's layers: outside pagedecode/runtime/ nothing reads the engine's internals (it
 reads `engine.snapshot()` and public methods), and no modules import each other in a circle,
 directly or through others, deferred (function-level) imports included; imports under
-`if TYPE_CHECKING:` (annotations only, never run) are not edges."""
+`if TYPE_CHECKING:` (annotations only, never run) are not edges. The server's state is worked on
+by admission and the reader only; a model layer's tensors are named, never numbered; model/ has no
+finalizer. Speculation and the output side are runtime/'s subpackages, speculation read through
+its package's names; env.py alone reads the environment, and runtime/process.py alone changes the
+process (threads, the heap, malloc)."""
 import ast
 from pathlib import Path
 
@@ -219,3 +223,119 @@ def test_no_finalizer_in_model():
     found = [f"{p.relative_to(PACKAGE.parent)}:{node.lineno}" for p in sorted((PACKAGE / "model").rglob("*.py"))
              for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.FunctionDef) and node.name == "__del__"]
     assert not found, "no __del__ in model/: " + ", ".join(found)
+
+
+# -- folders that show the concepts -------------------------------------------------------------
+RUNTIME = PACKAGE / "runtime"
+SUBPACKAGES = {"spec": {"speculative", "gates", "rejection", "verify_run", "ngram", "draft_model", "prediction"},
+               "output": {"pipeline", "detokenizer", "stop", "events", "delivery", "history", "result"}}
+
+
+def test_speculation_and_the_output_side_are_subpackages():
+    for folder, modules in SUBPACKAGES.items():
+        assert (RUNTIME / folder / "__init__.py").is_file()
+        assert {p.stem for p in (RUNTIME / folder).glob("*.py")} >= modules
+    flat = {p.stem for p in RUNTIME.glob("*.py")}
+    assert not flat & {"speculative", "ngram", "draft_model", "prediction", "detokenizer", "stop", "output",
+                       "events", "delivery", "history", "result"}
+    assert not any(name.startswith("spec_") for name in flat)
+
+
+def imported_modules(tree, name, is_package=False):
+    """Every module a module imports, as absolute names (annotation-only imports included;
+    `from pkg import module` names the module)."""
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                is_module = (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").is_file()
+                yield node.lineno, sub if is_module else base
+
+
+def module_name(path):
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+
+
+def test_speculation_is_read_through_its_package_only():
+    """Outside runtime/spec/, code imports `pagedecode.runtime.spec` (its __init__'s names), never
+    one of its modules: what speculation is made of may change without the engine noticing."""
+    inside = RUNTIME / "spec"
+    found = [f"{p.relative_to(PACKAGE.parent)}:{line}: {module}" for p in sorted(PACKAGE.rglob("*.py"))
+             if inside not in p.parents
+             for line, module in imported_modules(ast.parse(p.read_text(), str(p)), module_name(p),
+                                                  p.name == "__init__.py")
+             if module.startswith("pagedecode.runtime.spec.")]
+    assert not found, "import from pagedecode.runtime.spec (its package) instead:\n" + "\n".join(found)
+
+
+def test_the_spec_check_sees_what_it_forbids():
+    src = ("from .spec import Speculator\nfrom .spec.gates import Gate\nfrom .spec import ngram\n"
+           "import pagedecode.runtime.spec.rejection\nfrom ..runtime.spec import PredictionCursor\n")
+    assert [m for _, m in imported_modules(ast.parse(src), "pagedecode.runtime.engine")] == [
+        "pagedecode.runtime.spec", "pagedecode.runtime.spec.gates", "pagedecode.runtime.spec.ngram",
+        "pagedecode.runtime.spec.rejection", "pagedecode.runtime.spec"]
+
+
+# -- the environment and the process: one owner each --------------------------------------------
+# modules that may read the environment besides env.py, and why
+ENV_READERS = {"kernels/_backend.py": "TRITON_INTERPRET, Triton's own switch"}
+
+
+def environment_reads(tree):
+    for node in ast.walk(tree):
+        text = ast.unparse(node) if isinstance(node, (ast.Attribute, ast.Name)) else ""
+        if text in ("os.environ", "os.getenv", "environ", "getenv"):
+            yield node.lineno, text
+
+
+def test_only_env_reads_the_environment():
+    found = [f"{rel}:{line}: {text}" for p in sorted(PACKAGE.rglob("*.py"))
+             if (rel := p.relative_to(PACKAGE).as_posix()) not in ("env.py", *ENV_READERS)
+             for line, text in environment_reads(ast.parse(p.read_text(), str(p)))]
+    assert not found, "ask pagedecode/env.py (add the variable there, with its default and meaning):\n" + "\n".join(found)
+
+
+def test_the_environment_check_sees_what_it_forbids():
+    src = 'a = os.environ.get("X")\nb = os.getenv("Y")\nfrom os import environ\nc = environ["Z"]\nd = env.cpu_matmul()\n'
+    assert sorted(line for line, _ in environment_reads(ast.parse(src))) == [1, 2, 4]
+
+
+# calls that change the whole process: only runtime/process.py makes them, besides these
+PROCESS_WIDE = ("set_num_threads", "apply_num_threads", "freeze", "unfreeze", "freeze_heap", "mallopt", "malloc_trim",
+                "keep_freed_memory")
+PROCESS_OWNERS = {
+    "runtime/process.py": PROCESS_WIDE,
+    "model/cpu_forward.py": ("keep_freed_memory",),     # the binding's own wrapper, which process.py calls
+    "model/parallel.py": ("set_num_threads",),          # a tensor-parallel worker: its own process
+    "ray/replica.py": ("set_num_threads",),             # a Ray replica's process, before its engine loads
+}
+
+
+def process_wide_calls(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in PROCESS_WIDE and not ast.unparse(node.func).startswith(("self.process.", "engine.process.",
+                                                                              "self.engine.process.")):
+                yield node.lineno, name
+
+
+def test_only_the_process_owner_changes_the_process():
+    found = [f"{rel}:{line}: {name}" for p in sorted(PACKAGE.rglob("*.py"))
+             if (rel := p.relative_to(PACKAGE).as_posix())
+             for line, name in process_wide_calls(ast.parse(p.read_text(), str(p)))
+             if name not in PROCESS_OWNERS.get(rel, ())]
+    assert not found, "go through the engine's ProcessEffects (runtime/process.py):\n" + "\n".join(found)
+
+
+def test_the_process_check_sees_what_it_forbids():
+    src = ("torch.set_num_threads(2)\ngc.freeze()\nself.engine.process.set_threads(1)\nengine.process.freeze_heap()\n"
+           "lib.mallopt(1, 2)\nkeep_freed_memory()\npd.freeze_heap()\nself.process.keep_freed_memory()\n")
+    assert [name for _, name in sorted(process_wide_calls(ast.parse(src)))] == ["set_num_threads", "freeze", "mallopt",
+                                                                       "keep_freed_memory", "freeze_heap"]

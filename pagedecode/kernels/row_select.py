@@ -1,5 +1,6 @@
-"""Selection over one row of logits in Triton, the sampling kernel's building blocks (sampling.py
-holds the kernel and its torch reference, which the tests hold these to through it):
+"""Selection over one row of logits in Triton, the sampling kernel's building blocks
+(sampling_kernels.py holds the kernels, sampling.py their torch reference, which the tests hold
+these to through it):
 
     _radix_kth    the k-th largest value, exactly (radix select over order keys, 4 byte passes)
     _bisect       top-p's threshold by bisection over the row (one pass per step)

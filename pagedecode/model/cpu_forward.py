@@ -4,7 +4,6 @@ CompiledForward -- each layer's tensors by the slot names the extension declares
 copies (oneDNN's blocked layout, or det_pack's in deterministic mode), and the call itself."""
 from __future__ import annotations
 
-import os
 import types
 from typing import Any, Sequence
 
@@ -35,18 +34,6 @@ if _cpu_ext is not None and set(getattr(_cpu_ext, "layer_slots", lambda: ())()) 
 
 # weights of at most this many elements also go to the compiled forward transposed (small_t)
 SMALL_LAYER = 1 << 16
-
-
-def default_cpu_matmul() -> str:
-    """EngineConfig.cpu_matmul's default: "aten" when PAGEDECODE_CPU_MATMUL=aten, else "onednn"."""
-    return "aten" if os.environ.get("PAGEDECODE_CPU_MATMUL") == "aten" else "onednn"
-
-
-def default_cpu_pack_weights() -> bool:
-    """EngineConfig.cpu_pack_weights' default: False (one resident copy of each weight) unless
-    PAGEDECODE_CPU_PACK=1. The packed copy cannot replace the plain one: decode's gemv (a few
-    rows) and the torch path read the plain weight."""
-    return os.environ.get("PAGEDECODE_CPU_PACK") == "1"
 
 
 def keep_freed_memory() -> bool:

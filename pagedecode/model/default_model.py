@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .. import env
+
 VERSION = "v2"
 SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
@@ -21,8 +23,7 @@ BOS, EOS = "<|bos|>", "<|eos|>"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDECODE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedecode")
-    return Path(root) / f"default-model-{VERSION}"
+    return env.cache_root() / f"default-model-{VERSION}"
 
 
 def default_model_path() -> Path:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .. import env
 from ..progress import progress
 from ..kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .batch import ForwardBatch
@@ -25,7 +26,6 @@ from .quant import BLOCK, QuantizedWeight, RowStack, Weight, cat_rows, embedding
 
 # read at call time (a test switches the compiled forward off by setting cpu_forward._cpu_ext)
 from . import cpu_forward as compiled
-from .cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 
 ROPE_FIRST_POSITIONS = 4096          # the RoPE tables' rows at construction; forward grows them
 
@@ -150,8 +150,8 @@ class LlamaModel:
                 compiled.pack_quantized(self)      # the compiled kernels multiply them (not "torch"'s reference)
             self._compiled = compiled.CompiledForward(c, self.layers, self.embed, self.lm_head, self.final_norm,
                                                       cos, sin, dtype, self.scale)
-            self.configure_cpu(default_cpu_matmul() if cpu_matmul is None else cpu_matmul,
-                               default_cpu_pack_weights() if cpu_pack_weights is None else cpu_pack_weights)
+            self.configure_cpu(env.cpu_matmul() if cpu_matmul is None else cpu_matmul,
+                               env.cpu_pack_weights() if cpu_pack_weights is None else cpu_pack_weights)
 
     def _rope_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sets cos / sin (positions, head_dim) in the model's dtype; returns them in float32."""

@@ -1,6 +1,6 @@
 """Tokenizer: `tokenizers` for encode and decode, plus, where provably exact, each token's bytes.
 
-The incremental detokenizer (runtime/detokenizer.py) has two ways to stream text:
+The incremental detokenizer (runtime/output/detokenizer.py) has two ways to stream text:
 
 - a byte table (`BytePieces`): each token's exact bytes, for the decoder families whose
   batch decode is a per-token function (apart from "is this the first shown token"):

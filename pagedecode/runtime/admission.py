@@ -12,8 +12,8 @@ from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..params import SamplingParams
 from ..protocols import Model, ModelParts
-from .delivery import Attachment, Delivery
-from .events import Event
+from .output.delivery import Attachment, Delivery
+from .output.events import Event
 from .intake import Intake, paired
 from .lifecycle import RequestState
 from .registry import RequestRegistry

@@ -1,6 +1,6 @@
 """AsyncEngine: the step loop in a background thread; each request an async stream of events.
 
-One delivery path (runtime/delivery.py): every reader reads a request's history after its own
+One delivery path (runtime/output/delivery.py): every reader reads a request's history after its own
 cursor. `submit` returns a RequestStream that does so and acks what it takes (the request is
 added with acked=True), so a slow reader pauses only its own request (backpressure);
 `follow` reads without acking (for a reconnecting client, or a server that acks what it sent).
@@ -28,7 +28,7 @@ import torch
 from ..lora.request import LoRARequest
 from ..params import SamplingParams
 from .engine import Engine
-from .events import Event, TerminalEvent
+from .output.events import Event, TerminalEvent
 from .lifecycle import FinishReason
 
 log = logging.getLogger("pagedecode")
@@ -163,14 +163,14 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         if self.leave_core_for_loop and self.engine.device.type == "cpu" and torch.get_num_threads() > 1:
             self._saved_threads = torch.get_num_threads()
-            torch.set_num_threads(self._saved_threads - 1)
+            self.engine.process.set_threads(self._saved_threads - 1)
         self.engine.wakeup = self._work.set
         self._thread = threading.Thread(target=self._run, name="pagedecode-steps", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         if self._saved_threads is not None:      # OpenMP's thread count is per thread: set it here too
-            torch.set_num_threads(self._saved_threads - 1)
+            self.engine.process.set_threads(self._saved_threads - 1)
         engine = self.engine
         while not self._stopping.is_set():
             if not engine.has_unfinished():
@@ -283,5 +283,5 @@ class AsyncEngine:
         self._resolve_followers()          # their terminal events are in the history now
         self.engine.wakeup = None
         if self._saved_threads is not None:
-            torch.set_num_threads(self._saved_threads)
+            self.engine.process.set_threads(self._saved_threads)
             self._saved_threads = None

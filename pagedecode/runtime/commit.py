@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from .delivery import Delivery
+from .output.delivery import Delivery
 from .endings import Endings
-from .events import Event, TopLogprobs
+from .output.events import Event, TopLogprobs
 from .finish_rules import check_ending, is_eos, nothing_allowed
 from .grammar import Constraints
 from .lifecycle import FinishReason, RequestState

@@ -1,14 +1,13 @@
 """EngineConfig: every engine option, validated once."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .. import env
 from ..kernels._backend import BACKENDS
-from ..model.cpu_forward import default_cpu_matmul, default_cpu_pack_weights
 from ..model.quant import QUANTIZATIONS
 from .threads import default_num_threads
 from .trace import TRACE_LEVELS
@@ -28,10 +27,6 @@ KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32
                    "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn}
 KV_CACHE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                   torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}
-
-
-def default_keep_freed_memory() -> bool:
-    return os.environ.get("PAGEDECODE_MALLOC") != "default"
 
 
 @dataclass
@@ -68,23 +63,23 @@ class EngineConfig:
                                              # kernels (csrc/cpu_forward.cpp, kernels/), fixed-order all-reduce
     enforce_eager: bool = False              # CUDA: run every step eagerly, no decode graphs (model/cuda_graphs.py)
     # the compiled CPU forward (csrc/cpu_forward.cpp): each default comes from the environment
-    # variable named, read when the config is made; a value given here wins over it
-    cpu_matmul: str = field(default_factory=default_cpu_matmul)
+    # variable named, read when the config is made (env.py); a value given here wins over it
+    cpu_matmul: str = field(default_factory=env.cpu_matmul)
                                              # its larger matmuls: "onednn" (oneDNN's linear) or "aten"
                                              # (at::mm); PAGEDECODE_CPU_MATMUL=aten sets the default
-    cpu_pack_weights: bool = field(default_factory=default_cpu_pack_weights)
+    cpu_pack_weights: bool = field(default_factory=env.cpu_pack_weights)
                                              # a second copy of each float weight in oneDNN's blocked
                                              # layout: 8-52-row float32 matmuls 1.3-2.5x faster, at twice
                                              # the weights' memory; off by default (one resident copy),
                                              # PAGEDECODE_CPU_PACK=1 turns it on
-    cpu_keep_freed_memory: bool = field(default_factory=default_keep_freed_memory)
+    cpu_keep_freed_memory: bool = field(default_factory=env.keep_freed_memory)
                                              # glibc keeps what a step frees for the next (mallopt, applied
                                              # by the engine, once per process); PAGEDECODE_MALLOC=default: not
     num_threads: int | None = None           # the CPU forward's threads (torch's intra-op count, which the
                                              # compiled forward's pool takes): set by the engine, put back
                                              # when it shuts down; None: the physical cores this process
                                              # may use, within its cgroup quota (runtime/threads.py)
-    speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/speculative.py); None: off
+    speculative: "SpeculativeConfig | None" = None   # speculative decoding (runtime/spec/speculative.py); None: off
     max_loras: int = 4                       # LoRA adapters resident at once (their stacked weights are made on
                                              # the first adapter's use; 0: none served); more adapters wait
                                              # their turn, the least recently used evicted when none runs
@@ -174,7 +169,7 @@ class SpeculativeConfig:
     in one forward pass, keep exactly the ones the engine would have chosen anyway; with
     method="draft", a sampling request without penalties, bias, grammar, pending min_tokens or
     logprobs takes the rejection rule instead (its tokens follow the target's distribution
-    exactly, not token for token: runtime/spec_rejection.py)."""
+    exactly, not token for token: runtime/spec/rejection.py)."""
     method: str = "ngram"                    # "ngram": prompt lookup in the request's own tokens;
                                              # "draft": a smaller model with the same tokenizer
     num_tokens: int = 4                      # k: draft tokens proposed per request and step

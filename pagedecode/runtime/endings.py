@@ -15,8 +15,8 @@ import time
 from typing import Callable
 
 from .config import EngineConfig
-from .delivery import Delivery
-from .events import Event
+from .output.delivery import Delivery
+from .output.events import Event
 from .lifecycle import FinishReason, RequestState
 from .registry import RequestRegistry
 from .request import RESOURCES, Request

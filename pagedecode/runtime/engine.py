@@ -33,25 +33,25 @@ from ..protocols import Model, ModelParts
 from .config import EngineConfig
 from .admission import Admission
 from .commit import Commit
-from .delivery import Attachment, Delivery, output
+from .output.delivery import Attachment, Delivery, output
 from .endings import Endings
-from .events import Event
+from .output.events import Event
 from .grammar import Constraints
 from .grammar_compiler import CompileJob
 from .intake import Intake
 from .loading import configure, from_pretrained
 from .lifecycle import RequestState
 from .page_pool import CacheEvent, PagePool
+from .process import ProcessEffects
 from .registry import RequestRegistry
 from .request import Request
-from .result import RequestOutput
+from .output.result import RequestOutput
 from .runner import StepRunner
 from .scheduler import Scheduler
 from .selector import TokenSelector
 from .slots import SlotTable
 from .snapshot import EngineSnapshot, take_snapshot
-from .speculative import Speculator
-from .threads import apply_num_threads
+from .spec import Speculator
 from .trace import now_us
 
 
@@ -70,11 +70,16 @@ class Engine:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: a tensor-parallel model's KV cache is "
                              f"its own dtype ({model.dtype}); use kv_cache_dtype='auto'")
         configure(model, config)
+        self.process = ProcessEffects()          # what this engine changes for the process; restored by shutdown()
         # a tensor-parallel model's other ranks run one thread each (model/parallel.py): by default
         # this rank takes the rest of the cores, so that no more workers spin than there are cores
         world = int(getattr(model, "world", 1))
         self.num_threads = config.num_threads or max(1, config.threads() - (world - 1))
-        self._threads_before: int | None = apply_num_threads(self.num_threads)    # put back by shutdown()
+        self.process.set_threads(self.num_threads)
+        # glibc's malloc setting when the model runs the compiled forward: by the engine, never by a
+        # model's constructor
+        if config.cpu_keep_freed_memory and ModelParts(model).uses_cpu_extension():
+            self.process.keep_freed_memory()
         mc = model.config
         self.device = torch.device(getattr(model, "device", "cpu"))
         self.bytes_per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype)
@@ -154,14 +159,13 @@ class Engine:
 
     def shutdown(self) -> list[Event]:
         """Stop everything: end every live request (cancelled, each exactly once), then stop the
-        model's worker processes, if it has any (idempotent). Returns the requests' last events.
+        model's worker processes, if it has any, and put back what the engine changed for the process
+        (idempotent). Returns the requests' last events.
         To end the requests and keep the engine serving, use end_all()."""
         events = self.end_all()
         self.constraints.compiler.shutdown()
         ModelParts(self.model).close()
-        if self._threads_before is not None:
-            apply_num_threads(self._threads_before)
-            self._threads_before = None
+        self.process.restore()
         return events
 
     def close(self) -> None:

@@ -14,8 +14,8 @@ from ..model.tokenizer import TokenizerLike
 from ..params import SamplingParams, unicode_error
 from .grammar import Constraints
 from .grammar_compiler import CompileJob
-from .output import OutputPipeline
-from .prediction import PredictionCursor
+from .output.pipeline import OutputPipeline
+from .spec import PredictionCursor
 from .prefix_cache import namespace
 from .registry import RequestRegistry
 from .request import Request

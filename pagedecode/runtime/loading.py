@@ -3,14 +3,13 @@ in this process or over tensor-parallel worker processes; and what an EngineConf
 model it is given."""
 from __future__ import annotations
 
-import ctypes
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..model.cpu_forward import keep_freed_memory
 from ..protocols import Model, ModelParts
 from .config import EngineConfig
+from .process import return_freed_memory
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -50,20 +49,6 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
     return _engine(cls, model, tok, config)
 
 
-def return_freed_memory() -> bool:
-    """Hand the heap memory a load freed back to the kernel (glibc's malloc_trim): the checkpoint's
-    tensors, the float copies a quantization or a dequantized format made, the layers before they
-    were stacked. glibc keeps freed blocks below its mmap threshold (which its frees of large
-    blocks raise, up to 32 MiB) for reuse, so without this the process would hold the load's peak
-    for good, not what the model holds. False where there is no malloc_trim (not glibc)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim(0)
-    return True
-
-
 def _engine(cls: type[E], model: Any, tok: Any, config: EngineConfig) -> E:
     """The engine over a model just loaded; if the engine refuses it (an option that does not fit
     the model), the model's worker processes, if any, are stopped before the error goes up."""
@@ -76,7 +61,8 @@ def _engine(cls: type[E], model: Any, tok: Any, config: EngineConfig) -> E:
 
 def configure(model: Model, config: EngineConfig) -> None:
     """A non-"auto" attention_backend, deterministic=True (refused for a model without a
-    batch-invariant forward) and the compiled CPU forward's switches are set on the model."""
+    batch-invariant forward) and the compiled CPU forward's switches are set on the model (what
+    the process gets, the engine's ProcessEffects applies: process.py)."""
     parts = ModelParts(model)
     if config.attention_backend != "auto" and parts.takes_attention_backend:
         parts.set_attention_backend(config.attention_backend)
@@ -86,7 +72,3 @@ def configure(model: Model, config: EngineConfig) -> None:
                              f"attribute, as pagedecode's own models have); {type(model).__name__} has none")
         parts.set_deterministic(True)
     parts.configure_cpu(config.cpu_matmul, config.cpu_pack_weights)
-    # glibc's malloc setting when the model runs the compiled forward: applied here, by the engine,
-    # never by a model's constructor
-    if config.cpu_keep_freed_memory and parts.uses_cpu_extension():
-        keep_freed_memory()

@@ -20,16 +20,16 @@ from typing import TYPE_CHECKING
 
 from ..errors import DoubleReleaseError
 from ..params import SamplingParams
-from .delivery import DeliveryRecord
-from .result import Timings
+from .output.delivery import DeliveryRecord
+from .output.result import Timings
 from .lifecycle import FinishReason, RequestState, check_transition
-from .output import OutputPipeline, TopLogprobs
-from .prediction import PredictionCursor
+from .output.pipeline import OutputPipeline, TopLogprobs
 from .trace import Trace
 
 if TYPE_CHECKING:
     from ..lora.adapter import LoRAAdapter
     from .grammar import GrammarState
+    from .spec import PredictionCursor     # annotation only: spec/ imports this module
 
 RESOURCES = ("pages", "slot", "rng", "stream", "trace", "grammar")
 

@@ -36,7 +36,7 @@ class ScheduledSeq:
     samples: bool         # the chunk reaches the last known token: its logits choose the next one
     drafts: tuple[int, ...] = ()   # speculation: proposed tokens computed after the last known one
     draft_probs: "torch.Tensor | None" = None   # (len(drafts), V): the distribution each draft was
-                                   # sampled from (rejection rule, spec_rejection.py); None: exact match
+                                   # sampled from (rejection rule, spec/rejection.py); None: exact match
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SchedulerOutput:
     prefill: list[ScheduledSeq] = field(default_factory=list)   # prompt chunks and recomputes
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
-    verify: list[ScheduledSeq] = field(default_factory=list)    # last token + drafts (runtime/speculative.py)
+    verify: list[ScheduledSeq] = field(default_factory=list)    # last token + drafts (runtime/spec/speculative.py)
 
     @property
     def empty(self) -> bool:
@@ -93,7 +93,7 @@ class Scheduler:
     def advance(self, req: Request, num_new: int, drafts: int = 0) -> None:
         """A step computed num_new more of the request's tokens: their K/V are in its pages (a
         page that filled joins the prefix cache). Of them, `drafts` are speculative proposals:
-        they count as computed once accepted (runtime/speculative.py)."""
+        they count as computed once accepted (runtime/spec/speculative.py)."""
         req.seq.num_computed += num_new - drafts
         req.seq.processed_tokens += num_new
         self._register_full_pages(req)

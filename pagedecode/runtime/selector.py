@@ -19,7 +19,7 @@ from ..kernels.penalties import PenaltyInputs, PenaltyState
 from ..kernels.philox import seed_to_int64
 from ..kernels.sampling import MIN_TEMPERATURE, SamplerScratch, SamplingInputs, sample
 from ..params import SamplingParams
-from .events import TopLogprobs
+from .output.events import TopLogprobs
 from .request import Request
 
 
@@ -35,7 +35,7 @@ class Selection:
     prompt: dict[int, tuple[int, list[float], list[TopLogprobs] | None]] | None = None
     drafts: torch.Tensor | None = None   # speculation: the logits after each draft token, verified at commit
     chooser_logits: torch.Tensor | None = None   # ... and the rows selected from (the rejection rule
-                                         # reads a verify seq's first row there: spec_rejection.py)
+                                         # reads a verify seq's first row there: spec/rejection.py)
 
 
 def prompt_logprobs(logits: torch.Tensor, spans: Sequence[tuple[int, int, int]], reqs: Sequence[Request]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
-    from .speculative import SpecCounters
+    from .spec import SpecCounters
 
 
 @dataclass(frozen=True)

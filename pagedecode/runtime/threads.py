@@ -1,4 +1,4 @@
-"""How many threads the CPU forward runs on (EngineConfig.num_threads, `--threads`), and setting it.
+"""How many threads the CPU forward runs on (EngineConfig.num_threads, `--threads`); process.py sets it.
 
 The default is the physical cores this process may use: the CPUs of its affinity mask
 (`taskset`, a container's cpuset), counted once per core (two hyperthreads of one core share its
@@ -10,14 +10,10 @@ that puts more spinning workers than cores, and a step waits for the one that is
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 from pathlib import Path
 
-import torch
-
-log = logging.getLogger("pagedecode")
 CGROUP = Path("/sys/fs/cgroup")
 SYS_CPU = Path("/sys/devices/system/cpu")
 
@@ -98,16 +94,3 @@ def default_num_threads(cgroup_root: Path = CGROUP, proc_cgroup: Path = Path("/p
         n = min(n, math.floor(quota))
     return max(1, n)
 
-
-def apply_num_threads(n: int) -> int:
-    """Set torch's (and so the compiled forward's: its pool takes torch's count) intra-op threads
-    to n; returns the count before, for whoever set it to put back. More threads than the cores
-    available are allowed, with a warning: their workers would take turns on the cores."""
-    before = torch.get_num_threads()
-    cores = len(allowed_cpus())
-    if n > cores:
-        log.warning("num_threads=%d is more than the %d CPUs this process may use: the workers will take turns "
-                    "on them and each step waits for the slowest", n, cores)
-    if n != before:
-        torch.set_num_threads(n)
-    return before

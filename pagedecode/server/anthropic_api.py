@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import InvalidRequestError
-from ..runtime.events import DeltaEvent
-from ..runtime.result import RequestOutput
+from ..runtime.output.events import DeltaEvent
+from ..runtime.output.result import RequestOutput
 from ..tools import ContentDelta, Delta, ToolOutput, ToolStreamParser
 from .admission import Endpoint, Parsing, admit, check_model, prompts_of, read_body
 from .anthropic_shapes import PING, MessageEvents, api_error, chat_request, error, message, sse

@@ -3,7 +3,7 @@ Responses API (responses_api.py) over an AsyncEngine, keeping the request contra
 ordered events with their sequence numbers as SSE ids, one terminal event, usage for every
 ending, resumable streams, idempotent retries, two timeouts, admission control. A request is
 let in by admission.py and read by reader.py; the server's state is state.py, each request's
-record tracks.py; response shapes in responses.py.
+record tracks.py; response shapes in openai_shapes.py.
 
 Every handler is a module-level function that finds the server's state in `request.app.state`
 (state_of) and raises ApiError for what it will not serve: the app answers it with OpenAI's
@@ -29,7 +29,7 @@ from .completions import chat_completions, completions
 from .errors import ApiError
 from .guard import RequestGuard
 from .lora import ROUTES as LORA_ROUTES, load_modules
-from .responses import id_headers
+from .openai_shapes import id_headers, now
 from .reader import Reader
 from .responses_api import ROUTES as RESPONSES_ROUTES
 from .sse import check_resume, last_event_id, one_sse

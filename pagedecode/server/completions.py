@@ -8,13 +8,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..runtime.result import RequestOutput
+from ..runtime.output.result import RequestOutput
 from ..tools import tool_finish_reason
 from .admission import Endpoint, Parsing, admit
 from .errors import ApiError
 from .protocol import parse_request
 from .reader import Reader
-from .responses import (chat_choice, completion_choice, id_headers, echo_logprobs_body, logprobs_body, prompt_logprobs_body,
+from .openai_shapes import (chat_choice, completion_choice, id_headers, echo_logprobs_body, logprobs_body, prompt_logprobs_body,
                         sum_usage)
 from .sse import check_resume, choices_sse, last_event_id, one_sse
 from .state import ServerOptions, state_of

@@ -1,6 +1,6 @@
 """The error every server module raises for a request it will not serve: an HTTP status and
-OpenAI's error body (kept apart from protocol.py so that jsonbody.py, which protocol.py uses,
-can raise it too without an import circle)."""
+OpenAI's error body (kept apart from protocol.py so that jsonbody.py and request_fields.py, which
+protocol.py uses, can raise it too without an import circle)."""
 from __future__ import annotations
 
 from typing import Any, Mapping

@@ -19,7 +19,7 @@ from ..lora.request import LoRARequest
 from ..runtime.engine import Engine
 from . import jsonbody
 from .errors import ApiError
-from .responses import now
+from .openai_shapes import now
 from .state import state_of
 
 

@@ -7,9 +7,9 @@ import logging
 import time
 from typing import Any
 
-from ..runtime.result import RequestOutput
+from ..runtime.output.result import RequestOutput
 from .metrics import Metrics
-from .responses import reason_name
+from .openai_shapes import reason_name
 from .tracks import Track
 
 log = logging.getLogger("pagedecode.server")

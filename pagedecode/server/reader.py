@@ -27,9 +27,9 @@ from typing import AsyncGenerator, AsyncIterator, Callable
 from starlette.requests import Request
 
 from ..errors import UnknownRequestError
-from ..runtime.events import DeltaEvent, Event, TerminalEvent
+from ..runtime.output.events import DeltaEvent, Event, TerminalEvent
 from ..runtime.lifecycle import FinishReason
-from ..runtime.result import RequestOutput
+from ..runtime.output.result import RequestOutput
 from .errors import ApiError
 from .metering import log_record, observe
 from .state import ServerState

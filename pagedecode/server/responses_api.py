@@ -15,12 +15,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import UnknownRequestError
-from ..runtime.result import RequestOutput
+from ..runtime.output.result import RequestOutput
 from .admission import Endpoint, Parsing, admit
 from .integers import parse_decimal
 from .errors import ApiError, bad
 from .reader import Reader
-from .responses import id_headers
+from .openai_shapes import id_headers
 from .responses_input import parse_body, renamed
 from .responses_output import response_body, response_sse, status_of
 from .state import ServerOptions, ServerState, state_of

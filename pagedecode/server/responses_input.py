@@ -12,7 +12,8 @@ from typing import Any, Mapping
 
 from .errors import ApiError, bad
 from ..tools import GENERIC, ToolFormat
-from .protocol import Limits, Parsed, boolean, parse_request
+from .protocol import Limits, Parsed, parse_request
+from .request_fields import boolean
 
 # the request's fields under their chat names, for parse_request; errors name the Responses field
 RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}

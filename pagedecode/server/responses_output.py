@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator
 
-from ..runtime.events import DeltaEvent, Event, TerminalEvent
-from ..runtime.result import RequestOutput
+from ..runtime.output.events import DeltaEvent, Event, TerminalEvent
+from ..runtime.output.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
-from .responses import reason_name
+from .openai_shapes import reason_name
 from .reader import Reader
 from .responses_tools import ToolItemEvents, message_item, output_items, output_text
 from .tracks import Track

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from ..runtime.footprint import describe
-from ..runtime.heap import thaw_heap
 from .flags import HelpFormatter, add_arguments, api_keys, engine_options, server_options, speculative_config
 
 if TYPE_CHECKING:           # starlette and the server load only when serving
@@ -85,17 +84,16 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
         except ValueError as e:                          # the chat template, or its limits
             print(f"pagedecode serve: {e}", file=sys.stderr)
             return 2
-        pd.freeze_heap()          # torch's heap out of every full GC pass (runtime/heap.py)
+        engine.process.freeze_heap()   # torch's heap out of every full GC pass; thawed by engine.close()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         log.info("%s: %s", name, describe(engine))
         if publisher is not None:
             log.info("KV events on %s (replay: %s)", publisher.address, publisher.replay_address)
         run_uvicorn(args, app, ae, sock, limits)
     finally:
-        engine.close()            # tensor-parallel workers stop here, told to, not at interpreter exit
+        engine.close()            # tensor-parallel workers stop here, told to, not at interpreter exit; the heap thaws
         if publisher is not None:
             publisher.close()
-        thaw_heap()
     return 0
 
 

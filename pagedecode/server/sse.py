@@ -22,12 +22,12 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 
 from ..runtime.engine import Engine
-from ..runtime.events import DeltaEvent, TerminalEvent
-from ..runtime.result import RequestOutput
+from ..runtime.output.events import DeltaEvent, TerminalEvent
+from ..runtime.output.result import RequestOutput
 from ..runtime.lifecycle import FinishReason, RequestState
 from .integers import parse_decimal
 from .errors import ApiError
-from .responses import chunk_body, finish_fields, logprobs_body, reason_name, sse, sum_usage, usage_body
+from .openai_shapes import chunk_body, finish_fields, logprobs_body, reason_name, sse, sum_usage, usage_body
 from .reader import Reader
 from .tool_calls import ToolChoiceStream
 from .tracks import Track

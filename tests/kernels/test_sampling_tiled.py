@@ -1,4 +1,4 @@
-"""The vocab-tiled sampler (sampling.py's three kernels) in the interpreter, where a tile is 64
+"""The vocab-tiled sampler (sampling_kernels.py's three kernels) in the interpreter, where a tile is 64
 tokens and a tile keeps 8 top-k candidates: every path against the reference token for token,
 the kernel's own draws against the exact distribution (chi-square), and a request's token the
 same alone, in a batch, in any order."""

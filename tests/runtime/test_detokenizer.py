@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
 
 import pagedecode as pd
-from pagedecode.runtime.detokenizer import (ByteStream, Utf8TailError, WindowStream,
+from pagedecode.runtime.output.detokenizer import (ByteStream, Utf8TailError, WindowStream,
                                             make_detokenizer)
 
 TEXTS = ["Hello wörld", "naïve café — ünïcode ✓", "日本語のテキスト", "emoji 🎉🚀 mix", "tabs\tand\nnewlines",
@@ -257,7 +257,7 @@ def test_byte_fallback_output_ending_in_invalid_bytes_is_replacement_characters(
             pieces = [d.add(t) for t in out]
             assert "".join(pieces) + d.flush("strict") == want
             known = next(i for i in range(1, len(data) + 1)       # the first byte that spoils the run
-                         if not pd.runtime.detokenizer._valid_prefix(data[:i]))
+                         if not pd.runtime.output.detokenizer._valid_prefix(data[:i]))
             assert "".join(pieces[:known]) == "\ufffd" * known
 
 

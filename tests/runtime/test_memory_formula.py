@@ -129,7 +129,7 @@ def test_byte_sizes(text, size):
 
 FRAGMENTED = """
 import torch
-from pagedecode.runtime.loading import return_freed_memory
+from pagedecode.runtime.process import return_freed_memory
 
 def rss():
     for line in open("/proc/self/status"):

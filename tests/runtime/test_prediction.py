@@ -1,4 +1,4 @@
-"""Predicted Outputs (runtime/prediction.py) and the quantized self-draft: the prediction's
+"""Predicted Outputs (runtime/spec/prediction.py) and the quantized self-draft: the prediction's
 tokens and a quantized copy of the model are draft sources like any other, so every request's
 tokens, text, logprobs and endings are the ones the plain engine gives; only the speed and the
 draft counts differ."""
@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 import pagedecode as pd
-from pagedecode.runtime.prediction import PredictionCursor
+from pagedecode.runtime.spec.prediction import PredictionCursor
 
 R = pd.FinishReason
 

@@ -7,7 +7,7 @@ import torch
 
 import pagedecode as pd
 from pagedecode.model.default_model import default_model_path
-from pagedecode.runtime.spec_gates import FIRST_DRAFT, Gate
+from pagedecode.runtime.spec.gates import FIRST_DRAFT, Gate
 
 REPETITIVE = "the cat sat on the mat. " * 20
 HOT = pd.SamplingParams(max_tokens=256, temperature=1.5, seed=1, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The draft model's rejection rule in the engine (runtime/spec_rejection.py): a sampling request
+"""The draft model's rejection rule in the engine (runtime/spec/rejection.py): a sampling request
 under method="draft" gets the target's distribution whatever the draft's, accepts more drafts
 than exact matching would, stays reproducible by its seed, ends exactly where the plain engine
 would on the same tokens; the requests it does not cover keep the exact-match path."""
@@ -11,7 +11,7 @@ import torch
 
 import pagedecode as pd
 from pagedecode.runtime.intake import make_request
-from pagedecode.runtime.spec_rejection import takes_rejection
+from pagedecode.runtime.spec.rejection import takes_rejection
 from pagedecode.testing import ScriptedModel
 from tests.kernels.test_rejection import chi_square_pvalue
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/speculative.py): the tokens, text, logprobs, endings and usage
+"""Speculative decoding (runtime/spec/speculative.py): the tokens, text, logprobs, endings and usage
 of every request are the ones the engine gives without speculation; rejected K/V is never
 read; pages, prefix cache, cancel, preemption and the RNG cursor keep their contract."""
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pagedecode as pd
-from pagedecode.runtime.speculative import NgramProposer
+from pagedecode.runtime.spec.speculative import NgramProposer
 
 from .helpers import EOS, engine, of, run
 

@@ -5,7 +5,7 @@ import torch
 
 import pagedecode as pd
 from pagedecode.runtime.batching import build_batch
-from pagedecode.runtime.stop import StopIdMatcher, find_stop_string, stop_prefix_len
+from pagedecode.runtime.output.stop import StopIdMatcher, find_stop_string, stop_prefix_len
 
 from .helpers import commit, req, scheduler
 

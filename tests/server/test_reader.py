@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 import pagedecode as pd
-from pagedecode.runtime.events import DeltaEvent, TerminalEvent
+from pagedecode.runtime.output.events import DeltaEvent, TerminalEvent
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
 

@@ -1,7 +1,7 @@
 """A verify run (one request's drafts in one step) and what verifying needs from the engine.
 
 The run carries its own rows and what verification has kept so far, so the exact-matching
-loop (speculative.py) and the rejection rule (spec_rejection.py) read and write fields of the
+loop (speculative.py) and the rejection rule (rejection.py) read and write fields of the
 run, not tables keyed by it."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Protocol
 
 import torch
 
-from .events import Event
-from .request import Request
-from .scheduler import ScheduledSeq
-from .selector import Selection, TokenSelector
+from ..output.events import Event
+from ..request import Request
+from ..scheduler import ScheduledSeq
+from ..selector import Selection, TokenSelector
 
 
 class Host(Protocol):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..lifecycle import FinishReason, RequestState
 from .events import TopLogprobs, Usage
-from .lifecycle import FinishReason, RequestState
 
 STOP_RULE_VERSION = 1   # earliest end, then longest, then list order
 

@@ -1,7 +1,7 @@
 """Speculative decoding: propose a few tokens per decoding request, verify them in the same
 forward pass as everything else, and keep exactly the tokens the engine would have chosen
 without speculation (exact matching, below), or, for a draft model's sampled drafts, tokens
-with exactly the target's distribution (the rejection rule: spec_rejection.py).
+with exactly the target's distribution (the rejection rule: rejection.py).
 
 A verify step for a request with m prompt tokens and t selected (docs/design.md, "Step state"):
 
@@ -23,13 +23,13 @@ Proposals come from the request's own prompt and output only (ngram.py; nothing 
 shared between requests), or from a draft model on its own paged KV (draft_model.py): by its
 greedy decoding, verified as above, or, for a sampling request that needs nothing per position
 beyond temperature / top-k / top-p / min-p (spec_rejection.takes_rejection), sampled from a
-distribution q it records and verified by the rejection rule (spec_rejection.py; those runs
+distribution q it records and verified by the rejection rule (rejection.py; those runs
 carry draft_probs). Gates keep speculation where it pays: no proposals while more than
 `max_batch` requests decode; a request proposes as many tokens as its runs have earned (from 2,
 doubling up to k on a run kept whole), and one whose rolling acceptance falls below
 `min_acceptance` proposes nothing for `backoff_steps` steps (doubling on each new miss, reset by
 a fully accepted run); a measured step-cost gate stops them at a batch size where they do not
-pay (spec_gates.py).
+pay (gates.py).
 """
 from __future__ import annotations
 
@@ -40,18 +40,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..protocols import Model
-from .config import SpeculativeConfig
+from ...protocols import Model
+from ..config import SpeculativeConfig
+from ..lifecycle import RequestState
+from ..output.events import Event
+from ..request import Request
+from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from ..selector import SampleRows, Selection, TokenSelector, uses_penalties
 from .draft_model import DraftModelProposer, Proposal, load_draft
-from .events import Event
-from .lifecycle import RequestState
-from .request import Request
-from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from .selector import SampleRows, Selection, TokenSelector, uses_penalties
+from .gates import FIRST_DRAFT, CostGate, Gate
 from .ngram import NgramProposer
-from .spec_gates import FIRST_DRAFT, CostGate, Gate
-from .spec_rejection import verify_sampled
-from .spec_run import Host, VerifyRun
+from .rejection import verify_sampled
+from .verify_run import Host, VerifyRun
 
 log = logging.getLogger("pagedecode")
 
@@ -183,7 +183,7 @@ class Speculator:
         """planned: the step's verify seqs, in row order; logits (sum of their k, V): the rows
         after each draft. runs: those still to commit (not cancelled while the step ran), each
         with its row in `first`, the selection of row r0. Runs whose drafts were sampled
-        (draft_probs) take the rejection rule (spec_rejection.py, which reads row r0 from
+        (draft_probs) take the rejection rule (rejection.py, which reads row r0 from
         first.chooser_logits); the others exact match (_match)."""
         verify_runs, left, offset = [], iter(runs), 0
         nxt = next(left, None)

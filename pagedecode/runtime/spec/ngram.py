@@ -6,7 +6,7 @@ import weakref
 from array import array
 from typing import Sequence
 
-from .request import Request
+from ..request import Request
 
 _ITEM = array("q").itemsize
 

@@ -20,16 +20,16 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from ..lifecycle import FinishReason, RequestState
 from .events import DeltaEvent, Event, StartEvent, TerminalEvent, Usage
 from .history import CompactHistory
-from .lifecycle import FinishReason, RequestState
 from .result import RequestOutput
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .output import Emission
-    from .registry import RequestRegistry
-    from .request import Request
+    from ..config import EngineConfig
+    from ..registry import RequestRegistry
+    from ..request import Request
+    from .pipeline import Emission
 
 
 class Attachment(Protocol):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..model.tokenizer import TokenizerLike
-from ..params import SamplingParams
+from ...model.tokenizer import TokenizerLike
+from ...params import SamplingParams
 from .detokenizer import Utf8TailError, make_detokenizer
 from .events import TopLogprobs
 from .stop import StopIdMatcher, find_stop_string, stop_prefix_len

@@ -1,6 +1,6 @@
 """The draft-model proposer: a smaller pd.Model with the same tokenizer proposes k tokens on its
 own paged KV cache: by greedy decoding, or, for a request under the rejection rule
-(spec_rejection.py `takes_rejection`), by sampling each from a distribution q it returns with
+(rejection.py `takes_rejection`), by sampling each from a distribution q it returns with
 the drafts (the target's processing of the draft's logits, on its own Philox stream).
 
 Its pages come from its own pool (a PagePool and KVCache of the draft's shape, with as many
@@ -26,12 +26,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..model.batch import ForwardBatch
-from ..model.kv_cache import KVCache
-from ..protocols import Model
-from .page_pool import PagePool
-from .request import Request
-from .spec_rejection import sample_drafts, takes_rejection
+from ...model.batch import ForwardBatch
+from ...model.kv_cache import KVCache
+from ...protocols import Model
+from ..page_pool import PagePool
+from ..request import Request
+from .rejection import sample_drafts, takes_rejection
 
 
 class Proposal(NamedTuple):
@@ -56,7 +56,7 @@ def load_draft(draft: Any, device: torch.device, dtype: torch.dtype, quantizatio
                              "(or leave it out under Engine.from_pretrained for a self-draft), not a loaded model")
         return draft
     if isinstance(draft, (str, Path)):
-        from ..model.loader import load_model
+        from ...model.loader import load_model
         model, _ = load_model(draft, device=str(device), dtype=dtype, quantization=quantization)
         return model
     raise TypeError(f"draft_model must be a pd.Model or a model path, got {type(draft).__name__}")

@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels.philox import DRAFT_STREAM, gumbel, seed_to_int64
-from ..kernels.rejection import rejection_sample
-from ..kernels.sampling import MIN_TEMPERATURE, sampling_probs
-from .events import Event
-from .lifecycle import RequestState
-from .request import Request
-from .scheduler import ScheduledSeq
-from .selector import Selection, SlotSettings, uses_penalties
+from ...kernels.philox import DRAFT_STREAM, gumbel, seed_to_int64
+from ...kernels.rejection import rejection_sample
+from ...kernels.sampling import MIN_TEMPERATURE, sampling_probs
+from ..lifecycle import RequestState
+from ..output.events import Event
+from ..request import Request
+from ..scheduler import ScheduledSeq
+from ..selector import Selection, SlotSettings, uses_penalties
 
 if TYPE_CHECKING:
-    from .spec_run import Host, VerifyRun
+    from .verify_run import Host, VerifyRun
 
 
 def takes_rejection(req: Request) -> bool:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import codecs
 from typing import Protocol
 
-from ..model.tokenizer import BytePieces, TokenizerLike
+from ...model.tokenizer import BytePieces, TokenizerLike
 
 STRICT, REPLACE = "strict", "replace"
 

@@ -1,6 +1,6 @@
-"""Response shapes the handlers share: finish reasons, choices, usage, SSE frames, chunks,
-logprobs objects. Pure functions of what the engine returned (and the tokenizer, for token
-strings): a replay builds the same bytes."""
+"""OpenAI's chat / completions response shapes, which the handlers share: finish reasons,
+choices, usage, SSE frames, chunks, logprobs objects. Pure functions of what the engine returned
+(and the tokenizer, for token strings): a replay builds the same bytes."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from ..model.tokenizer import TokenizerLike
-from ..runtime.events import DeltaEvent, Usage
-from ..runtime.result import RequestOutput
+from ..runtime.output.events import DeltaEvent, Usage
+from ..runtime.output.result import RequestOutput
 from ..runtime.lifecycle import FinishReason
 
 # pagedecode's reasons as OpenAI clients know them; every other reason keeps its own name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .lifecycle import FinishReason, RequestState
+from ..lifecycle import FinishReason, RequestState
 
 TopLogprobs = tuple[tuple[int, float], ...]     # one token's N most likely alternatives: (id, logprob) x N
 
