@@ -314,6 +314,7 @@ PROCESS_OWNERS = {
     "model/cpu_forward.py": ("keep_freed_memory",),     # the binding's own wrapper, which process.py calls
     "model/parallel.py": ("set_num_threads",),          # a tensor-parallel worker: its own process
     "ray/replica.py": ("set_num_threads",),             # a Ray replica's process, before its engine loads
+    "model/loader.py": ("set_num_threads",),            # one_torch_thread: the load's copies, the count put back
 }
 
 
