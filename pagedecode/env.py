@@ -13,6 +13,9 @@ its value.
     PAGEDECODE_MALLOC      unset: keep freed memory  "default": EngineConfig.cpu_keep_freed_memory's
                                                      default is False (glibc's malloc left as it is)
     PAGEDECODE_CACHE       ~/.cache/pagedecode       where the built-in default model is written
+    PAGEDECODE_TRITON      unset: only where it runs "1": Triton imported under a CPU-only torch too
+                                                     (ahead-of-time compiles for a GPU target:
+                                                     tests/kernels/compile_hopper.py)
 
 A value other than the one named keeps the default. An EngineConfig field given explicitly wins
 over its variable. Build-time switches (PAGEDECODE_NO_CPU_EXT, PAGEDECODE_PORTABLE) are setup.py's,
@@ -28,6 +31,7 @@ CPU_MATMUL = "PAGEDECODE_CPU_MATMUL"
 CPU_PACK = "PAGEDECODE_CPU_PACK"
 MALLOC = "PAGEDECODE_MALLOC"
 CACHE = "PAGEDECODE_CACHE"
+TRITON = "PAGEDECODE_TRITON"
 
 
 def cpu_matmul() -> str:
@@ -51,3 +55,8 @@ def cache_root() -> Path:
     """Where pagedecode writes what it makes for itself (the default model): PAGEDECODE_CACHE, or
     ~/.cache/pagedecode."""
     return Path(os.environ.get(CACHE) or Path.home() / ".cache" / "pagedecode")
+
+
+def triton_wanted() -> bool:
+    """Whether Triton is imported whatever this process's torch can run (PAGEDECODE_TRITON=1)."""
+    return os.environ.get(TRITON) == "1"

@@ -118,7 +118,7 @@ def test_llamacpp_build_succeeds_without_a_stories_folder():
     r = subprocess.run(["bash", str(ROOT / "benchmarks" / "peers" / "llamacpp.sh")], capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "already built" in r.stdout
+    assert "llama.cpp" in r.stdout and "/bin" in r.stdout           # where the tools are, nothing rebuilt
 
 
 def test_quantized_smallest_on_stories(stories_path, tmp_path):

@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from .. import env
+
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -20,8 +22,10 @@ def interpreting() -> bool:
 def triton_can_run() -> bool:
     """Whether a Triton kernel could run in this process: a torch built for CUDA or ROCm, or the
     interpreter. A CPU-only torch never gives Triton a tensor it can take, so there Triton is not
-    imported at all (its import cost ~0.5 s and ~70 MB resident of libtriton.so for nothing)."""
-    return interpreting() or torch.version.cuda is not None or torch.version.hip is not None
+    imported at all (its import cost ~0.5 s and ~70 MB resident of libtriton.so for nothing),
+    unless asked for (env.triton_wanted: compiling kernels for a GPU on a machine without one)."""
+    return (interpreting() or torch.version.cuda is not None or torch.version.hip is not None
+            or env.triton_wanted())
 
 
 HAS_TRITON = False

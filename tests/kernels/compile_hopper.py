@@ -7,6 +7,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+os.environ.setdefault("PAGEDECODE_TRITON", "1")     # Triton under a CPU-only torch: compiling for sm_90 here
+
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
