@@ -89,11 +89,11 @@ def chi2_p_value_ok(counts: torch.Tensor, probs: torch.Tensor, n: int) -> bool:
     dict(temperature=1.0, top_p=0.7),                        # the row path
 ])
 def test_the_kernels_draws_follow_the_distribution(settings):
-    """400 draws by the kernel itself on each of its three paths (one row per output index; 40
+    """200 draws by the kernel itself on each of its three paths (one row per output index; 40
     tokens, the interpreter's budget) against sampling_probs' exact distribution. The reference's
     own statistics are tested over 1e5 draws in test_sampling.py, and the kernel gives its tokens
     bit for bit (above)."""
-    n, V = 400, 40
+    n, V = 200, 40
     g = torch.Generator().manual_seed(2)
     row = torch.randn(V, generator=g) * 1.5
     logits = row.repeat(n, 1)

@@ -2,6 +2,7 @@
 layers (the server's /metrics) read instead of the engine's internals."""
 import dataclasses
 import threading
+import time
 
 import pytest
 
@@ -98,9 +99,10 @@ def test_snapshots_taken_while_the_engine_steps_are_consistent():
         eng.add_request([5 + i] * (3 + i), params)
     seen, done = [], threading.Event()
 
-    def watch():
+    def watch():                        # a snapshot every millisecond: a tight loop starved the engine of the GIL
         while not done.is_set():
             seen.append(eng.snapshot())
+            time.sleep(0.001)
     t = threading.Thread(target=watch)
     t.start()
     try:
