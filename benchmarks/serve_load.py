@@ -94,20 +94,25 @@ async def run_inprocess(engine, args, progress) -> dict:
         return summary(time.perf_counter() - t, ttft, itl, tokens, args.requests)
 
 
-def start_server(model: str, batch: int, log_path: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
-    """The server logs to a file (a pipe nobody drains would block it once full). extra: more flags."""
+def start_server(model: str, batch: int | None, log_path: Path, extra: list[str] = (),
+                 wait_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """`pagedecode serve` on a free loopback port, served as "m" (batch: --max-batch-size, None for
+    the default; extra: more flags), and its URL once it listens. The server logs to a file (a pipe
+    nobody drains would block it once full)."""
     log = open(log_path, "w")
-    p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "serve", "--model", model, "--port", "0",
-                          "--served-model-name", "m", "--max-batch-size", str(batch), *extra],
+    batch_flags = [] if batch is None else ["--max-batch-size", str(batch)]
+    p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "serve", "--model", str(model), "--host",
+                          "127.0.0.1", "--port", "0", "--served-model-name", "m", *batch_flags, *extra],
                          stdout=log, stderr=subprocess.STDOUT, text=True)
-    for _ in range(1200):
+    for _ in range(int(wait_s * 10)):
         for line in log_path.read_text().splitlines():
             if "Uvicorn running on" in line:
                 return p, "http://127.0.0.1:" + line.rsplit(":", 1)[1].split()[0]
         if p.poll() is not None:
             break
         time.sleep(0.1)
-    raise RuntimeError(f"the server did not start; see {log_path}")
+    p.kill()
+    raise RuntimeError(f"the server did not start; see {log_path}:\n{log_path.read_text()[-2000:]}")
 
 
 def draw_latencies(axes, result: dict) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from common import plot, result_path, write_json
+from serve_load import start_server
 
 
 def tool(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -164,23 +165,6 @@ def percentiles(xs: list[float]) -> dict[str, float] | None:
     s = sorted(xs)
     return {"p50": round(s[len(s) // 2], 4), "p90": round(s[min(len(s) - 1, int(len(s) * 0.9))], 4),
             "mean": round(statistics.fmean(s), 4)}
-
-
-def start_server(model: Path, log_path: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """The server on a free loopback port, its log (the request lines) to a file."""
-    log = open(log_path, "w")
-    p = subprocess.Popen([sys.executable, "-m", "pagedecode.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-                          "--port", "0", "--served-model-name", "m", *extra],
-                         stdout=log, stderr=subprocess.STDOUT, text=True)
-    for _ in range(3000):
-        for line in log_path.read_text().splitlines():
-            if "Uvicorn running on" in line:
-                return p, "http://127.0.0.1:" + line.rsplit(":", 1)[1].split()[0]
-        if p.poll() is not None:
-            break
-        time.sleep(0.1)
-    p.kill()
-    raise SystemExit(f"the server did not start; see {log_path}:\n{log_path.read_text()[-2000:]}")
 
 
 def request_log(log_path: Path) -> dict[str, dict[str, Any]]:
@@ -382,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "server.log"
-        proc, url = start_server(model, log_path, extra)
+        proc, url = start_server(model, None, log_path, extra, wait_s=300)
         try:
             print(f"{model.name} ({fmt.name} tool format) at {url}: {n} prompts x {args.modes}", flush=True)
             t0 = time.perf_counter()
