@@ -38,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "philox.h"
 #include "quant_lanes.h"
 
 namespace {
@@ -1012,6 +1013,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("page_table"), py::arg("seq_lens"),
         py::arg("cu_q"), py::arg("scale"), py::arg("pool") = false, py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
+  m.def("philox_c0", &philox::c0_op, "Philox4x32-10's first word for key seed, counter (token, index, DOMAIN, "
+        "stream): pagedecode/kernels/philox.py's philox_c0, bit for bit (csrc/philox.h)",
+        py::arg("seed"), py::arg("index"), py::arg("token"), py::arg("stream") = 0);
   m.def("keep_freed_memory", &keep_freed_memory,
         "glibc malloc: keep freed blocks for reuse instead of returning them to the kernel (idempotent)");
   m.def("drain_pool", [] { work::Pool::drain_current(); },

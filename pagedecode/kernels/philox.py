@@ -58,9 +58,31 @@ def philox4x32(counter, key, rounds: int = ROUNDS):
     return c0, c1, c2, c3
 
 
+def _compiled():
+    """The compiled extension's philox_c0 (csrc/philox.h, the same words ~100x faster), or None
+    where pagedecode._cpu is absent or older than it."""
+    try:
+        from .. import _cpu
+    except ImportError:
+        return None
+    return getattr(_cpu, "philox_c0", None)
+
+
+_COMPILED = _compiled()
+
+
 def philox_c0(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor, stream: int = 0) -> torch.Tensor:
     """First output word of Philox4x32-10 for key=seed, counter=(token, index, DOMAIN, stream).
-    All inputs int64 and broadcastable; returns int64 in [0, 2**32)."""
+    All inputs int64 and broadcastable; returns int64 in [0, 2**32). On CPU tensors the compiled
+    extension computes it where present; philox_c0_torch is the definition."""
+    if _COMPILED is not None and seed.device.type == "cpu":
+        seed, index, token = torch.broadcast_tensors(seed, index, token)
+        return _COMPILED(seed.long(), index.long(), token.long(), stream & MASK32)
+    return philox_c0_torch(seed, index, token, stream)
+
+
+def philox_c0_torch(seed: torch.Tensor, index: torch.Tensor, token: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """philox_c0 in torch operations: any device, and the reference the compiled form is tested against."""
     c0, c1 = torch.broadcast_tensors(token & MASK32, index & MASK32)
     key = (seed & MASK32, (seed >> 32) & MASK32)
     return philox4x32((c0, c1, torch.full_like(c0, DOMAIN), torch.full_like(c0, stream & MASK32)), key)[0]

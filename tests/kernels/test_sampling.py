@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedecode.kernels.penalties import PenaltyState, apply_penalties_ref, make_penalty_inputs
+from pagedecode.kernels import philox
 from pagedecode.kernels.philox import DRAFT_STREAM, gumbel, philox4x32, seed_to_int64, uniform
 from pagedecode.kernels.sampling import make_sampling_inputs, sample, sample_ref, sampling_probs
 
@@ -28,6 +29,25 @@ def test_philox_known_answers():
     assert run((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
     assert run((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == \
         [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+@pytest.mark.skipif(philox._COMPILED is None, reason="pagedecode._cpu (with philox_c0) is not built")
+def test_the_compiled_philox_is_the_torch_philox():
+    """csrc/philox.h against the torch definition: seeds across all 64 bits (negative int64s),
+    indices and tokens past 32 bits (their low words count), both streams, broadcast shapes."""
+    g = torch.Generator().manual_seed(0)
+    n = 50_000
+    seed = torch.randint(-2**63, 2**63 - 1, (n,), generator=g)
+    index = torch.randint(0, 2**40, (n,), generator=g)
+    token = torch.randint(0, 2**33, (n,), generator=g)
+    for stream in (0, DRAFT_STREAM, 2**32 + 5):
+        assert torch.equal(philox.philox_c0(seed, index, token, stream),
+                           philox.philox_c0_torch(seed, index, token, stream))
+    one_seed, tokens = torch.tensor(seed_to_int64(2**64 - 1)), torch.arange(70_000)
+    assert torch.equal(philox.philox_c0(one_seed, torch.tensor(3), tokens),
+                       philox.philox_c0_torch(one_seed, torch.tensor(3), tokens))
+    assert torch.equal(philox.philox_c0(torch.tensor([0]), torch.tensor([0]), torch.tensor([0], dtype=torch.int32)),
+                       philox.philox_c0_torch(torch.tensor([0]), torch.tensor([0]), torch.tensor([0])))
 
 
 def test_uniform_never_hits_zero_or_one_and_is_uniform():
