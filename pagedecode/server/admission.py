@@ -206,7 +206,8 @@ def start(state: ServerState, prompts: list[Prompt], parsing: Parsing, endpoint:
                 params = parsed.params
                 if parsed.n > 1 and params.seed is not None:
                     params = replace(params, seed=params.seed + j)
-                track = Track("", time.perf_counter(), endpoint.chat, reply, tenant, response=parsing.response)
+                track = Track("", time.perf_counter(), endpoint.chat, reply, tenant, response=parsing.response,
+                              adapter=lora.name if lora is not None else None)
                 track.request_id = state.engine.add_request(prompt, params, request_id=request_id, acked=True,
                                                             attachment=track, pinned=True, lora=lora)
                 state.tracks[track.request_id] = track

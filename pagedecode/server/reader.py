@@ -36,11 +36,16 @@ from .state import ServerState
 from .tracks import Track
 
 
+def served_name(state: ServerState, track: Track) -> str:
+    """The `model` a response names: the adapter the request asked for, else the served model."""
+    return track.adapter if track.adapter is not None else state.options.model_name
+
+
 class Reader:
     def __init__(self, state: ServerState, tracks: list[Track]) -> None:
         """The reader of `tracks`, holding one pin on each (the caller's, handed over)."""
         self.state, self.engine, self.tracks = state, state.engine, tracks
-        self.model_name = state.options.model_name
+        self.model_name = served_name(state, tracks[0]) if tracks else state.options.model_name
         self.tokenizer = state.engine.tokenizer
         self._ended: set[str] = set()         # requests whose terminal event this reader saw
         self._held = True
@@ -214,4 +219,4 @@ def meter(state: ServerState, track: Track) -> None:
         return
     track.metered = True
     observe(state.metrics, track, out)
-    log_record(track, out, state.options.model_name, state.options.log_text)
+    log_record(track, out, served_name(state, track), state.options.log_text)

@@ -19,7 +19,7 @@ from ..runtime.output.result import RequestOutput
 from .admission import Endpoint, Parsing, admit
 from .integers import parse_decimal
 from .errors import ApiError, bad
-from .reader import Reader
+from .reader import Reader, served_name
 from .openai_shapes import id_headers
 from .responses_input import parse_body, renamed
 from .responses_output import response_body, response_sse, status_of
@@ -99,7 +99,7 @@ async def retrieve(request: Request) -> Response:
     state, track = stored(request)
     if request.query_params.get("stream", "false").lower() not in ("true", "1"):
         try:
-            return answer(track, state.engine.result(track.request_id), state.options.model_name)
+            return answer(track, state.engine.result(track.request_id), served_name(state, track))
         except UnknownRequestError:
             raise not_found(track.request_id) from None
     after = starting_after(request)

@@ -59,6 +59,7 @@ class Track:
     created: int = field(default_factory=lambda: int(time.time()))   # OpenAI's `created`: one per request,
                                                                      # so a replay is byte-identical
     response: StoredResponse | None = None   # a /v1/responses request's own fields (responses_input.py)
+    adapter: str | None = None               # the LoRA adapter its `model` named (None: the base model)
 
     def kept_bytes(self) -> int:
         """What a Track adds to its finished request (tests/server/test_memory_http.py measures it)."""

@@ -31,7 +31,7 @@ def alone(stories_path, folder, name):
 
 
 def test_served_adapters_by_name(stories_path, folders):
-    s = start_server(stories_path, template=None, lora_modules=(("good", str(folders["good"])),))
+    s = start_server(stories_path, lora_modules=(("good", str(folders["good"])),))
     try:
         cards = httpx.get(s.url + "/v1/models").json()["data"]
         assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
@@ -40,6 +40,7 @@ def test_served_adapters_by_name(stories_path, folders):
                  ["choices"][0]["text"] for m in ("good", "stories260k")}
         assert texts["good"] == alone(stories_path, folders["good"], "good") != texts["stories260k"]
         assert texts["stories260k"] == alone(stories_path, None, "")
+        assert_responses_name_the_adapter(s.url)
         r = httpx.post(s.url + "/v1/completions", json={**BODY, "model": "nope"})
         assert r.status_code == 404 and "'nope'" in r.json()["error"]["message"]
         r = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(folders["other"])})
@@ -47,6 +48,24 @@ def test_served_adapters_by_name(stories_path, folders):
         assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "good"}).status_code == 403
     finally:
         stop_server(s)
+
+
+def assert_responses_name_the_adapter(url):
+    """Every response shape names the model the request named, an adapter's or the base's
+    (vLLM's answers do); a stored response fetched later too."""
+    for model in ("good", "stories260k"):
+        assert httpx.post(url + "/v1/completions", json={**BODY, "model": model}, timeout=60).json()["model"] == model
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()["model"] == model
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks and {c["model"] for c in chunks} == {model}
+        resp = httpx.post(url + "/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 4},
+                          timeout=60).json()
+        assert resp["model"] == model
+        assert httpx.get(url + f"/v1/responses/{resp['id']}", timeout=60).json()["model"] == model
+        msg = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(url + "/v1/messages", json=msg, timeout=60).json()["model"] == model
 
 
 def test_adapters_loaded_and_unloaded_at_run_time(stories_path, folders):
