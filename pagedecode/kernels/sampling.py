@@ -163,6 +163,8 @@ def make_sampling_inputs(temperature, top_k, top_p, min_p, seed, output_index, d
 def thresholds_ref(z: torch.Tensor, top_k, top_p, log_min_p) -> torch.Tensor:
     """Per row, the smallest kept value of z (R, V) after top-k, min-p and top-p, by sorting."""
     R, V = z.shape
+    if not bool(((top_k > 0) & (top_k < V) | (top_p < 1.0) | (log_min_p > float("-inf"))).any()):
+        return torch.full((R,), float("-inf"), device=z.device)     # no filter: every token kept, no sort
     zs = z.sort(dim=-1, descending=True).values                      # (R, V)
     zmax = zs[:, 0]
     thr = torch.full((R,), float("-inf"), device=z.device)
@@ -211,7 +213,8 @@ def sample_ref(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInpu
     if bitmask is not None:              # structured output: after bias and penalties, before temperature
         x = x.masked_fill(~unpack_bitmask(bitmask, x.shape[-1]), float("-inf"))
     tokens = x.argmax(dim=-1)
-    logprobs = torch.log_softmax(x, dim=-1).gather(1, tokens[:, None])[:, 0]
+    log_probs = torch.log_softmax(x, dim=-1)
+    logprobs = log_probs.gather(1, tokens[:, None])[:, 0]
     rows = (inp.temperature > 0).nonzero().flatten()
     if rows.numel():
         z = x[rows] / inp.temperature[rows, None] + 0.0           # + 0.0 turns -0.0 into +0.0
@@ -227,7 +230,7 @@ def sample_ref(logits: torch.Tensor, inp: SamplingInputs, penalties: PenaltyInpu
         score[r, t] = z[r, t] + g
         chosen = score.argmax(dim=-1)
         tokens[rows] = chosen
-        logprobs[rows] = torch.log_softmax(x[rows], dim=-1).gather(1, chosen[:, None])[:, 0]
+        logprobs[rows] = log_probs[rows].gather(1, chosen[:, None])[:, 0]
     return SampleOutput(tokens, logprobs, x)
 
 

@@ -36,14 +36,14 @@ def test_the_compiled_philox_is_the_torch_philox():
     """csrc/philox.h against the torch definition: seeds across all 64 bits (negative int64s),
     indices and tokens past 32 bits (their low words count), both streams, broadcast shapes."""
     g = torch.Generator().manual_seed(0)
-    n = 50_000
+    n = 10_000
     seed = torch.randint(-2**63, 2**63 - 1, (n,), generator=g)
     index = torch.randint(0, 2**40, (n,), generator=g)
     token = torch.randint(0, 2**33, (n,), generator=g)
     for stream in (0, DRAFT_STREAM, 2**32 + 5):
         assert torch.equal(philox.philox_c0(seed, index, token, stream),
                            philox.philox_c0_torch(seed, index, token, stream))
-    one_seed, tokens = torch.tensor(seed_to_int64(2**64 - 1)), torch.arange(70_000)
+    one_seed, tokens = torch.tensor(seed_to_int64(2**64 - 1)), torch.arange(20_000)
     assert torch.equal(philox.philox_c0(one_seed, torch.tensor(3), tokens),
                        philox.philox_c0_torch(one_seed, torch.tensor(3), tokens))
     assert torch.equal(philox.philox_c0(torch.tensor([0]), torch.tensor([0]), torch.tensor([0], dtype=torch.int32)),
