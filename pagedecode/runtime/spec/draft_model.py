@@ -11,11 +11,14 @@ the tokens whose draft K/V is valid, always a prefix of the request's known toke
     known:          prompt | y1 .. yt                  (n = m + t tokens)
     draft cache:    known[:c] valid                    c <= n - 1
     one proposal:   extend known[c:n] -> d1, then decode d1 -> d2, ..., d_{k-1} -> dk
-    afterwards:     c = n (K/V of d1 .. d_{k-1} lies past it: overwritten by the next catch-up)
+    afterwards:     c = n, and `ahead` = d1 .. d_{k-1}: their K/V lies at n .. n + k - 2
 
-so the draft is rolled back with the target by construction: whatever the target accepted, the
-next proposal first computes the known tokens the draft has not seen (the accepted drafts and
-the token after them). A request that ended, or that no longer fits, gives its pages back.
+so the draft is rolled back with the target by construction: the next proposal first takes as
+valid the drafts of `ahead` that the target accepted (the same tokens at the same positions:
+their K/V is the one a catch-up would write), then computes the known tokens past them, at
+most the last accepted draft and the token after it (one or two rows, not the j + 1 of a run
+that kept j drafts: a quantized draft's rows cost nearly a whole step each on CPU). A request
+that ended, or that no longer fits, gives its pages back.
 """
 from __future__ import annotations
 
@@ -44,6 +47,18 @@ class Proposal(NamedTuple):
 class _DraftSeq:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    ahead: list[int] = field(default_factory=list)   # drafts whose K/V lies from num_computed on
+
+    def valid(self, req: Request) -> int:
+        """Tokens of req whose draft K/V is valid: num_computed, and on past it each draft of
+        `ahead` that the request's tokens repeat at its position (at most up to its last token,
+        which is always computed again: its row gives d1)."""
+        c, last = self.num_computed, req.num_tokens - 1
+        for token in self.ahead:
+            if c >= last or req.token_at(c) != token:
+                break
+            c += 1
+        return min(c, last)
 
 
 def load_draft(draft: Any, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> Model:
@@ -117,7 +132,7 @@ class DraftModelProposer:
             k = min(k, self.max_context - n)
             seq = self._reserve(req, n + k - 1) if k > 0 else None
             if seq is not None:
-                seq.num_computed = min(seq.num_computed, n - 1)
+                seq.num_computed, seq.ahead = seq.valid(req), []
                 rows.append((i, req, seq, k))
         if not rows:
             return [Proposal([], None) for _ in wants]
@@ -135,6 +150,8 @@ class DraftModelProposer:
                                    [req.num_tokens + step - 1 for _, req, _ in going], [s for _, _, s in going],
                                    [(req, out[i]) for i, req, _ in going])
             self._choose(logits, [(i, req) for i, req, _ in going], step, sampled, out, probs, cut)
+        for i, _, seq, k in rows:
+            seq.ahead = out[i][:k - 1]           # fed to the draft by the steps above: their K/V is written
         proposals = []
         for i, draft in enumerate(out):
             bad = next((j for j, t in enumerate(draft) if t >= self.vocab_size), cut.get(i))
