@@ -2,7 +2,10 @@
 kept where the target accepted them, so a proposal after a run recomputes one or two rows, not
 the whole run; the scripted draft checks on every forward that its cache holds the tokens it
 should (a reused row that were not the request's token would fail it, and speculation with it)."""
+import math
+
 import pytest
+import torch
 
 import pagedecode as pd
 from pagedecode.testing import ScriptedModel
@@ -46,3 +49,27 @@ def test_a_proposal_recomputes_only_what_its_drafts_did_not_write(draft_script, 
     assert got.usage.accepted_draft_tokens > 10                  # the draft's cache checks passed: it drafted
     assert first_rows[0] == 3 and max(first_rows[1:]) <= most_rows   # prompt and y1, then one or two rows
     assert len(first_rows) > 8
+
+
+def unsure(prompt, output):
+    """The cycle's next token at probability 0.7 (the rest spread over four others)."""
+    row = torch.full((200,), float("-inf"))
+    row[[5, 6, 101, 102, 103]] = math.log(0.075)
+    row[cycle(prompt, output)] = math.log(0.7)
+    return row
+
+
+@pytest.mark.parametrize("min_confidence, longest", [(0.0, 4), (0.5, 2), (0.75, 1)])
+def test_a_run_stops_drafting_where_the_draft_is_unsure_of_it(min_confidence, longest):
+    """Each draft token at probability 0.7 under the draft: a run of k = 4 stops after 2 at 0.5
+    (0.7 * 0.7 < 0.5), after 1 at 0.75; the tokens stay the plain engine's."""
+    draft = ScriptedModel(unsure, vocab_size=200, eos_token_ids=[EOS])
+    config = pd.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=4, min_acceptance=0.0, min_gain=0.0,
+                                  min_draft_confidence=min_confidence)
+    params = pd.SamplingParams(max_tokens=30)
+    eng = engine(cycle, speculative=config)
+    rid = eng.add_request([1, 5], params)
+    run(eng)
+    runs = [r["proposed"] for r in eng.trace(rid) if r["kind"] == "spec.verify"]
+    assert eng.result(rid).token_ids == engine(cycle).generate([[1, 5]], params)[0].token_ids
+    assert max(runs) == longest and runs.count(longest) >= 5

@@ -79,12 +79,15 @@ def load_draft(draft: Any, device: torch.device, dtype: torch.dtype, quantizatio
 
 class DraftModelProposer:
     def __init__(self, model: Model, capacity_tokens: int, page_size: int, vocab_size: int,
-                 rejection: bool = True, kv_dtype: torch.dtype | None = None) -> None:
+                 rejection: bool = True, kv_dtype: torch.dtype | None = None, min_confidence: float = 0.0) -> None:
         """capacity_tokens: the target's KV capacity, which the draft's cache matches in tokens;
         kv_dtype: the target's kv_cache_dtype, which a float32 draft takes too (its cache then
-        narrows as the target's does; any other draft keeps its own dtype)."""
+        narrows as the target's does; any other draft keeps its own dtype); min_confidence: a
+        run stops once the draft's own probability of its drafts so far falls below it
+        (SpeculativeConfig.min_draft_confidence)."""
         mc = model.config
         self.model = model
+        self.min_confidence = min_confidence
         self.rejection = rejection               # False: every draft greedy, verified by exact matching
         self.vocab_size = vocab_size             # draft ids past the target's vocabulary cut the draft
         self.page_size = page_size
@@ -126,6 +129,7 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in wants]
         sampled = [self.rejection and takes_rejection(req) for req, _ in wants]
         cut: dict[int, int] = {}                 # request -> drafts usable (a non-finite q cuts there)
+        sure = [1.0] * len(wants)                # the draft's probability of each run's drafts so far
         rows: list[tuple[int, Request, _DraftSeq, int]] = []
         for i, (req, k) in enumerate(wants):
             n = req.num_tokens
@@ -140,18 +144,21 @@ class DraftModelProposer:
         chunks = [[r.token_at(p) for p in range(s.num_computed, r.num_tokens)] for _, r, s, _ in rows]
         starts = [s.num_computed for _, _, s, _ in rows]
         logits = self._forward(chunks, starts, [s for _, _, s, _ in rows], [(r, []) for _, r, _, _ in rows])
-        self._choose(logits, [(i, req) for i, req, _, _ in rows], 0, sampled, out, probs, cut)
+        self._choose(logits, [(i, req) for i, req, _, _ in rows], 0, sampled, out, probs, cut, sure)
         for i, req, seq, k in rows:
             seq.num_computed = req.num_tokens
-        # steps 1 .. k - 1: decode the previous draft -> the next
+        # steps 1 .. k - 1: decode the previous draft -> the next, while the draft is sure enough
+        # of its run: a draft token costs a draft step and a verify row whether it is kept or not
         for step in range(1, max(k for *_, k in rows)):
-            going = [(i, req, seq) for i, req, seq, k in rows if step < k]
+            going = [(i, req, seq) for i, req, seq, k in rows if step < k and sure[i] >= self.min_confidence]
+            if not going:
+                break
             logits = self._forward([[out[i][-1]] for i, _, _ in going],
                                    [req.num_tokens + step - 1 for _, req, _ in going], [s for _, _, s in going],
                                    [(req, out[i]) for i, req, _ in going])
-            self._choose(logits, [(i, req) for i, req, _ in going], step, sampled, out, probs, cut)
-        for i, _, seq, k in rows:
-            seq.ahead = out[i][:k - 1]           # fed to the draft by the steps above: their K/V is written
+            self._choose(logits, [(i, req) for i, req, _ in going], step, sampled, out, probs, cut, sure)
+        for i, _, seq, _ in rows:
+            seq.ahead = out[i][:-1]              # fed to the draft by the steps above: their K/V is written
         proposals = []
         for i, draft in enumerate(out):
             bad = next((j for j, t in enumerate(draft) if t >= self.vocab_size), cut.get(i))
@@ -161,10 +168,15 @@ class DraftModelProposer:
         return proposals
 
     def _choose(self, logits: torch.Tensor, at: list[tuple[int, Request]], step: int, sampled: list[bool],
-                out: list[list[int]], probs: list[list[torch.Tensor]], cut: dict[int, int]) -> None:
+                out: list[list[int]], probs: list[list[torch.Tensor]], cut: dict[int, int], sure: list[float]) -> None:
         """Each row's draft at depth `step` (its request is wants[i]): the greedy next token, or one
-        sampled from q at its output position (len(output_ids) + step), q kept in probs[i]."""
+        sampled from q at its output position (len(output_ids) + step), q kept in probs[i]; sure[i]
+        is multiplied by the draft's probability of it (softmax of its logits, or q)."""
         tokens = logits.argmax(dim=-1).tolist()
+        chance = None
+        if self.min_confidence:
+            x = logits.float()
+            chance = torch.exp(x.amax(dim=-1) - torch.logsumexp(x, dim=-1)).tolist()
         rows = [r for r, (i, _) in enumerate(at) if sampled[i]]
         if rows:
             reqs = [at[r][1] for r in rows]
@@ -174,10 +186,14 @@ class DraftModelProposer:
                 i = at[r][0]
                 tokens[r] = drawn[n]
                 probs[i].append(q[n])
+                if chance is not None:
+                    chance[r] = float(q[n, drawn[n]])
                 if not usable[n]:
                     cut.setdefault(i, step)
-        for (i, _), t in zip(at, tokens):
+        for r, ((i, _), t) in enumerate(zip(at, tokens)):
             out[i].append(t)
+            if chance is not None:
+                sure[i] *= chance[r]
 
     def _forward(self, chunks: list[list[int]], starts: list[int], seqs: list[_DraftSeq],
                  known: list[tuple[Request, list[int]]]) -> torch.Tensor:

@@ -48,7 +48,7 @@ from ..request import Request
 from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from ..selector import SampleRows, Selection, TokenSelector, uses_penalties
 from .draft_model import DraftModelProposer, Proposal, load_draft
-from .gates import FIRST_DRAFT, CostGate, Gate
+from .gates import FIRST_DRAFT, PREDICTION_DRAFT, CostGate, Gate
 from .ngram import NgramProposer
 from .rejection import verify_sampled
 from .verify_run import Host, VerifyRun
@@ -87,7 +87,8 @@ class Speculator:
             # deterministic mode keeps exact matching for every request: a seeded request's tokens
             # must not depend on the verify schedule, which other requests shape
             self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size,
-                                            rejection=not deterministic, kv_dtype=kv_dtype)
+                                            rejection=not deterministic, kv_dtype=kv_dtype,
+                                            min_confidence=config.min_draft_confidence)
         self.counters = SpecCounters()
         self.cost = CostGate(config.min_gain, config.backoff_steps)
         self._gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
@@ -310,6 +311,9 @@ class Speculator:
     def _gate(self, req: Request) -> Gate:
         gate = self._gates.get(req)
         if gate is None:
-            first = self.config.num_tokens if self.config.min_acceptance == 0 else FIRST_DRAFT
-            gate = self._gates[req] = Gate(self.config.num_tokens, self.config.backoff_steps, length=first)
+            most = self.config.num_tokens
+            if req.prediction is not None:
+                most = max(most, PREDICTION_DRAFT)
+            first = most if self.config.min_acceptance == 0 else FIRST_DRAFT
+            gate = self._gates[req] = Gate(most, self.config.backoff_steps, length=first)
         return gate
