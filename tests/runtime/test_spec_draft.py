@@ -3,6 +3,7 @@ kept where the target accepted them, so a proposal after a run recomputes one or
 the whole run; the scripted draft checks on every forward that its cache holds the tokens it
 should (a reused row that were not the request's token would fail it, and speculation with it)."""
 import math
+import time
 
 import pytest
 import torch
@@ -73,3 +74,19 @@ def test_a_run_stops_drafting_where_the_draft_is_unsure_of_it(min_confidence, lo
     runs = [r["proposed"] for r in eng.trace(rid) if r["kind"] == "spec.verify"]
     assert eng.result(rid).token_ids == engine(cycle).generate([[1, 5]], params)[0].token_ids
     assert max(runs) == longest and runs.count(longest) >= 5
+
+
+def test_the_cost_gate_counts_drafting_in_the_step_that_drafts():
+    """A draft whose every token is right but whose forward takes 50 ms: 4 draft forwards make a
+    step of 5 tokens 200 ms, far slower than the plain steps' one token each. The step-cost gate
+    turns drafting off at this batch size; it did not while a step was timed from the end of its
+    drafting, which charged the drafting to the step before (the gate's plain samples were
+    mostly steps before a drafting one, and looked as slow)."""
+    draft = ScriptedModel(cycle, vocab_size=200, eos_token_ids=[EOS], on_forward=lambda info: time.sleep(0.05))
+    config = pd.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=4, min_acceptance=0.0)
+    eng = engine(cycle, speculative=config)
+    rid = eng.add_request([1, 5], pd.SamplingParams(max_tokens=300))
+    run(eng)
+    got = eng.result(rid)
+    assert got.usage.accepted_draft_tokens == got.usage.draft_tokens > 0    # right, and too slow to pay
+    assert eng.speculator.counters.drafts < 30, eng.speculator.counters

@@ -57,7 +57,9 @@ class CostGate:
     that do not, measured per batch size (decoding requests) over the engine's own steps. Where
     verifying steps run below `min_gain` times the plain ones, proposals stop at that batch size
     for a back-off (doubling while it stays so, reset when verifying pays), then are tried again.
-    A step is timed from one extend() to the next; steps with prompt chunks are not counted."""
+    A step is timed from the start of one extend() to the next, so that its drafting counts in it
+    (timed from the end, a draft model's forwards were charged to the step before: a plain step
+    followed by a drafting one looked slow); steps with prompt chunks are not counted."""
 
     WARMUP = 8                   # samples of each kind before it decides
     ALPHA = 0.2                  # EWMA weight of a new sample

@@ -100,13 +100,15 @@ class Speculator:
         and the step's token budget allows; the others stay plain decodes."""
         if not self.general and not any(s.request.prediction is not None for s in plan.decode):
             return
+        # the step is timed from here: its drafting (a draft model's forwards) is part of its cost
+        now = time.perf_counter()
         self._step += 1
         if self.draft is not None:
             self.draft.release_ended({id(r) for r in scheduler.running})
         batch = len(plan.decode)
         timed = not plan.prefill and batch > 0
         if not plan.decode or batch > self.config.max_batch or not self.cost.allows(batch, self._step):
-            self.cost.start(time.perf_counter(), self._step, batch, False, batch, timed)
+            self.cost.start(now, self._step, batch, False, batch, timed)
             return
         wants: list[tuple[ScheduledSeq, int]] = []
         for s in plan.decode:
@@ -122,7 +124,7 @@ class Speculator:
             if drafts and scheduler.try_extend(req, 1 + len(drafts)):
                 plan.decode.remove(s)
                 plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts), probs))
-        self.cost.start(time.perf_counter(), self._step, batch, bool(plan.verify), batch, timed)
+        self.cost.start(now, self._step, batch, bool(plan.verify), batch, timed)
 
     @staticmethod
     def _grammar_allows(req: Request, drafts: list[int]) -> list[int]:
