@@ -1,19 +1,24 @@
 """Speculation on a real model (SmolLM2-135M-Instruct): where each draft source pays, in one run,
 off and on interleaved, outputs checked identical.
 
-    .venv/bin/python benchmarks/speculative_real.py [--quick] [--concurrency 1,4,16] [--out FILE]
+    .venv/bin/python benchmarks/speculative_real.py --http      # every workload of issue 38's goals
+    .venv/bin/python benchmarks/speculative_real.py --quick     # 5 prompts a set, greedy only
 
 Workloads, each a chat rendered through the model's own template:
   grounded   20 input-grounded prompts (repeat, fix typos, extend a list, extract, reformat,
-             quote, edit code) with n-gram speculation (prompt lookup) against none
+             quote, edit code) with n-gram speculation (prompt lookup, k = --k) against none;
+             with --http also over HTTP (two servers, the openai client streaming), single stream
   chat       20 free chat prompts with the quantized self-draft (the model's own weights in
-             q4_0, SpeculativeConfig(method="draft", draft_quantization="q4_0")) against none
-  code-edit  a ~100-line file and a small change asked, the file given as the prediction
-             (Predicted Outputs) against no prediction
+             q4_0, SpeculativeConfig(method="draft", draft_quantization="q4_0",
+             min_draft_confidence=0.5, max_batch=1)) against none
+  code-edit  an 80-line file and a small change asked (3 prompts), the file given as the
+             prediction (Predicted Outputs) against no prediction, single stream
 each greedy and seeded sampling (temperature 0.7), single stream and batches (--concurrency).
+Outputs must be identical on and off, except the chat set's seeded runs: the draft model's
+rejection rule keeps the target's distribution, not its draws (reported, not compared).
 The target is the model in float32 (its Q4_1 file dequantized once into a cached F32 GGUF,
 benchmarks/real_model.py), or --dtype bfloat16. JSON under benchmarks/results/ and a PNG beside
-it; progress on stderr with the load average.
+it; a progress bar and each pass's figure with the load average on stderr.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -54,6 +60,87 @@ CODE = "\n".join(
      "    def add(self, name, count):\n        self.items[name] = self.items.get(name, 0) + count\n",
      "    def remove(self, name, count):\n        self.items[name] = max(0, self.items.get(name, 0) - count)\n",
      "    def total(self):\n        return sum(self.items.values())\n"])
+# The code-edit set's file: single blank lines between definitions, the layout SmolLM2-135M writes
+# itself (given the usual two, it copies with one and leaves the prediction at every definition).
+# A model this small copies the file rather than making the change asked; what is measured is how
+# fast a prediction lets the output go where it follows the file.
+EDIT_FILE = """import json
+import os
+
+def load_config(path):
+    with open(path) as f:
+        return json.load(f)
+
+def save_config(path, config):
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+def area(width, height):
+    return width * height
+
+def perimeter(width, height):
+    return 2 * (width + height)
+
+def is_square(width, height):
+    return width == height
+
+def scale(width, height, factor):
+    return width * factor, height * factor
+
+def list_files(folder):
+    return sorted(os.listdir(folder))
+
+def count_lines(path):
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+def read_words(path):
+    with open(path) as f:
+        return f.read().split()
+
+def word_count(path):
+    return len(read_words(path))
+
+class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        self.items[name] = max(0, self.items.get(name, 0) - count)
+
+    def total(self):
+        return sum(self.items.values())
+
+    def names(self):
+        return sorted(self.items)
+
+class Stack:
+    def __init__(self):
+        self.values = []
+
+    def push(self, value):
+        self.values.append(value)
+
+    def pop(self):
+        return self.values.pop()
+
+    def peek(self):
+        return self.values[-1]
+
+    def is_empty(self):
+        return not self.values
+
+def main():
+    config = load_config("config.json")
+    print(area(config["width"], config["height"]))
+
+if __name__ == "__main__":
+    main()
+"""
+EDITS = [("method", "total", "count_all"), ("function", "area", "rectangle_area"), ("method", "peek", "top")]
 CHAT = ["What is the capital of France?", "Give me three tips for sleeping better.",
         "Explain what a rainbow is to a child.", "Write a short poem about the sea.",
         "What are the benefits of drinking water?", "How do I boil an egg?",
@@ -80,8 +167,25 @@ def grounded_prompts() -> list[str]:
     return out[:20]
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+def edit_prompts(chat: Callable[[str], str]) -> list[str]:
+    return [chat(f"In this Python file, rename the {kind} `{old}` to `{new}`, and give back the whole file.\n\n"
+                 f"```python\n{EDIT_FILE}```") for kind, old, new in EDITS]
+
+
+class Progress:
+    """One bar over every timed pass of the run (tqdm on stderr), each pass's figure logged above
+    it with the load average."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, unit="pass", file=sys.stderr, dynamic_ncols=True)
+
+    def log(self, msg: str) -> None:
+        self.bar.write(f"[{time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+
+    def step(self, desc: str) -> None:
+        self.bar.set_description(desc, refresh=False)
+        self.bar.update(1)
 
 
 def run(engine: pd.Engine, prompts: list[str], params: list[pd.SamplingParams], concurrent: int) -> dict:
@@ -100,34 +204,45 @@ def run(engine: pd.Engine, prompts: list[str], params: list[pd.SamplingParams], 
             "acceptance": accepted / proposed if proposed else None, "outputs": [o.token_ids for o in outs]}
 
 
-def case(name: str, engines: dict[str, pd.Engine], prompts: list[str], params: dict[str, list[pd.SamplingParams]],
-         concurrent: int, repeat: int) -> dict:
-    """engines / params: "off" and "on" (the same engine twice where only the params differ)."""
+def interleaved(name: str, one_run: Callable[[str], dict], repeat: int, progress: Progress) -> dict:
+    """off and on passes alternated (off on, on off, ...), the median of each; outputs compared."""
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for rep in range(repeat):
         for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
             la = os.getloadavg()[0]
-            r = run(engines[mode], prompts, params[mode], concurrent)
+            r = one_run(mode)
             r["load"] = la
             runs[mode].append(r)
-            log(f"{name} x{concurrent} {mode} run {rep + 1}: {r['tokens_per_s']:.1f} tok/s")
+            progress.step(name)
+            progress.log(f"{name} {mode} pass {rep + 1}: {r['tokens_per_s']:.1f} tok/s")
     same = all(r["outputs"] == runs["off"][0]["outputs"] for r in runs["off"] + runs["on"])
     for rs in runs.values():
         for r in rs:
             del r["outputs"]
     med = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in runs.items()}
-    c = {"case": name, "concurrent": concurrent, "identical_outputs": same, "off_tokens_per_s": med["off"],
-         "on_tokens_per_s": med["on"], "speedup": med["on"] / med["off"],
-         "acceptance": runs["on"][-1]["acceptance"], "load": [r["load"] for rs in runs.values() for r in rs],
-         "runs": runs}
-    log(f"{name} x{concurrent}: {c['speedup']:.2f}x, acceptance {c['acceptance']}, identical {same}")
+    acc = runs["on"][-1].get("acceptance")
+    c = {"identical_outputs": same, "off_tokens_per_s": med["off"], "on_tokens_per_s": med["on"],
+         "speedup": med["on"] / med["off"], "acceptance": acc,
+         "load": [r["load"] for rs in runs.values() for r in rs], "runs": runs}
+    progress.log(f"{name}: {c['speedup']:.2f}x, acceptance {acc if acc is None else round(acc, 2)}, identical {same}")
     return c
 
 
-def http_case(model: str, prompts: list[str], k: int, max_tokens: int, repeat: int) -> dict:
+def case(name: str, engines: dict[str, pd.Engine], prompts: list[str], params: dict[str, list[pd.SamplingParams]],
+         concurrent: int, repeat: int, progress: Progress, exact: bool = True) -> dict:
+    """engines / params: "off" and "on" (the same engine twice where only the params differ).
+    exact: the contract is the same tokens on and off (False: a sampled request under the draft
+    model's rejection rule, whose tokens follow the target's distribution, not its draws)."""
+    c = interleaved(f"{name} x{concurrent}", lambda mode: run(engines[mode], prompts, params[mode], concurrent),
+                    repeat, progress)
+    return {"case": name, "concurrent": concurrent, "identical_expected": exact, **c}
+
+
+def http_case(model: str, prompts: list[str], k: int, sampling: dict[str, pd.SamplingParams], repeat: int,
+              progress: Progress) -> list[dict]:
     """The input-grounded set over HTTP, single stream, as a client sees it: two servers on loopback
-    ports (plain and n-gram speculation), the official openai client streaming chat completions,
-    greedy; tokens/s from the usage chunk over the wall time of each request."""
+    ports (plain and n-gram speculation), the official openai client streaming chat completions;
+    tokens/s from the usage chunk over the wall time of each request. One case per sampling."""
     import tempfile
 
     import openai
@@ -137,16 +252,17 @@ def http_case(model: str, prompts: list[str], k: int, max_tokens: int, repeat: i
     servers = {"off": start_server(model, 16, tmp / "off.log"),
                "on": start_server(model, 16, tmp / "on.log", ["--speculative-method", "ngram",
                                                                "--num-speculative-tokens", str(k)])}
+    cases = []
     try:
         clients = {m: openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) for m, (_, url) in servers.items()}
 
-        def one_run(mode: str) -> dict:
+        def one_run(mode: str, p: pd.SamplingParams) -> dict:
             tokens, wall, texts = 0, 0.0, []
-            for p in prompts:
+            for prompt in prompts:
                 t0 = time.perf_counter()
                 stream = clients[mode].chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0,
-                    stream=True, stream_options={"include_usage": True})
+                    model="m", messages=[{"role": "user", "content": prompt}], max_tokens=p.max_tokens,
+                    temperature=p.temperature, seed=p.seed, stream=True, stream_options={"include_usage": True})
                 parts = []
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
@@ -160,28 +276,15 @@ def http_case(model: str, prompts: list[str], k: int, max_tokens: int, repeat: i
         for mode in servers:                                         # first-call costs out of the timing
             clients[mode].chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=4)
-        runs: dict[str, list[dict]] = {"off": [], "on": []}
-        for rep in range(repeat):
-            for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-                la = os.getloadavg()[0]
-                r = one_run(mode)
-                r["load"] = la
-                runs[mode].append(r)
-                log(f"grounded-http x1 {mode} run {rep + 1}: {r['tokens_per_s']:.1f} tok/s")
+        for label, p in sampling.items():
+            name = f"grounded-{label}-http"
+            c = interleaved(f"{name} x1", lambda mode: one_run(mode, p), repeat, progress)
+            cases.append({"case": name, "concurrent": 1, "identical_expected": True, **c})
     finally:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=30)
-    same = all(r["outputs"] == runs["off"][0]["outputs"] for r in runs["off"] + runs["on"])
-    for rs in runs.values():
-        for r in rs:
-            del r["outputs"]
-    med = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in runs.items()}
-    c = {"case": "grounded-greedy-http", "concurrent": 1, "identical_outputs": same,
-         "off_tokens_per_s": med["off"], "on_tokens_per_s": med["on"], "speedup": med["on"] / med["off"],
-         "acceptance": None, "load": [r["load"] for rs in runs.values() for r in rs], "runs": runs}
-    log(f"grounded-http x1: {c['speedup']:.2f}x, identical {same}")
-    return c
+    return cases
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -193,38 +296,47 @@ def bench(args: argparse.Namespace) -> dict:
                 "seeded": pd.SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=11)}
     if args.quick:
         sampling.pop("seeded")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    only = set(args.only.split(",")) if args.only else {"grounded", "chat", "edit", "http"}
+    if not args.http:
+        only.discard("http")
+    workloads = {"grounded": [chat(p) for p in grounded_prompts()[:n]], "chat": [chat(p) for p in CHAT[:n]]}
+    plan = [(w, label, conc) for w in workloads if w in only for label in sampling for conc in concurrency]
+    edit_plan = [label for label in sampling if "edit" in only]
+    http_passes = len(sampling) if "http" in only else 0
+    progress = Progress(2 * args.repeat * (len(plan) + len(edit_plan) + http_passes))
     plain = pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16)
     engines = {
         "grounded": pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16,
                                               speculative=pd.SpeculativeConfig(method="ngram", num_tokens=args.k)),
         "chat": pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16, speculative=pd.SpeculativeConfig(
-            method="draft", draft_quantization=args.draft_quantization, num_tokens=args.k)),
+            method="draft", draft_quantization=args.draft_quantization, num_tokens=args.draft_k,
+            min_draft_confidence=args.draft_confidence, max_batch=args.draft_max_batch)),
     }
-    workloads = {"grounded": [chat(p) for p in grounded_prompts()[:n]], "chat": [chat(p) for p in CHAT[:n]]}
-    for eng in [plain, *engines.values()]:                      # first-call costs out of the timing
-        eng.generate([workloads["chat"][0]], pd.SamplingParams(max_tokens=4))
+    # first-call costs out of the timing, the step-cost gates' first measurements among them (at
+    # its start a speculating engine takes a few plain steps to measure against: a server pays
+    # that once, not per pass)
+    plain.generate([workloads["chat"][0]], pd.SamplingParams(max_tokens=4))
+    for name, eng in engines.items():
+        eng.generate([workloads[name][0]], sampling["greedy"])
     cases = []
-    concurrency = [int(c) for c in args.concurrency.split(",")]
-    only = set(args.only.split(",")) if args.only else {"grounded", "chat", "edit"}
-    for name, prompts in workloads.items():
-        if name not in only:
-            continue
-        for label, p in sampling.items():
-            for conc in concurrency:
-                cases.append(case(f"{name}-{label}", {"off": plain, "on": engines[name]}, prompts,
-                                  {"off": [p] * len(prompts), "on": [p] * len(prompts)}, conc, args.repeat))
-    if args.http:
-        cases.append(http_case(str(model), grounded_prompts()[:n], args.k, args.max_tokens, args.repeat))
-    edit = [chat(f"Rename the function `area_{i}` to `rectangle_area_{i}` in this file and give back the whole "
-                 f"file, nothing else:\n\n{CODE}") for i in (3, 7, 10)]
-    for label, p in sampling.items():
-        if "edit" not in only:
-            break
-        edit_params = replace(p, max_tokens=args.edit_tokens)
+    for name, label, conc in plan:
+        p = sampling[label]
+        prompts = workloads[name]
+        cases.append(case(f"{name}-{label}", {"off": plain, "on": engines[name]}, prompts,
+                          {"off": [p] * len(prompts), "on": [p] * len(prompts)}, conc, args.repeat, progress,
+                          exact=not (name == "chat" and p.temperature > 0)))
+    edit = edit_prompts(chat)
+    for label in edit_plan:
+        p = replace(sampling[label], max_tokens=args.edit_tokens)
         cases.append(case(f"code-edit-{label}", {"off": plain, "on": plain}, edit,
-                          {"off": [edit_params] * 3, "on": [replace(edit_params, prediction=CODE)] * 3}, 1, args.repeat))
+                          {"off": [p] * len(edit), "on": [replace(p, prediction=EDIT_FILE)] * len(edit)}, 1,
+                          args.repeat, progress))
+    if http_passes:
+        cases += http_case(str(model), grounded_prompts()[:n], args.k, sampling, args.repeat, progress)
+    progress.bar.close()
     return {"benchmark": "speculative-real", "date": time.strftime("%Y-%m-%d %H:%M"), "model": "SmolLM2-135M-Instruct",
-            "dtype": args.dtype, "k": args.k, "draft_quantization": args.draft_quantization,
+            "dtype": args.dtype, "k": args.k, "draft_k": args.draft_k, "draft_quantization": args.draft_quantization,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "torch_threads": torch.get_num_threads()}, "cases": cases}
 
@@ -247,13 +359,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="5 prompts a set, greedy only")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=4, help="n-gram draft tokens per run (the grounded sets)")
+    ap.add_argument("--draft-k", type=int, default=4, help="self-draft tokens per run (the chat set)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--edit-tokens", type=int, default=700)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--draft-quantization", default="q4_0")
+    # on CPU a q4_0 draft's rows are compute-bound (4 rows cost ~2.4x one on SmolLM2), and every
+    # request's prompt goes through the draft too: with more than one stream it costs more than it saves
+    ap.add_argument("--draft-max-batch", type=int, default=1,
+                    help="SpeculativeConfig.max_batch of the chat set's self-draft (drafts only this many streams)")
+    ap.add_argument("--draft-confidence", type=float, default=0.5,
+                    help="SpeculativeConfig.min_draft_confidence of the chat set's self-draft")
     ap.add_argument("--http", action="store_true", help="also the input-grounded set over HTTP (two servers)")
-    ap.add_argument("--only", default=None, help="comma-separated workloads to run: grounded, chat, edit")
+    ap.add_argument("--only", default=None, help="comma-separated workloads to run: grounded, chat, edit, http "
+                    "(http only with --http)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     result = bench(args)
@@ -263,11 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':22} {'conc':>4} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>6} {'accept':>7} {'same':>5} load")
     for c in result["cases"]:
         acc = f"{c['acceptance']:.2f}" if c["acceptance"] is not None else "-"
+        same = str(c["identical_outputs"]) + ("" if c["identical_expected"] else "*")
         print(f"{c['case']:22} {c['concurrent']:4} {c['off_tokens_per_s']:10.1f} {c['on_tokens_per_s']:10.1f} "
-              f"{c['speedup']:6.2f} {acc:>7} {str(c['identical_outputs']):>5} "
-              f"{min(c['load']):.1f}-{max(c['load']):.1f}")
+              f"{c['speedup']:6.2f} {acc:>7} {same:>6} {min(c['load']):.1f}-{max(c['load']):.1f}")
+    if not all(c["identical_expected"] for c in result["cases"]):
+        print("* the rejection rule: the target's distribution, not the same draws (not compared)")
     print(f"written {path}")
-    return 0 if all(c["identical_outputs"] for c in result["cases"]) else 1
+    return 0 if all(c["identical_outputs"] for c in result["cases"] if c["identical_expected"]) else 1
 
 
 if __name__ == "__main__":

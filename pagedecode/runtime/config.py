@@ -179,6 +179,10 @@ class SpeculativeConfig:
     draft_quantization: str | None = None    # "draft": load the draft quantized ("q8_0", "q4_0", ...); without
                                              # draft_model, the target's own checkpoint (a self-draft:
                                              # Engine.from_pretrained passes its path)
+    min_draft_confidence: float = 0.0        # "draft": a run stops drafting once the draft's own probability
+                                             # of its drafts so far (their probabilities multiplied) falls
+                                             # below this: each further draft costs a draft step and a verify
+                                             # row, kept or not (0: always the run's length)
     max_batch: int = 8                       # no proposals while more requests than this decode (large
                                              # batches are compute-bound: verifying costs more; and a batch
                                              # lasts as long as its slowest request: 16 concurrent
@@ -207,6 +211,8 @@ class SpeculativeConfig:
             if self.draft_quantization not in QUANTIZATIONS:
                 raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
                                  f"got {self.draft_quantization!r}")
+        if not 0.0 <= self.min_draft_confidence <= 1.0:
+            raise ValueError(f"min_draft_confidence must be in [0, 1], got {self.min_draft_confidence}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if not 0.0 <= self.min_acceptance <= 1.0:

@@ -25,7 +25,8 @@ def cyclic(prompt, output):
 
 @pytest.mark.parametrize("kwargs", [dict(method="eagle"), dict(num_tokens=0), dict(min_ngram=3, max_ngram=2),
                                     dict(min_ngram=0), dict(method="draft"), dict(draft_model="x"),
-                                    dict(min_acceptance=1.5), dict(max_batch=0), dict(min_gain=-1)])
+                                    dict(min_acceptance=1.5), dict(max_batch=0), dict(min_gain=-1),
+                                    dict(min_draft_confidence=1.5), dict(min_draft_confidence=-0.1)])
 def test_bad_speculative_configs_are_refused(kwargs):
     with pytest.raises(ValueError):
         pd.SpeculativeConfig(**kwargs)

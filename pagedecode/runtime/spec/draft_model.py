@@ -11,11 +11,14 @@ the tokens whose draft K/V is valid, always a prefix of the request's known toke
     known:          prompt | y1 .. yt                  (n = m + t tokens)
     draft cache:    known[:c] valid                    c <= n - 1
     one proposal:   extend known[c:n] -> d1, then decode d1 -> d2, ..., d_{k-1} -> dk
-    afterwards:     c = n (K/V of d1 .. d_{k-1} lies past it: overwritten by the next catch-up)
+    afterwards:     c = n, and `ahead` = d1 .. d_{k-1}: their K/V lies at n .. n + k - 2
 
-so the draft is rolled back with the target by construction: whatever the target accepted, the
-next proposal first computes the known tokens the draft has not seen (the accepted drafts and
-the token after them). A request that ended, or that no longer fits, gives its pages back.
+so the draft is rolled back with the target by construction: the next proposal first takes as
+valid the drafts of `ahead` that the target accepted (the same tokens at the same positions:
+their K/V is the one a catch-up would write), then computes the known tokens past them, at
+most the last accepted draft and the token after it (one or two rows, not the j + 1 of a run
+that kept j drafts: a quantized draft's rows cost nearly a whole step each on CPU). A request
+that ended, or that no longer fits, gives its pages back.
 """
 from __future__ import annotations
 
@@ -44,6 +47,18 @@ class Proposal(NamedTuple):
 class _DraftSeq:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    ahead: list[int] = field(default_factory=list)   # drafts whose K/V lies from num_computed on
+
+    def valid(self, req: Request) -> int:
+        """Tokens of req whose draft K/V is valid: num_computed, and on past it each draft of
+        `ahead` that the request's tokens repeat at its position (at most up to its last token,
+        which is always computed again: its row gives d1)."""
+        c, last = self.num_computed, req.num_tokens - 1
+        for token in self.ahead:
+            if c >= last or req.token_at(c) != token:
+                break
+            c += 1
+        return min(c, last)
 
 
 def load_draft(draft: Any, device: torch.device, dtype: torch.dtype, quantization: str | None = None) -> Model:
@@ -64,12 +79,15 @@ def load_draft(draft: Any, device: torch.device, dtype: torch.dtype, quantizatio
 
 class DraftModelProposer:
     def __init__(self, model: Model, capacity_tokens: int, page_size: int, vocab_size: int,
-                 rejection: bool = True, kv_dtype: torch.dtype | None = None) -> None:
+                 rejection: bool = True, kv_dtype: torch.dtype | None = None, min_confidence: float = 0.0) -> None:
         """capacity_tokens: the target's KV capacity, which the draft's cache matches in tokens;
         kv_dtype: the target's kv_cache_dtype, which a float32 draft takes too (its cache then
-        narrows as the target's does; any other draft keeps its own dtype)."""
+        narrows as the target's does; any other draft keeps its own dtype); min_confidence: a
+        run stops once the draft's own probability of its drafts so far falls below it
+        (SpeculativeConfig.min_draft_confidence)."""
         mc = model.config
         self.model = model
+        self.min_confidence = min_confidence
         self.rejection = rejection               # False: every draft greedy, verified by exact matching
         self.vocab_size = vocab_size             # draft ids past the target's vocabulary cut the draft
         self.page_size = page_size
@@ -111,13 +129,14 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in wants]
         sampled = [self.rejection and takes_rejection(req) for req, _ in wants]
         cut: dict[int, int] = {}                 # request -> drafts usable (a non-finite q cuts there)
+        sure = [1.0] * len(wants)                # the draft's probability of each run's drafts so far
         rows: list[tuple[int, Request, _DraftSeq, int]] = []
         for i, (req, k) in enumerate(wants):
             n = req.num_tokens
             k = min(k, self.max_context - n)
             seq = self._reserve(req, n + k - 1) if k > 0 else None
             if seq is not None:
-                seq.num_computed = min(seq.num_computed, n - 1)
+                seq.num_computed, seq.ahead = seq.valid(req), []
                 rows.append((i, req, seq, k))
         if not rows:
             return [Proposal([], None) for _ in wants]
@@ -125,16 +144,21 @@ class DraftModelProposer:
         chunks = [[r.token_at(p) for p in range(s.num_computed, r.num_tokens)] for _, r, s, _ in rows]
         starts = [s.num_computed for _, _, s, _ in rows]
         logits = self._forward(chunks, starts, [s for _, _, s, _ in rows], [(r, []) for _, r, _, _ in rows])
-        self._choose(logits, [(i, req) for i, req, _, _ in rows], 0, sampled, out, probs, cut)
+        self._choose(logits, [(i, req) for i, req, _, _ in rows], 0, sampled, out, probs, cut, sure)
         for i, req, seq, k in rows:
             seq.num_computed = req.num_tokens
-        # steps 1 .. k - 1: decode the previous draft -> the next
+        # steps 1 .. k - 1: decode the previous draft -> the next, while the draft is sure enough
+        # of its run: a draft token costs a draft step and a verify row whether it is kept or not
         for step in range(1, max(k for *_, k in rows)):
-            going = [(i, req, seq) for i, req, seq, k in rows if step < k]
+            going = [(i, req, seq) for i, req, seq, k in rows if step < k and sure[i] >= self.min_confidence]
+            if not going:
+                break
             logits = self._forward([[out[i][-1]] for i, _, _ in going],
                                    [req.num_tokens + step - 1 for _, req, _ in going], [s for _, _, s in going],
                                    [(req, out[i]) for i, req, _ in going])
-            self._choose(logits, [(i, req) for i, req, _ in going], step, sampled, out, probs, cut)
+            self._choose(logits, [(i, req) for i, req, _ in going], step, sampled, out, probs, cut, sure)
+        for i, _, seq, _ in rows:
+            seq.ahead = out[i][:-1]              # fed to the draft by the steps above: their K/V is written
         proposals = []
         for i, draft in enumerate(out):
             bad = next((j for j, t in enumerate(draft) if t >= self.vocab_size), cut.get(i))
@@ -144,10 +168,15 @@ class DraftModelProposer:
         return proposals
 
     def _choose(self, logits: torch.Tensor, at: list[tuple[int, Request]], step: int, sampled: list[bool],
-                out: list[list[int]], probs: list[list[torch.Tensor]], cut: dict[int, int]) -> None:
+                out: list[list[int]], probs: list[list[torch.Tensor]], cut: dict[int, int], sure: list[float]) -> None:
         """Each row's draft at depth `step` (its request is wants[i]): the greedy next token, or one
-        sampled from q at its output position (len(output_ids) + step), q kept in probs[i]."""
+        sampled from q at its output position (len(output_ids) + step), q kept in probs[i]; sure[i]
+        is multiplied by the draft's probability of it (softmax of its logits, or q)."""
         tokens = logits.argmax(dim=-1).tolist()
+        chance = None
+        if self.min_confidence:
+            x = logits.float()
+            chance = torch.exp(x.amax(dim=-1) - torch.logsumexp(x, dim=-1)).tolist()
         rows = [r for r, (i, _) in enumerate(at) if sampled[i]]
         if rows:
             reqs = [at[r][1] for r in rows]
@@ -157,10 +186,14 @@ class DraftModelProposer:
                 i = at[r][0]
                 tokens[r] = drawn[n]
                 probs[i].append(q[n])
+                if chance is not None:
+                    chance[r] = float(q[n, drawn[n]])
                 if not usable[n]:
                     cut.setdefault(i, step)
-        for (i, _), t in zip(at, tokens):
+        for r, ((i, _), t) in enumerate(zip(at, tokens)):
             out[i].append(t)
+            if chance is not None:
+                sure[i] *= chance[r]
 
     def _forward(self, chunks: list[list[int]], starts: list[int], seqs: list[_DraftSeq],
                  known: list[tuple[Request, list[int]]]) -> torch.Tensor:

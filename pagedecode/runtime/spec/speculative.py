@@ -48,7 +48,7 @@ from ..request import Request
 from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from ..selector import SampleRows, Selection, TokenSelector, uses_penalties
 from .draft_model import DraftModelProposer, Proposal, load_draft
-from .gates import FIRST_DRAFT, CostGate, Gate
+from .gates import FIRST_DRAFT, PREDICTION_DRAFT, CostGate, Gate
 from .ngram import NgramProposer
 from .rejection import verify_sampled
 from .verify_run import Host, VerifyRun
@@ -87,7 +87,8 @@ class Speculator:
             # deterministic mode keeps exact matching for every request: a seeded request's tokens
             # must not depend on the verify schedule, which other requests shape
             self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size,
-                                            rejection=not deterministic, kv_dtype=kv_dtype)
+                                            rejection=not deterministic, kv_dtype=kv_dtype,
+                                            min_confidence=config.min_draft_confidence)
         self.counters = SpecCounters()
         self.cost = CostGate(config.min_gain, config.backoff_steps)
         self._gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
@@ -99,13 +100,15 @@ class Speculator:
         and the step's token budget allows; the others stay plain decodes."""
         if not self.general and not any(s.request.prediction is not None for s in plan.decode):
             return
+        # the step is timed from here: its drafting (a draft model's forwards) is part of its cost
+        now = time.perf_counter()
         self._step += 1
         if self.draft is not None:
             self.draft.release_ended({id(r) for r in scheduler.running})
         batch = len(plan.decode)
         timed = not plan.prefill and batch > 0
         if not plan.decode or batch > self.config.max_batch or not self.cost.allows(batch, self._step):
-            self.cost.start(time.perf_counter(), self._step, batch, False, batch, timed)
+            self.cost.start(now, self._step, batch, False, batch, timed)
             return
         wants: list[tuple[ScheduledSeq, int]] = []
         for s in plan.decode:
@@ -121,7 +124,7 @@ class Speculator:
             if drafts and scheduler.try_extend(req, 1 + len(drafts)):
                 plan.decode.remove(s)
                 plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts), probs))
-        self.cost.start(time.perf_counter(), self._step, batch, bool(plan.verify), batch, timed)
+        self.cost.start(now, self._step, batch, bool(plan.verify), batch, timed)
 
     @staticmethod
     def _grammar_allows(req: Request, drafts: list[int]) -> list[int]:
@@ -310,6 +313,9 @@ class Speculator:
     def _gate(self, req: Request) -> Gate:
         gate = self._gates.get(req)
         if gate is None:
-            first = self.config.num_tokens if self.config.min_acceptance == 0 else FIRST_DRAFT
-            gate = self._gates[req] = Gate(self.config.num_tokens, self.config.backoff_steps, length=first)
+            most = self.config.num_tokens
+            if req.prediction is not None:
+                most = max(most, PREDICTION_DRAFT)
+            first = most if self.config.min_acceptance == 0 else FIRST_DRAFT
+            gate = self._gates[req] = Gate(most, self.config.backoff_steps, length=first)
         return gate

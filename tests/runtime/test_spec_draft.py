@@ -1,0 +1,92 @@
+"""The draft model's own cache (runtime/spec/draft_model.py): the K/V it wrote for its drafts is
+kept where the target accepted them, so a proposal after a run recomputes one or two rows, not
+the whole run; the scripted draft checks on every forward that its cache holds the tokens it
+should (a reused row that were not the request's token would fail it, and speculation with it)."""
+import math
+import time
+
+import pytest
+import torch
+
+import pagedecode as pd
+from pagedecode.testing import ScriptedModel
+
+from .helpers import EOS, engine, run
+
+CYCLE = [5, 6, 101, 102, 103]
+
+
+def cycle(prompt, output):
+    """The next token of a fixed cycle after the last known token."""
+    last = (prompt + output)[-1]
+    return CYCLE[(CYCLE.index(last) + 1) % len(CYCLE)] if last in CYCLE else CYCLE[0]
+
+
+def wrong_every_fourth(prompt, output):
+    """The cycle, except at every fourth output position (then a token the target never picks)."""
+    return 104 if len(output) % 4 == 3 else cycle(prompt, output)
+
+
+@pytest.mark.parametrize("draft_script, most_rows", [(cycle, 2), (wrong_every_fourth, 2)])
+def test_a_proposal_recomputes_only_what_its_drafts_did_not_write(draft_script, most_rows):
+    """k = 3: a run kept whole leaves d1 d2 in the draft's cache, so the next proposal computes
+    d3 and the token after it (2 rows; it computed 4 before); a run cut short leaves the kept
+    drafts and computes the token after them (1 row). The output is the plain engine's."""
+    calls = []                             # rows of each draft forward, None where a proposal starts
+    draft = ScriptedModel(draft_script, vocab_size=200, eos_token_ids=[EOS],
+                          on_forward=lambda info: calls.append(info["batch"].input_ids.numel()))
+    config = pd.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=3, min_acceptance=0.0, min_gain=0.0)
+    params = pd.SamplingParams(max_tokens=40)
+    want = engine(cycle).generate([[1, 5]], params)[0].token_ids
+    eng = engine(cycle, speculative=config)
+    proposer = eng.speculator.draft
+    propose = proposer.propose
+    proposer.propose = lambda wants: calls.append(None) or propose(wants)
+    rid = eng.add_request([1, 5], params)
+    run(eng)
+    got = eng.result(rid)
+    first_rows = [calls[i + 1] for i, c in enumerate(calls) if c is None]
+    assert got.token_ids == want
+    assert got.usage.accepted_draft_tokens > 10                  # the draft's cache checks passed: it drafted
+    assert first_rows[0] == 3 and max(first_rows[1:]) <= most_rows   # prompt and y1, then one or two rows
+    assert len(first_rows) > 8
+
+
+def unsure(prompt, output):
+    """The cycle's next token at probability 0.7 (the rest spread over four others)."""
+    row = torch.full((200,), float("-inf"))
+    row[[5, 6, 101, 102, 103]] = math.log(0.075)
+    row[cycle(prompt, output)] = math.log(0.7)
+    return row
+
+
+@pytest.mark.parametrize("min_confidence, longest", [(0.0, 4), (0.5, 2), (0.75, 1)])
+def test_a_run_stops_drafting_where_the_draft_is_unsure_of_it(min_confidence, longest):
+    """Each draft token at probability 0.7 under the draft: a run of k = 4 stops after 2 at 0.5
+    (0.7 * 0.7 < 0.5), after 1 at 0.75; the tokens stay the plain engine's."""
+    draft = ScriptedModel(unsure, vocab_size=200, eos_token_ids=[EOS])
+    config = pd.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=4, min_acceptance=0.0, min_gain=0.0,
+                                  min_draft_confidence=min_confidence)
+    params = pd.SamplingParams(max_tokens=30)
+    eng = engine(cycle, speculative=config)
+    rid = eng.add_request([1, 5], params)
+    run(eng)
+    runs = [r["proposed"] for r in eng.trace(rid) if r["kind"] == "spec.verify"]
+    assert eng.result(rid).token_ids == engine(cycle).generate([[1, 5]], params)[0].token_ids
+    assert max(runs) == longest and runs.count(longest) >= 5
+
+
+def test_the_cost_gate_counts_drafting_in_the_step_that_drafts():
+    """A draft whose every token is right but whose forward takes 50 ms: 4 draft forwards make a
+    step of 5 tokens 200 ms, far slower than the plain steps' one token each. The step-cost gate
+    turns drafting off at this batch size; it did not while a step was timed from the end of its
+    drafting, which charged the drafting to the step before (the gate's plain samples were
+    mostly steps before a drafting one, and looked as slow)."""
+    draft = ScriptedModel(cycle, vocab_size=200, eos_token_ids=[EOS], on_forward=lambda info: time.sleep(0.05))
+    config = pd.SpeculativeConfig(method="draft", draft_model=draft, num_tokens=4, min_acceptance=0.0)
+    eng = engine(cycle, speculative=config)
+    rid = eng.add_request([1, 5], pd.SamplingParams(max_tokens=300))
+    run(eng)
+    got = eng.result(rid)
+    assert got.usage.accepted_draft_tokens == got.usage.draft_tokens > 0    # right, and too slow to pay
+    assert eng.speculator.counters.drafts < 30, eng.speculator.counters
