@@ -187,6 +187,7 @@ struct Acts {
   int32_t* sum;
   float* sx;       // blocks of 32 with a min (Q8_1's s): d * sum per block (T, K / 32), and the same
   float* sx_t;     // transposed (K / 32, T) for the GEMM's mins, 8 tokens to a register (T >= 2)
+  int32_t* corr;   // Q5_0: -16 times each 4 inputs' sum of q (T, K / 32, 8): tile32's offset, in int32 lanes
 };
 
 // llama.cpp's quantize_row_q8_K: the scale from the signed input of largest magnitude
@@ -221,6 +222,9 @@ inline void quantize_acts(Kind kind, const float* x, int64_t T, int64_t K, const
     for (int j = 0; j < kBlock; ++j) s += a.q[i * kBlock + j];
     a.sum[i] = s;
   }
+  if (kind == Kind::Q5_0)
+    for (int64_t l = 0; l < T * K / 4; ++l)
+      a.corr[l] = -16 * (int32_t(a.q[4 * l]) + a.q[4 * l + 1] + a.q[4 * l + 2] + a.q[4 * l + 3]);
   if (!has_min(kind)) return;
   const int64_t per32 = K / kBlock;
   for (int64_t t = 0; t < T; ++t)
@@ -252,11 +256,11 @@ inline __m256i high_bits_avx2(const uint8_t* qh4) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
-// the 32 weights of a 32-block: Q4_1 / Q5_1 unsigned, Q5_0 minus 16
+// the 32 weights of a 32-block as unsigned bytes (Q5_0's q, not q - 16: tile32 adds the -16)
 inline __m256i block32_avx2(Kind kind, const uint8_t* b) {
   switch (kind) {
     case Kind::Q4_1: return nibbles_avx2(b + 4);
-    case Kind::Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles_avx2(b + 6), high_bits_avx2(b + 2)), _mm256_set1_epi8(16));
+    case Kind::Q5_0: return _mm256_or_si256(nibbles_avx2(b + 6), high_bits_avx2(b + 2));
     default: return _mm256_or_si256(nibbles_avx2(b + 8), high_bits_avx2(b + 4));
   }
 }
@@ -338,7 +342,10 @@ constexpr int kRowsGemv = 4, kRowsGemm = 2, kTokensGemm = 4;
 template <Kind KIND>
 constexpr int64_t kBytes32 = KIND == Kind::Q4_1 ? 20 : KIND == Kind::Q5_0 ? 22 : 24;
 
-// rows[0, RM) x tokens [t, t + RN) (t: the first token's index): out[j * ld + r] for token t + j
+// rows[0, RM) x tokens [t, t + RN) (t: the first token's index): out[j * ld + r] for token t + j.
+// Q5_0's lanes are its signed dot's exactly (each lane sums the same 4 products), formed as the
+// unsigned q times x plus -16 times those 4 inputs' sum (corr, once per token): an add per (row,
+// token) block instead of the sign trick's two vpsignb.
 template <Kind KIND, int RM, int RN, bool MINS_HERE>
 inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_t t, float* out, int64_t ld) {
   constexpr bool sign = KIND == Kind::Q5_0;
@@ -352,6 +359,7 @@ inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[RM];
     float dw[RM];
+    if constexpr (RN == 1) prefetch_span(rows[0] + b * RM * kBytes32<KIND>, RM * kBytes32<KIND>);   // the gemv
     for (int r = 0; r < RM; ++r) {
       const uint8_t* blk = rows[r] + b * kBytes32<KIND>;
       w[r] = block32_avx2(KIND, blk);
@@ -361,8 +369,12 @@ inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_
     for (int j = 0; j < RN; ++j) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t + j) * K + b * kBlock));
       const float dx = a.d[(t + j) * nb + b];
-      for (int r = 0; r < RM; ++r)
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w[r], x, sign)), _mm256_set1_ps(dw[r] * dx), acc[r][j]);
+      __m256i c = _mm256_setzero_si256();
+      if constexpr (sign) c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr + ((t + j) * nb + b) * 8));
+      for (int r = 0; r < RM; ++r) {
+        const __m256i lanes = sign ? _mm256_add_epi32(dot32(w[r], x, false), c) : dot32(w[r], x, false);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw[r] * dx), acc[r][j]);
+      }
     }
   }
   for (int r = 0; r < RM; ++r)
@@ -411,24 +423,7 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
   const int64_t nblocks = K / type.block, n = t1 - t0, per32 = K / kBlock;
   acc.reset(n);
 #if defined(__AVX2__)
-  if (!is_k(kind)) {
-    const bool sign = kind == Kind::Q5_0;
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const uint8_t* blk = row + b * type.bytes;
-      const __m256i w = block32_avx2(kind, blk);
-      const float dw = fp16_to_float(blk);
-      const float mw = has_min(kind) ? fp16_to_float(blk + 2) : 0.f;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t i = (t0 + t) * per32 + b;
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + i * kBlock));
-        const float dx = a.d[i];
-        acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w, x, sign)), _mm256_set1_ps(dw * dx), acc.lanes[t].v);
-        if (has_min(kind)) acc.mins[t] = std::fma(mw, dx * static_cast<float>(a.sum[i]), acc.mins[t]);
-      }
-    }
-    for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t].v) + acc.mins[t];
-    return;
-  }
+  // (Q4_1 / Q5_0 / Q5_1 go through Job::rows32 with AVX2: the K-quants here)
   const bool six = kind == Kind::Q6_K;
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* blk = row + b * type.bytes;
@@ -575,11 +570,11 @@ inline void matmul(const Type& type, const float* x, const uint8_t* w, float* ou
   const int64_t nd = is_k(type.kind) ? T * K / kSuper : T * K / kBlock;
   const int64_t n32 = T * K / kBlock;
   const int64_t o_d = work::lines(T * K), o_sum = o_d + work::lines(nd * 4), o_sx = o_sum + work::lines(n32 * 4);
-  const int64_t o_sx_t = o_sx + work::lines(n32 * 4);
-  unsigned char* mem = work::owned(keep, has_min(type.kind) ? o_sx_t + n32 * 4 : o_sx);
+  const int64_t o_sx_t = o_sx + work::lines(n32 * 4), o_corr = o_sx_t + work::lines(n32 * 4);
+  unsigned char* mem = work::owned(keep, type.kind == Kind::Q5_0 ? o_corr + n32 * 32 : o_corr);
   const Acts acts{reinterpret_cast<int8_t*>(mem), reinterpret_cast<float*>(mem + o_d),
                   reinterpret_cast<int32_t*>(mem + o_sum), reinterpret_cast<float*>(mem + o_sx),
-                  reinterpret_cast<float*>(mem + o_sx_t)};
+                  reinterpret_cast<float*>(mem + o_sx_t), reinterpret_cast<int32_t*>(mem + o_corr)};
   quantize_acts(type.kind, x, T, K, acts);
   const int64_t row_bytes = K / type.block * type.bytes;
   const int64_t reads = row_bytes * N * ((T + kTokenTile - 1) / kTokenTile);
