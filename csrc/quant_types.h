@@ -385,24 +385,29 @@ inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_
 }
 
 // The mins of one Q4_1 / Q5_1 row for tokens [t0, t1) into out[(t - t0) * ld]: each token's fma
-// chain over the blocks in order (tile32's), 8 tokens to a register (the activations' sx_t)
+// chain over the blocks in order (tile32's), 8 tokens to a register (the activations' sx_t) and up
+// to kTokenTile / 8 registers' chains in flight at once (one at a time waited on the fma's latency)
 template <Kind KIND>
 inline void mins32(const uint8_t* row, const Acts& a, int64_t nb, int64_t T, int64_t t0, int64_t t1, float* out,
                    int64_t ld) {
-  int64_t t = t0;
-  for (; t + 8 <= t1; t += 8) {
-    __m256 m = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b)
-      m = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_float(row + b * kBytes32<KIND> + 2)),
-                          _mm256_loadu_ps(a.sx_t + b * T + t), m);
-    alignas(32) float v[8];
-    _mm256_store_ps(v, m);
-    for (int j = 0; j < 8; ++j) out[(t - t0 + j) * ld] = v[j];
+  constexpr int kRegs = kTokenTile / 8;
+  const int regs = static_cast<int>((t1 - t0) / 8);
+  __m256 m[kRegs];
+  for (int g = 0; g < kRegs; ++g) m[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 mw = _mm256_set1_ps(fp16_to_float(row + b * kBytes32<KIND> + 2));
+    const float* sx = a.sx_t + b * T + t0;
+    for (int g = 0; g < regs; ++g) m[g] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + 8 * g), m[g]);
   }
-  for (; t < t1; ++t) {
-    float m = 0.f;
-    for (int64_t b = 0; b < nb; ++b) m = std::fma(fp16_to_float(row + b * kBytes32<KIND> + 2), a.sx_t[b * T + t], m);
-    out[(t - t0) * ld] = m;
+  for (int g = 0; g < regs; ++g) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, m[g]);
+    for (int j = 0; j < 8; ++j) out[(8 * g + j) * ld] = v[j];
+  }
+  for (int64_t t = t0 + 8 * regs; t < t1; ++t) {
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; ++b) s = std::fma(fp16_to_float(row + b * kBytes32<KIND> + 2), a.sx_t[b * T + t], s);
+    out[(t - t0) * ld] = s;
   }
 }
 
