@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.file) if args.file else smollm2_gguf()
     torch.set_num_threads(args.threads)
     engine = pd.Engine.from_pretrained(path, device="cpu", dtype=torch.float32, max_batch_size=64,
-                                       max_cache_tokens=4096, max_tokens_per_step=2048, kv_cache_dtype="float16")
+                                       max_cache_tokens=4096, max_tokens_per_step=2048, kv_cache_dtype="float16",
+                                       num_threads=args.threads)
     prompt = [1] + [3 + i % 500 for i in range(63)]
     engine.generate([prompt[:8]], pd.SamplingParams(max_tokens=4, ignore_eos=True))      # warm-up
     pd.freeze_heap()
