@@ -185,6 +185,9 @@ struct Acts {
   int8_t* q;
   float* d;
   int32_t* sum;
+  float* sx;       // blocks of 32 with a min (Q8_1's s): d * sum per block (T, K / 32), and the same
+  float* sx_t;     // transposed (K / 32, T) for the GEMM's mins, 8 tokens to a register (T >= 2)
+  int32_t* corr;   // Q5_0: -16 times each 4 inputs' sum of q (T, K / 32, 8): tile32's offset, in int32 lanes
 };
 
 // llama.cpp's quantize_row_q8_K: the scale from the signed input of largest magnitude
@@ -219,6 +222,17 @@ inline void quantize_acts(Kind kind, const float* x, int64_t T, int64_t K, const
     for (int j = 0; j < kBlock; ++j) s += a.q[i * kBlock + j];
     a.sum[i] = s;
   }
+  if (kind == Kind::Q5_0)
+    for (int64_t l = 0; l < T * K / 4; ++l)
+      a.corr[l] = -16 * (int32_t(a.q[4 * l]) + a.q[4 * l + 1] + a.q[4 * l + 2] + a.q[4 * l + 3]);
+  if (!has_min(kind)) return;
+  const int64_t per32 = K / kBlock;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < per32; ++b) {
+      const int64_t i = t * per32 + b;
+      a.sx[i] = a.d[i] * static_cast<float>(a.sum[i]);       // rounded once, as the fma's operand was
+      if (T >= 2) a.sx_t[b * T + t] = a.sx[i];
+    }
 }
 
 // -- the dot products -------------------------------------------------------------------------------
@@ -242,11 +256,11 @@ inline __m256i high_bits_avx2(const uint8_t* qh4) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
-// the 32 weights of a 32-block: Q4_1 / Q5_1 unsigned, Q5_0 minus 16
+// the 32 weights of a 32-block as unsigned bytes (Q5_0's q, not q - 16: tile32 adds the -16)
 inline __m256i block32_avx2(Kind kind, const uint8_t* b) {
   switch (kind) {
     case Kind::Q4_1: return nibbles_avx2(b + 4);
-    case Kind::Q5_0: return _mm256_sub_epi8(_mm256_or_si256(nibbles_avx2(b + 6), high_bits_avx2(b + 2)), _mm256_set1_epi8(16));
+    case Kind::Q5_0: return _mm256_or_si256(nibbles_avx2(b + 6), high_bits_avx2(b + 2));
     default: return _mm256_or_si256(nibbles_avx2(b + 8), high_bits_avx2(b + 4));
   }
 }
@@ -313,6 +327,100 @@ struct Accs {
 
 constexpr int64_t kTokenTile = 64;     // tokens whose accumulators live at once (the block decoded once for them)
 
+#if defined(__AVX2__)
+// The blocks of 32 (Q4_1, Q5_0, Q5_1) in register tiles: RM weight rows x RN tokens, each (row,
+// token) with its own float lanes and min in registers, through the float operations row_dot's
+// scalar form names (per block in order: the 8 int32 lanes of the exact dot converted and fma'd
+// with dw * dx; the min's fma of m and the activations' d * sum; then hsum(lanes) + min). Tiled
+// because one row at a time kept a single fma chain in flight, its accumulators in memory: a
+// decode step's gemv waited on their latency (~18 cycles a block) and a prefill's GEMM re-read each
+// token's block per row. The gemv takes RM rows at once (RM independent chains); the GEMM decodes
+// each weight block once per RN tokens and loads each token's block once per RM rows, its mins
+// first into `out` by mins32 (MINS_HERE false).
+constexpr int kRowsGemv = 4, kRowsGemm = 2, kTokensGemm = 4;
+
+template <Kind KIND>
+constexpr int64_t kBytes32 = KIND == Kind::Q4_1 ? 20 : KIND == Kind::Q5_0 ? 22 : 24;
+
+// rows[0, RM) x tokens [t, t + RN) (t: the first token's index): out[j * ld + r] for token t + j.
+// Q5_0's lanes are its signed dot's exactly (each lane sums the same 4 products), formed as the
+// unsigned q times x plus -16 times those 4 inputs' sum (corr, once per token): an add per (row,
+// token) block instead of the sign trick's two vpsignb.
+template <Kind KIND, int RM, int RN, bool MINS_HERE>
+inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_t t, float* out, int64_t ld) {
+  constexpr bool sign = KIND == Kind::Q5_0;
+  const int64_t K = nb * kBlock;
+  __m256 acc[RM][RN];
+  float mins[RM];
+  for (int r = 0; r < RM; ++r) {
+    mins[r] = 0.f;
+    for (int j = 0; j < RN; ++j) acc[r][j] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w[RM];
+    float dw[RM];
+    if constexpr (RN == 1) prefetch_span(rows[0] + b * RM * kBytes32<KIND>, RM * kBytes32<KIND>);   // the gemv
+    for (int r = 0; r < RM; ++r) {
+      const uint8_t* blk = rows[r] + b * kBytes32<KIND>;
+      w[r] = block32_avx2(KIND, blk);
+      dw[r] = fp16_to_float(blk);
+      if constexpr (MINS_HERE && KIND != Kind::Q5_0) mins[r] = std::fma(fp16_to_float(blk + 2), a.sx[t * nb + b], mins[r]);
+    }
+    for (int j = 0; j < RN; ++j) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t + j) * K + b * kBlock));
+      const float dx = a.d[(t + j) * nb + b];
+      __m256i c = _mm256_setzero_si256();
+      if constexpr (sign) c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr + ((t + j) * nb + b) * 8));
+      for (int r = 0; r < RM; ++r) {
+        const __m256i lanes = sign ? _mm256_add_epi32(dot32(w[r], x, false), c) : dot32(w[r], x, false);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw[r] * dx), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < RN; ++j) {
+      const float m = KIND == Kind::Q5_0 ? 0.f : MINS_HERE ? mins[r] : out[j * ld + r];
+      out[j * ld + r] = hsum(acc[r][j]) + m;
+    }
+}
+
+// The mins of one Q4_1 / Q5_1 row for tokens [t0, t1) into out[(t - t0) * ld]: each token's fma
+// chain over the blocks in order (tile32's), 8 tokens to a register (the activations' sx_t) and up
+// to kTokenTile / 8 registers' chains in flight at once (one at a time waited on the fma's latency)
+template <Kind KIND>
+inline void mins32(const uint8_t* row, const Acts& a, int64_t nb, int64_t T, int64_t t0, int64_t t1, float* out,
+                   int64_t ld) {
+  constexpr int kRegs = kTokenTile / 8;
+  const int regs = static_cast<int>((t1 - t0) / 8);
+  __m256 m[kRegs];
+  for (int g = 0; g < kRegs; ++g) m[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 mw = _mm256_set1_ps(fp16_to_float(row + b * kBytes32<KIND> + 2));
+    const float* sx = a.sx_t + b * T + t0;
+    for (int g = 0; g < regs; ++g) m[g] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sx + 8 * g), m[g]);
+  }
+  for (int g = 0; g < regs; ++g) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, m[g]);
+    for (int j = 0; j < 8; ++j) out[(8 * g + j) * ld] = v[j];
+  }
+  for (int64_t t = t0 + 8 * regs; t < t1; ++t) {
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; ++b) s = std::fma(fp16_to_float(row + b * kBytes32<KIND> + 2), a.sx_t[b * T + t], s);
+    out[(t - t0) * ld] = s;
+  }
+}
+
+// f(std::integral_constant<int, n>) for a runtime n in [1, N]
+template <int N, typename F>
+inline void by_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    by_count<N - 1>(n, f);
+  }
+}
+#endif
+
 // One weight row against tokens [t0, t1): out[(t - t0) * ld]
 inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t K, int64_t t0, int64_t t1,
                     float* out, int64_t ld, Accs& acc) {
@@ -320,24 +428,7 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
   const int64_t nblocks = K / type.block, n = t1 - t0, per32 = K / kBlock;
   acc.reset(n);
 #if defined(__AVX2__)
-  if (!is_k(kind)) {
-    const bool sign = kind == Kind::Q5_0;
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const uint8_t* blk = row + b * type.bytes;
-      const __m256i w = block32_avx2(kind, blk);
-      const float dw = fp16_to_float(blk);
-      const float mw = has_min(kind) ? fp16_to_float(blk + 2) : 0.f;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t i = (t0 + t) * per32 + b;
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + i * kBlock));
-        const float dx = a.d[i];
-        acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w, x, sign)), _mm256_set1_ps(dw * dx), acc.lanes[t].v);
-        if (has_min(kind)) acc.mins[t] = std::fma(mw, dx * static_cast<float>(a.sum[i]), acc.mins[t]);
-      }
-    }
-    for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t].v) + acc.mins[t];
-    return;
-  }
+  // (Q4_1 / Q5_0 / Q5_1 go through Job::rows32 with AVX2: the K-quants here)
   const bool six = kind == Kind::Q6_K;
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* blk = row + b * type.bytes;
@@ -415,6 +506,14 @@ struct Job {
   bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
     const int64_t begin = c * per_chunk, end = std::min(N, begin + per_chunk);
     const auto [o, ld] = work::destination(out, N, T, begin, end - begin, scratch);
+#if defined(__AVX2__)
+    switch (type->kind) {
+      case Kind::Q4_1: return rows32<Kind::Q4_1>(begin, end, o, ld, live);
+      case Kind::Q5_0: return rows32<Kind::Q5_0>(begin, end, o, ld, live);
+      case Kind::Q5_1: return rows32<Kind::Q5_1>(begin, end, o, ld, live);
+      default: break;
+    }
+#endif
     thread_local Accs acc;
     for (int64_t t0 = 0; t0 < T; t0 += kTokenTile) {
       const int64_t t1 = std::min(T, t0 + kTokenTile);
@@ -425,6 +524,42 @@ struct Job {
     }
     return true;
   }
+
+#if defined(__AVX2__)
+  // rows [begin, end) of a 32-block type by tile32: a lone token kRowsGemv rows at a time, more
+  // tokens (per tile of kTokenTile) their mins first, then kRowsGemm rows x kTokensGemm tokens
+  template <Kind KIND>
+  bool rows32(int64_t begin, int64_t end, float* o, int64_t ld, work::Live live) const {
+    const int64_t nb = K / kBlock;
+    for (int64_t t0 = 0; t0 < T; t0 += kTokenTile) {
+      const int64_t t1 = std::min(T, t0 + kTokenTile);
+      const int64_t step = T == 1 ? kRowsGemv : kRowsGemm;
+      for (int64_t n = begin; n < end; n += step) {
+        if (!live()) return false;
+        const int rm = static_cast<int>(std::min(step, end - n));
+        const uint8_t* rows[kRowsGemv];
+        for (int r = 0; r < rm; ++r) rows[r] = w + (n + r) * row_bytes;
+        float* on = o + (n - begin);
+        if (T == 1) {
+          by_count<kRowsGemv>(rm, [&](auto RM) { tile32<KIND, RM.value, 1, true>(rows, acts, nb, 0, on, ld); });
+          continue;
+        }
+        if constexpr (KIND != Kind::Q5_0)
+          for (int r = 0; r < rm; ++r) mins32<KIND>(rows[r], acts, nb, T, t0, t1, on + t0 * ld + r, ld);
+        by_count<kRowsGemm>(rm, [&](auto RM) {
+          int64_t t = t0;
+          for (; t + kTokensGemm <= t1; t += kTokensGemm)
+            tile32<KIND, RM.value, kTokensGemm, false>(rows, acts, nb, t, on + t * ld, ld);
+          if (t < t1)
+            by_count<kTokensGemm - 1>(static_cast<int>(t1 - t), [&](auto RN) {
+              tile32<KIND, RM.value, RN.value, false>(rows, acts, nb, t, on + t * ld, ld);
+            });
+        });
+      }
+    }
+    return true;
+  }
+#endif
 
   void commit(int64_t c, std::vector<float>* scratch) const {
     const int64_t begin = c * per_chunk;
@@ -438,10 +573,13 @@ inline void matmul(const Type& type, const float* x, const uint8_t* w, float* ou
                    work::Keep keep) {
   work::Pool& pool = work::Pool::get();
   const int64_t nd = is_k(type.kind) ? T * K / kSuper : T * K / kBlock;
-  const int64_t o_d = work::lines(T * K), o_sum = o_d + work::lines(nd * 4);
-  unsigned char* mem = work::owned(keep, o_sum + T * K / kBlock * 4);
+  const int64_t n32 = T * K / kBlock;
+  const int64_t o_d = work::lines(T * K), o_sum = o_d + work::lines(nd * 4), o_sx = o_sum + work::lines(n32 * 4);
+  const int64_t o_sx_t = o_sx + work::lines(n32 * 4), o_corr = o_sx_t + work::lines(n32 * 4);
+  unsigned char* mem = work::owned(keep, type.kind == Kind::Q5_0 ? o_corr + n32 * 32 : o_corr);
   const Acts acts{reinterpret_cast<int8_t*>(mem), reinterpret_cast<float*>(mem + o_d),
-                  reinterpret_cast<int32_t*>(mem + o_sum)};
+                  reinterpret_cast<int32_t*>(mem + o_sum), reinterpret_cast<float*>(mem + o_sx),
+                  reinterpret_cast<float*>(mem + o_sx_t), reinterpret_cast<int32_t*>(mem + o_corr)};
   quantize_acts(type.kind, x, T, K, acts);
   const int64_t row_bytes = K / type.block * type.bytes;
   const int64_t reads = row_bytes * N * ((T + kTokenTile - 1) / kTokenTile);
