@@ -70,7 +70,7 @@ print(time.process_time() - t)
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="libgomp spins briefly anyway with fewer CPUs than threads")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="libgomp spins briefly anyway with fewer CPUs")
 def test_torchs_openmp_threads_stop_spinning_soon_after_import_pagedecode():
     """The CPU a process burns between 100 parallel regions 10 ms apart: with libgomp's own
     default (300,000 spins, here set by hand, which wins) the idle thread spins for milliseconds
