@@ -9,7 +9,8 @@ Workloads are engine_vs_hf.py's (single: a 64-token prompt + 128 tokens; mixed: 
 varied lengths, llama.cpp through llama-batched-bench at the mean lengths), --threads each. Files:
 stories260k as llama.cpp's own f32 GGUF of the checkpoint, SmolLM2 as its Q4_1 file; both engines
 load the same file. pagedecode runs in a child process per run (a fresh heap and thread pool, as a
-user starts it). JSON + PNG under benchmarks/results/; each run with the load average as it began.
+user starts it: `import pagedecode` before torch, as its commands do). JSON + PNG under
+benchmarks/results/; each run with the load average as it began.
 """
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ import engine_vs_hf as evh  # noqa: E402
 from common import plot, result_path, write_json  # noqa: E402
 from real_model import smollm2_gguf  # noqa: E402
 
+# pagedecode imported before torch, as its commands do: it sets torch's OpenMP spin (env.py) then
 CHILD = """
-import json, sys, torch
+import json, sys
+import pagedecode
+import torch
 sys.path.insert(0, {bench!r})
 import engine_vs_hf as evh
 torch.set_num_threads({threads})

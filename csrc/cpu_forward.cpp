@@ -701,6 +701,28 @@ bool last_rows_only(const Tensor& logits_indices, const int32_t* cu, int64_t S, 
 // Included here, inside this file's namespace, for quant_blocks() above.
 #include "model_stack.h"
 
+// Whether every matmul of a layer over `rows` rows stays off OpenMP's threads: on the caller
+// (a small layer's gemv_transposed) or on work::Pool (the float gemv and the quantized matmuls
+// under work::kOpenMPRows rows). Then the step's attention runs on the pool too (paged_attention):
+// OpenMP's threads, woken for it alone, spin at the join for a thread the OS has descheduled and
+// after it, burning the time slice that thread needs (stories260k's 64-request decode steps beside
+// a busy neighbour: most of a step). Deterministic mode keeps its matmuls (det::matmul) as they are.
+template <typename T>
+bool off_openmp(const std::vector<Tensor>& L, int64_t rows, bool det) {
+  for (const Proj& p : {kQkv, kO, kGateUp, kDown}) {
+    const Tensor& w = L[p.w];
+    if (quant_blocks(w)) {
+      if (rows >= work::kOpenMPRows) return false;
+      continue;
+    }
+    if (det) return false;
+    if (L[p.t].numel() > 0 && rows <= kSmallGemvRows) continue;
+    const bool packed = L[p.packed].defined() && L[p.packed].is_mkldnn();
+    if (rows > (packed ? kGemvRows<T> : kGemvRowsUnpacked) || rows >= work::kOpenMPRows) return false;
+  }
+  return true;
+}
+
 // -- LoRA adapters: csrc/lora_delta.h ---------------------------------------------------------------
 #include "lora_delta.h"
 
@@ -774,7 +796,7 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
     }
     attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, k_cache.size(1), page_table.data_ptr<int32_t>(), page_table.size(1),
               seq_lens.data_ptr<int32_t>(), cu, S, page_size, H, Hkv, D, scale, attn.data_ptr<T>(), det,
-              /*pool=*/quant_blocks(L[kQkvW]), caches, ks, vs);
+              /*pool=*/off_openmp<T>(L, rows, det), caches, ks, vs);
     if (!chunks.empty() && rows == T_)
       prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, m.scale, attn,
                         quant ? k_scale[i] : Tensor(), quant ? v_scale[i] : Tensor());

@@ -310,7 +310,7 @@ struct AttendArgs {
   int64_t S, rows, num_pages, page_size, H, Hkv, D;
   float scale;
   bool det;
-  bool pool;      // few rows on the spinning pool: where the matmuls around it run there too
+  bool pool;      // on the spinning pool: the step's matmuls run there or on the caller, never on OpenMP
   // an 8-bit cache's scales, one per (slot, kv head) at slot * Hkv + head; nullptr for a float cache
   const float* ks = nullptr;
   const float* vs = nullptr;
@@ -583,7 +583,7 @@ void paged_attention(const AttendArgs<T, C>& a, T* out, const work::Keep& caches
     }
     return;
   }
-  if (a.pool && items > 1 && a.rows < work::kOpenMPRows && !at::in_parallel_region()) {
+  if (a.pool && items > 1 && items <= work::Pool::kMaxChunks && !at::in_parallel_region()) {
     decode_attention<T, C, kD>(a, item, out, caches);
     return;
   }

@@ -4,6 +4,10 @@ Triton kernels for paged attention and sampling on CUDA, torch references everyw
 under a small runtime that owns the page table, batch slots, continuous batching, safe-point
 cancellation and the step-state invariants.
 """
+from . import env as _env
+
+with _env.openmp_spins_briefly():    # read by torch's OpenMP runtime as it loads: env.py
+    import torch  # noqa: F401
 from . import testing
 from .errors import (AdapterError, DoubleReleaseError, ForgottenRequestError, IllegalTransitionError, InvalidRequestError,
                      ModelLoadError, ModelUnavailableError, PageDecodeError, UnknownAdapterError, UnknownRequestError)

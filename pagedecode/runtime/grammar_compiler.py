@@ -128,6 +128,7 @@ class GrammarCompiler:
         self.cache_size, self.cache_bytes = cache_size, cache_bytes
         self.compile_delay_s = compile_delay_s      # tests: a deliberately slow compile
         self.compile_s: deque[float] = deque(maxlen=1024)     # the latest compiles' durations
+        self._queued = 0                         # jobs submitted to either worker and not yet ended
 
     def submit(self, so: StructuredOutput) -> CompileJob:
         """The constraint's job: cached, or queued for the worker now. Never blocks."""
@@ -138,8 +139,27 @@ class GrammarCompiler:
                 return job
             job = self._cache[so.key] = CompileJob()
             self._evict()
-        self._parse_pool.submit(self._parse, so, job)
+        self._submit(self._parse_pool, self._parse, so, job)
         return job
+
+    def _submit(self, pool: concurrent.futures.ThreadPoolExecutor, fn: Any, *args: Any
+                ) -> concurrent.futures.Future[Any]:
+        future = pool.submit(fn, *args)
+        with self._lock:
+            self._queued += 1
+        future.add_done_callback(self._ended)        # at once if it has ended already
+        return future
+
+    def _ended(self, _: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def busy(self) -> bool:
+        """Whether a job is queued or running in either worker (the warm-up's import, a parse, a
+        compile). Neither can be stopped, and the interpreter's exit joins both workers: `serve`
+        asks this to end at once after its drain instead of waiting for them."""
+        with self._lock:
+            return self._queued > 0
 
     @property
     def cached_bytes(self) -> int:
@@ -159,7 +179,7 @@ class GrammarCompiler:
         ~300 ms at a time, in any thread: a server does it at start, before it serves."""
         if importlib.util.find_spec("xgrammar") is None:
             return None
-        return self._parse_pool.submit(self._backend)
+        return self._submit(self._parse_pool, self._backend)
 
     def _backend(self) -> None:
         if self._compiler is None:
@@ -181,7 +201,7 @@ class GrammarCompiler:
             job.compiled.set_exception(e)
             return
         job.parsed.set_result(None)
-        self._compile_pool.submit(self._compile, grammar, job)
+        self._submit(self._compile_pool, self._compile, grammar, job)
 
     def _compile(self, grammar: Any, job: CompileJob) -> None:
         t = time.perf_counter()

@@ -7,10 +7,13 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, NoReturn
 
 from ..runtime.footprint import describe
 from .flags import HelpFormatter, add_arguments, api_keys, engine_options, server_options, speculative_config
@@ -60,9 +63,10 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
     options["speculative"] = speculative
     name = args.served_model_name or (model_dir.stem if model_dir.is_file() else model_dir.name)
     try:
-        engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
-                                           tensor_parallel_size=args.tensor_parallel_size,
-                                           quantization=args.quantization, tokenizer=args.tokenizer, **options)
+        with interrupt_ends_the_load():
+            engine = pd.Engine.from_pretrained(model_dir, device=args.device, dtype=args.dtype, model_name=name,
+                                               tensor_parallel_size=args.tensor_parallel_size,
+                                               quantization=args.quantization, tokenizer=args.tokenizer, **options)
     except ValueError as e:                              # options that do not fit this model (kv_cache_dtype)
         sock.close()
         print(f"pagedecode serve: {e}", file=sys.stderr)
@@ -94,7 +98,39 @@ def main(argv: list[str] | None = None, parsed: argparse.Namespace | None = None
         engine.close()            # tensor-parallel workers stop here, told to, not at interpreter exit; the heap thaws
         if publisher is not None:
             publisher.close()
+    if engine.constraints.compiler.busy():
+        exit_now(0)
     return 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without the interpreter's exit, which joins every worker thread: the
+    grammar backend's (warmed at start: its xgrammar import is ~2 s of CPU, over 10 s on a loaded
+    machine; a compile can take a minute) does work nobody needs once the server has drained.
+    SIGTERM during start-up waited for it (10.5 s under load). Everything else is closed by then,
+    and what the process wrote is flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def interrupt_ends_the_load() -> Iterator[None]:
+    """SIGINT (Ctrl-C) while the model loads takes its default action, as SIGTERM does then: the
+    process ends at once (exit -2; -15 for SIGTERM), with nothing to drain yet. Python's
+    KeyboardInterrupt there is raised only between bytecodes, after the native call under way,
+    and was seen lost: a SmolLM2 load went on for 30 s after one, the GGUF tokenizer's build on the
+    stack. From uvicorn's start the drain takes both signals and the process exits 0."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:    # ignored, or someone's own
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def server_app(args: argparse.Namespace, ae: AsyncEngine, model_dir: Path, keys: tuple[str, ...]) -> Starlette:

@@ -210,9 +210,9 @@ def test_a_16_bit_cache_under_a_float32_model(kv_dtype, tol, shape):
 @pytest.mark.parametrize("specs", [[(45, 1)], [(3, 1), (70, 1), (20, 1)], [(30, 5)], [(9, 1), (0, 4)]])
 def test_few_rows_attend_on_every_thread(dtype, tol, specs):
     """Under 8 rows (a decode step of a few sequences, a short chunk) a lone sequence's query heads
-    split over the threads (OpenMP in a float model): held to the torch path at 1, 2, 3 and 4
-    threads. (test_deterministic_kernels.py: the same bits at every thread count; below: a quantized
-    model, whose attention runs on the spinning pool.)"""
+    split over the threads (on the pool, as the step's matmuls: off_openmp): held to the torch path at
+    1, 2, 3 and 4 threads. (test_deterministic_kernels.py: the same bits at every thread count;
+    below: a quantized model, and 64 rows of a small float model.)"""
     shape = dict(heads=6, kv_heads=2, head_dim=16)
     model = random_model(dtype, **shape)
     before = torch.get_num_threads()
@@ -263,6 +263,43 @@ def test_quantized_few_rows_give_the_same_bits_at_every_thread_count(kind):
     kv.v.copy_(base.v)
     want = run(model, steps[1], kv, "torch")
     torch.testing.assert_close(outs[0][5], want, atol=0.05 * float(want.abs().max()), rtol=0)
+
+
+@needs_ext
+def test_a_small_float_models_64_row_decode_attends_on_the_pool_the_same_bits():
+    """64 sequences decoding one row each under a float32 model of small layers (gemv_transposed on
+    the caller up to 64 rows): its attention runs on the spinning pool too (off_openmp), a
+    worker's items into its scratch, copied out. The logits and the KV written are the same bits at
+    1 (no pool), 2, 3 and 4 threads, step after step, and near the torch path's."""
+    shape = dict(heads=6, kv_heads=2, head_dim=16)
+    model = random_model(torch.float32, **shape)
+    c, page_size, num_pages = model.config, 16, 64 * 5
+    rng = random.Random(8)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    specs = [(rng.randrange(20, 60), 1) for _ in range(64)]
+    seq_pages = [[free.pop() for _ in range(-(-(cc + n) // page_size))] for cc, n in specs]
+    prefix = mixed_batch(rng, page_size, seq_pages, [(0, cc) for cc, _ in specs])
+    base = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, torch.float32)
+    run(model, prefix, base, "auto")
+    step = mixed_batch(random.Random(9), page_size, seq_pages, specs)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, torch.float32)
+            kv.k.copy_(base.k)
+            kv.v.copy_(base.v)
+            outs.append([run(model, step, kv, "auto") for _ in range(5)] + [kv.k.clone(), kv.v.clone()])
+    finally:
+        torch.set_num_threads(before)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
+    kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, torch.float32)
+    kv.k.copy_(base.k)
+    kv.v.copy_(base.v)
+    torch.testing.assert_close(outs[0][0], run(model, step, kv, "torch"), atol=1e-4, rtol=1e-4)
 
 
 @needs_ext
