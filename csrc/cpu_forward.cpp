@@ -751,9 +751,7 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
     const std::vector<Tensor>& L = m.layers[i];
     Tensor qkv = mm(x, kQkv, L, buf_qkv).contiguous();                           // (T, (H + 2 Hkv) D)
     if (lora.stack != nullptr)                         // LoRA on q | k | v, before RoPE (all T rows)
-      for (const auto& [p, col] : {std::pair{kLoraQ, int64_t{0}}, std::pair{kLoraK, H * D},
-                                   std::pair{kLoraV, (H + Hkv) * D}})
-        add_lora<T>(qkv, col, x, *lora.stack, i, p, lora.all, det);
+      add_lora<T>(qkv, x, *lora.stack, i, {{kLoraQ, 0}, {kLoraK, H * D}, {kLoraV, (H + Hkv) * D}}, lora.all, det);
     C* kc = k_cache.data_ptr<C>() + i * per_layer;
     C* vc = v_cache.data_ptr<C>() + i * per_layer;
     float* ks = quant ? k_scale.data_ptr<float>() + i * scales_per_layer : nullptr;
@@ -779,16 +777,13 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
                         quant ? k_scale[i] : Tensor(), quant ? v_scale[i] : Tensor());
     const std::vector<LoraSegment>& segs = rows < T_ ? lora.last : lora.all;      // the rows kept from here on
     Tensor o = mm(attn, kO, L, buf_o);
-    if (lora.stack != nullptr) add_lora<T>(o, 0, attn, *lora.stack, i, kLoraO, segs, det);
+    if (lora.stack != nullptr) add_lora<T>(o, attn, *lora.stack, i, {{kLoraO, 0}}, segs, det);
     add_then_norm(hp, o.data_ptr<T>(), L[kLn2].data_ptr<T>(), x.data_ptr<T>(), rows, hidden, eps, det);
     Tensor gate_up = mm(x, kGateUp, L, buf_gate_up);                             // (rows, 2 I)
-    if (lora.stack != nullptr) {
-      add_lora<T>(gate_up, 0, x, *lora.stack, i, kLoraGate, segs, det);
-      add_lora<T>(gate_up, I, x, *lora.stack, i, kLoraUp, segs, det);
-    }
+    if (lora.stack != nullptr) add_lora<T>(gate_up, x, *lora.stack, i, {{kLoraGate, 0}, {kLoraUp, I}}, segs, det);
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), rows, I);
     Tensor down = mm(act, kDown, L, buf_down);
-    if (lora.stack != nullptr) add_lora<T>(down, 0, act, *lora.stack, i, kLoraDown, segs, det);
+    if (lora.stack != nullptr) add_lora<T>(down, act, *lora.stack, i, {{kLoraDown, 0}}, segs, det);
     const T* next_ln = i + 1 < n_layers ? m.layers[i + 1][kLn1].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), rows, hidden, eps, det);
   }
