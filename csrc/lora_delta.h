@@ -315,12 +315,18 @@ void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
   expand.per = 64 * ((n_all + 127) / 128);
   for (int64_t t = 0; t < P; ++t)
     expand.first_chunk[t + 1] = expand.first_chunk[t] + (expand.n[t] + expand.per - 1) / expand.per;
-  // a call of few bytes on the caller alone (the pool's hand-off costs more), else ~4 chunks a thread
-  const bool alone = reads < (32 << 10);
-  shrink.per_chunk = alone ? W : std::max<int64_t>(1, (W + 4 * threads - 1) / (4 * threads));
-  work::run((W + shrink.per_chunk - 1) / shrink.per_chunk, shrink, rows, keep);
-  if (alone)
+  // On the Pool (work_pool.h: the caller never waits on a descheduled worker) for a gemv's few
+  // rows, ~4 chunks a thread; on the caller alone for a call of few bytes (the hand-off costs
+  // more) and from work::kOpenMPRows rows, where the base matmuls run on OpenMP's threads: these
+  // calls are tens of microseconds, 2 per add_lora, and a fork-join each would wait on any
+  // descheduled thread (or a second pool would spin beside OpenMP's: work_pool.h). Measured on 2
+  // loaded cores (load ~15), 16 requests over 4 adapters, one run: 2.6x the base's time with OpenMP here.
+  if (reads < (32 << 10) || rows >= work::kOpenMPRows) {
+    for (int64_t c = 0; c < W; ++c) shrink.compute(c, nullptr, work::Live{nullptr, 0});
     for (int64_t c = 0; c < expand.first_chunk[P]; ++c) expand.compute(c, nullptr, work::Live{nullptr, 0});
-  else
-    work::run(expand.first_chunk[P], expand, rows, std::move(keep));
+    return;
+  }
+  shrink.per_chunk = std::max<int64_t>(1, (W + 4 * threads - 1) / (4 * threads));
+  work::Pool::get().run((W + shrink.per_chunk - 1) / shrink.per_chunk, shrink, keep);
+  work::Pool::get().run(expand.first_chunk[P], expand, std::move(keep));
 }
