@@ -68,11 +68,15 @@ def mean_kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
 
 
-def kl_by_cache(engine: Any, prompts: Sequence[str], new_tokens: int, caches: Sequence[str]) -> dict[str, Any]:
+def kl_by_cache(engine: Any, prompts: Sequence[str], new_tokens: int, caches: Sequence[str],
+                bar: Any = None) -> dict[str, Any]:
     """Each prompt continued new_tokens greedily (float32 cache: `engine`'s), then the mean KL of
-    each cache's teacher-forced logits over the continuation positions, per prompt and overall."""
+    each cache's teacher-forced logits over the continuation positions, per prompt and overall.
+    bar: a progress bar (if any), advanced once for the generation and once per prompt."""
+    tick = bar.update if bar is not None else lambda n=1: None
     assert engine.kv_cache_dtype == torch.float32
     outs = engine.generate(list(prompts), pd.SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    tick(1)
     per: dict[str, list[float]] = {c: [] for c in caches}
     for out in outs:
         tokens = list(out.prompt_token_ids) + list(out.token_ids)
@@ -81,6 +85,7 @@ def kl_by_cache(engine: Any, prompts: Sequence[str], new_tokens: int, caches: Se
         ref = teacher_forced_logits(engine.model, tokens, "float32")[rows]
         for cache in caches:
             per[cache].append(mean_kl(ref, teacher_forced_logits(engine.model, tokens, cache)[rows]))
+        tick(1)
     return {c: {"mean_kl": statistics.fmean(v), "max_prompt_kl": max(v), "per_prompt": v} for c, v in per.items()}
 
 
@@ -130,6 +135,7 @@ def decode_speed(model: Any, cache: str, batch: int, context: int, steps: int, p
 
 def main() -> None:
     from common import plot, result_path, write_json
+    from engine_vs_hf import progress
     from real_model import smollm2_chat, smollm2_f32_gguf, smollm2_gguf
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,13 +153,22 @@ def main() -> None:
     caches = [c for c in CACHES if c != "float32"]
     chat = smollm2_chat(smollm2_gguf())
     prompts = [chat(p) for p in PROMPTS[:args.prompts]]
+    speeds = ("float16", "int8", "fp8_e4m3", "float32")
+    # one unit: the generation, a prompt's teacher-forced passes, the capacity count, a speed case
+    bar = progress(1 + args.prompts + 1 + len(speeds) * len(args.batch), "kv_quant.py", unit="step")
     f32 = pd.Engine.from_pretrained(smollm2_f32_gguf(), enable_prefix_caching=False)
-    accuracy = kl_by_cache(f32, prompts, args.tokens, caches)
+    accuracy = kl_by_cache(f32, prompts, args.tokens, caches, bar)
     cap = capacity(f32.model, f32.tokenizer, args.budget_mb << 20)
+    bar.update(1)
     f32.close()
     q4 = pd.Engine.from_pretrained(smollm2_gguf())
-    speed = {cache: {str(b): decode_speed(q4.model, cache, b, args.context, args.steps) for b in args.batch}
-             for cache in ("float16", "int8", "fp8_e4m3", "float32")}
+    speed: dict[str, dict[str, Any]] = {}
+    for cache in speeds:
+        speed[cache] = {}
+        for b in args.batch:
+            speed[cache][str(b)] = decode_speed(q4.model, cache, b, args.context, args.steps)
+            bar.update(1)
+    bar.close()
     result = {"model": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
               "load_before": os.getloadavg(), "kl_bound": KL_BOUND,
               "accuracy": {"prompts": args.prompts, "tokens": args.tokens, "model_weights": "float32", **accuracy},

@@ -27,6 +27,7 @@ import torch
 
 import pagedecode as pd
 from common import plot, result_path, write_json
+from engine_vs_hf import progress
 from pagedecode.lora.adapter import BLOCK, PROJECTIONS, projection_shapes
 
 
@@ -86,17 +87,21 @@ def main(argv: list[str] | None = None) -> int:
         engine.generate(prompts[:2], pd.SamplingParams(max_tokens=4), lora=[adapters[0], None])     # warm-up
         cases = {"single": ([prompts[0]], [adapters[0]]), "mixed": (prompts, [adapters[i % 4] for i in range(16)])}
         results = {}
+        bar = progress(len(cases) * args.repeats * 2, "lora.py", unit="run")
         for case, (ps, loras) in cases.items():
-            runs = {"base": [], "lora": []}
+            runs: dict[str, list[dict]] = {"base": [], "lora": []}
             for _ in range(args.repeats):       # interleaved, so load changes hit both alike
                 runs["base"].append(decode_rate(engine, ps, [None] * len(ps), args.max_tokens))
+                bar.update(1)
                 runs["lora"].append(decode_rate(engine, ps, loras, args.max_tokens))
+                bar.update(1)
             best = {k: max(v, key=lambda r: r["output_tokens_per_s"]) for k, v in runs.items()}
             results[case] = {**best, "slowdown": best["base"]["output_tokens_per_s"]
                              / best["lora"]["output_tokens_per_s"] - 1.0, "runs": runs}
             print(f"{case}: base {best['base']['output_tokens_per_s']:.1f} tok/s, rank-{args.rank} adapters "
                   f"{best['lora']['output_tokens_per_s']:.1f} tok/s: {100 * results[case]['slowdown']:+.1f}%",
                   file=sys.stderr)
+        bar.close()
     out = {"benchmark": "lora", "date": date.today().isoformat(), "model": model, "rank": args.rank,
            "projections": list(PROJECTIONS), "max_tokens": args.max_tokens, "threads": engine.num_threads,
            "machine": platform.machine(), "load_average": os.getloadavg(), "goal_slowdown": 0.25,

@@ -226,23 +226,62 @@ constexpr bool kQuantCache = std::is_same_v<C, int8_t> || std::is_same_v<C, c10:
 template <typename C>
 constexpr float kQuantMax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
 
+// kv_quant.e4m3_round: float y, |y| <= 448 -> the nearest e4m3 value (ties to even), in float
+// arithmetic: the step 2^(e - 3) from y's exponent bits (at least 2^-9: the subnormals')
+inline float e4m3_round(float y) {
+  uint32_t bits;
+  std::memcpy(&bits, &y, 4);
+  const uint32_t e = std::max<uint32_t>((bits >> 23) & 0xFF, 127 - 6);
+  const uint32_t up_bits = (257 - e) << 23, step_bits = (e - 3) << 23;
+  float up, step;
+  std::memcpy(&up, &up_bits, 4);
+  std::memcpy(&step, &step_bits, 4);
+  return ((y * up + 12582912.f) - 12582912.f) * step;
+}
+
+constexpr int kFp8Steps = 16;       // kv_quant.FP8_STEPS: the scales an fp8 row tries
+
 // One head's row x[0, D) -> q[0, D); returns its scale (kv_quant.quantize_rows, bit for bit: the
-// same float32 divisions, and half-to-even rounding by adding 1.5 * 2^23)
+// same float32 divisions, and half-to-even rounding by adding 1.5 * 2^23; fp8: of amax / 448
+// times 1 + j / 16, the scale whose row reads back with the least squared error, summed in double)
 template <typename C>
 inline float quantize_row(const float* x, int64_t D, C* q) {
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::fabs(x[d]) > amax ? std::fabs(x[d]) : amax;
-  const float scale = amax / kQuantMax<C>, safe = scale > 0.f ? scale : 1.f;
-  for (int64_t d = 0; d < D; ++d) {
-    float y = x[d] / safe;
-    y = y < -kQuantMax<C> ? -kQuantMax<C> : (y > kQuantMax<C> ? kQuantMax<C> : y);
-    if constexpr (std::is_same_v<C, int8_t>) {
+  const float base = amax / kQuantMax<C>;
+  if constexpr (std::is_same_v<C, int8_t>) {
+    const float safe = base > 0.f ? base : 1.f;
+    for (int64_t d = 0; d < D; ++d) {
+      float y = x[d] / safe;
+      y = y < -127.f ? -127.f : (y > 127.f ? 127.f : y);
       q[d] = static_cast<int8_t>((y + 12582912.f) - 12582912.f);    // kv_quant.ROUNDER (no -ffast-math here)
-    } else {
-      q[d] = C(y);
     }
+    return base;
+  } else {
+    thread_local std::vector<float> row, best;
+    row.resize(D);
+    best.resize(D);
+    float best_s = base;
+    double best_e = std::numeric_limits<double>::infinity();
+    for (int j = 0; j < kFp8Steps; ++j) {
+      const float s = base * (1.f + static_cast<float>(j) / kFp8Steps), safe = s > 0.f ? s : 1.f;
+      double err = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        float y = x[d] / safe;
+        y = y < -448.f ? -448.f : (y > 448.f ? 448.f : y);
+        row[d] = e4m3_round(y);
+        const double diff = static_cast<double>(row[d]) * static_cast<double>(s) - static_cast<double>(x[d]);
+        err += diff * diff;
+      }
+      if (err < best_e) {                 // the first j on a tie, as the reference
+        best_e = err;
+        best_s = s;
+        std::swap(row, best);
+      }
+    }
+    for (int64_t d = 0; d < D; ++d) q[d] = C(best[d]);                  // exact: best holds e4m3 values
+    return best_s;
   }
-  return scale;
 }
 
 // In place on the (T, (H + 2 Hkv) D) qkv rows: rotate q and k heads ("rotate half", with the
@@ -774,9 +813,7 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
     const std::vector<Tensor>& L = m.layers[i];
     Tensor qkv = mm(x, kQkv, L, buf_qkv).contiguous();                           // (T, (H + 2 Hkv) D)
     if (lora.stack != nullptr)                         // LoRA on q | k | v, before RoPE (all T rows)
-      for (const auto& [p, col] : {std::pair{kLoraQ, int64_t{0}}, std::pair{kLoraK, H * D},
-                                   std::pair{kLoraV, (H + Hkv) * D}})
-        add_lora<T>(qkv, col, x, *lora.stack, i, p, lora.all, det);
+      add_lora<T>(qkv, x, *lora.stack, i, {{kLoraQ, 0}, {kLoraK, H * D}, {kLoraV, (H + Hkv) * D}}, lora.all, det);
     C* kc = k_cache.data_ptr<C>() + i * per_layer;
     C* vc = v_cache.data_ptr<C>() + i * per_layer;
     float* ks = quant ? k_scale.data_ptr<float>() + i * scales_per_layer : nullptr;
@@ -802,16 +839,13 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
                         quant ? k_scale[i] : Tensor(), quant ? v_scale[i] : Tensor());
     const std::vector<LoraSegment>& segs = rows < T_ ? lora.last : lora.all;      // the rows kept from here on
     Tensor o = mm(attn, kO, L, buf_o);
-    if (lora.stack != nullptr) add_lora<T>(o, 0, attn, *lora.stack, i, kLoraO, segs, det);
+    if (lora.stack != nullptr) add_lora<T>(o, attn, *lora.stack, i, {{kLoraO, 0}}, segs, det);
     add_then_norm(hp, o.data_ptr<T>(), L[kLn2].data_ptr<T>(), x.data_ptr<T>(), rows, hidden, eps, det);
     Tensor gate_up = mm(x, kGateUp, L, buf_gate_up);                             // (rows, 2 I)
-    if (lora.stack != nullptr) {
-      add_lora<T>(gate_up, 0, x, *lora.stack, i, kLoraGate, segs, det);
-      add_lora<T>(gate_up, I, x, *lora.stack, i, kLoraUp, segs, det);
-    }
+    if (lora.stack != nullptr) add_lora<T>(gate_up, x, *lora.stack, i, {{kLoraGate, 0}, {kLoraUp, I}}, segs, det);
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), rows, I);
     Tensor down = mm(act, kDown, L, buf_down);
-    if (lora.stack != nullptr) add_lora<T>(down, 0, act, *lora.stack, i, kLoraDown, segs, det);
+    if (lora.stack != nullptr) add_lora<T>(down, act, *lora.stack, i, {{kLoraDown, 0}}, segs, det);
     const T* next_ln = i + 1 < n_layers ? m.layers[i + 1][kLn1].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), rows, hidden, eps, det);
   }

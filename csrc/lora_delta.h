@@ -2,9 +2,11 @@
 // by pagedecode/lora/stacks.py through model/cpu_forward.py, names shared by lora_projections()),
 // the batch's segments (runs of rows under one adapter slot, kernels/lora.py's layout) and the
 // delta added after a projection: out[rows of g, col : col + N] += scaling[s] (x A[s]^T) B[s]^T.
-// kernels/lora.py's lora_delta_reference is the definition; tests hold this file to it. In
-// deterministic mode shrink and expand go through det_linear (one order per output whatever the
-// rows around them). Included by cpu_forward.cpp inside its namespace (for det_linear, Tensor).
+// kernels/lora.py's lora_delta_reference is the definition; tests hold this file to it. A decode
+// step's short segments (and, in deterministic mode, every segment) take the batched path: each
+// shrunk value and each delta summed in one order whatever the rows around it, so a row's delta
+// does not depend on its batch. Included by cpu_forward.cpp inside its namespace (Tensor, f32,
+// to<T>, work::).
 #pragma once
 
 enum LoraProj : int { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown, kLoraProjs };
@@ -115,61 +117,216 @@ struct LoraRun {
   std::vector<LoraSegment> all, last;
 };
 
-// One row's delta as plain loops: shrunk[j] = scale * x . A[j] for j < r (each a dot over K, in
-// float), then out[n] += shrunk . B[n, :r]. Each row alone, in one order whatever the rows around
-// it: deterministic mode's delta, and the default's for short segments (a decode step's), where
-// ATen's per-call cost (views, dispatch) exceeded the arithmetic several times over.
-template <typename T>
-void lora_row(const T* x, const T* a, const T* b, int64_t r, int64_t R, int64_t K, int64_t N, float scale,
-              T* out, float* shrunk) {
-  for (int64_t j = 0; j < r; ++j) {
-    const T* aj = a + j * K;
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < K; ++k) acc += f32(x[k]) * f32(aj[k]);
-    shrunk[j] = scale * acc;
-  }
-  for (int64_t n = 0; n < N; ++n) {
-    const T* bn = b + n * R;
-    float acc = 0.f;
-    for (int64_t j = 0; j < r; ++j) acc += shrunk[j] * f32(bn[j]);
-    out[n] = to<T>(f32(out[n]) + acc);
-  }
-}
+// The projections one add_lora call serves: those that read the same rows x (q | k | v; gate |
+// up; o; down), each with the column of `out` its delta starts at. Their shrinks share one pass
+// over x's rows and their expands one call on the work pool.
+struct LoraTarget {
+  int proj;
+  int64_t col;
+};
+constexpr int kLoraMaxTargets = 3;
 
-// segments of at most this many rows take lora_row (outside deterministic mode); longer ones at::mm
+// A segment the batched path serves: rows lo .. hi of x / out, at `packed` in the call's own copy
+// of x's rows and in `shrunk`.
+struct LoraPlanSeg {
+  int64_t lo, hi, packed;
+  int32_t slot, rank;
+};
+
+// shrunk[row, t R + j] = scaling_t[slot] * x[row] . A_t[slot, j] (j < the slot's rank; 0 past it)
+// for the columns [c per, (c + 1) per) of P R, every planned row: A's row read once per segment,
+// each dot in one order (a simd reduction over K) whatever the rows around it.
+template <typename T>
+struct LoraShrinkJob {
+  const float* x;                          // (rows, K): the planned rows, packed, in float
+  const T* a[kLoraMaxTargets];             // (S, R, K)
+  const float* scaling[kLoraMaxTargets];   // (S,)
+  const LoraPlanSeg* segs;
+  float* shrunk;                           // (rows, P R)
+  int64_t nsegs, rows, K, R, P, per_chunk;
+
+  bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
+    const int64_t W = P * R, begin = c * per_chunk, end = std::min(W, begin + per_chunk);
+    const auto [o, ld] = work::destination(shrunk, W, rows, begin, end - begin, scratch);
+    for (int64_t col = begin; col < end; ++col) {
+      if (!live()) return false;
+      const int64_t t = col / R, j = col % R;
+      for (int64_t g = 0; g < nsegs; ++g) {
+        const LoraPlanSeg& s = segs[g];
+        const T* aj = a[t] + (s.slot * R + j) * K;
+        const float scale = scaling[t][s.slot];
+        for (int64_t i = 0; i < s.hi - s.lo; ++i) {
+          float acc = 0.f;
+          if (j < s.rank) {
+            const float* xr = x + (s.packed + i) * K;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < K; ++k) acc += xr[k] * f32(aj[k]);
+          }
+          o[(s.packed + i) * ld + (col - begin)] = scale * acc;
+        }
+      }
+    }
+    return true;
+  }
+  void commit(int64_t c, std::vector<float>* scratch) const {
+    const int64_t begin = c * per_chunk;
+    work::publish(shrunk, P * R, rows, begin, std::min(P * R, begin + per_chunk) - begin, *scratch);
+  }
+};
+
+// out[row, col_t + n] += sum_j shrunk[row, t R + j] B_t[slot, n, j] (j < rank, in order from 0)
+// for one chunk of `per` columns of one target: per segment, B's tile transposed once (rank,
+// columns) so that each row's sum is a run of vector multiply-adds along n. A chunk's deltas go
+// to a buffer (rows, columns) first: a worker's scratch (added by commit) or the caller's own.
+template <typename T>
+struct LoraExpandJob {
+  const float* shrunk;                     // (rows, P R)
+  const T* b[kLoraMaxTargets];             // (S, N_t, R)
+  int64_t n[kLoraMaxTargets], col[kLoraMaxTargets], first_chunk[kLoraMaxTargets + 1];
+  const LoraPlanSeg* segs;
+  T* out;
+  int64_t ldo, nsegs, rows, R, P, per;
+
+  int target(int64_t c) const {
+    int t = 0;
+    while (c >= first_chunk[t + 1]) ++t;
+    return t;
+  }
+  std::pair<int64_t, int64_t> columns(int t, int64_t c) const {      // (first, count)
+    const int64_t n0 = (c - first_chunk[t]) * per;
+    return {n0, std::min(n[t], n0 + per) - n0};
+  }
+  bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
+    thread_local std::vector<float> own, bt;
+    std::vector<float>& d = scratch != nullptr ? *scratch : own;
+    const int t = target(c);
+    const auto [n0, cols] = columns(t, c);
+    d.resize(rows * cols);
+    bt.resize(R * cols);
+    for (int64_t g = 0; g < nsegs; ++g) {
+      if (!live()) return false;
+      const LoraPlanSeg& s = segs[g];
+      const T* bs = b[t] + (s.slot * n[t] + n0) * R;
+      for (int64_t k = 0; k < cols; ++k)
+        for (int64_t j = 0; j < s.rank; ++j) bt[j * cols + k] = f32(bs[k * R + j]);
+      for (int64_t i = s.packed; i < s.packed + s.hi - s.lo; ++i) {
+        const float* sr = shrunk + i * P * R + t * R;
+        float* di = d.data() + i * cols;
+        for (int64_t k = 0; k < cols; ++k) di[k] = 0.f;
+        for (int64_t j = 0; j < s.rank; ++j) {
+          const float sj = sr[j];
+          const float* bj = bt.data() + j * cols;
+#pragma omp simd
+          for (int64_t k = 0; k < cols; ++k) di[k] += sj * bj[k];
+        }
+      }
+    }
+    if (scratch == nullptr) add(c, d);
+    return true;
+  }
+  void commit(int64_t c, std::vector<float>* scratch) const { add(c, *scratch); }
+  void add(int64_t c, const std::vector<float>& d) const {
+    const int t = target(c);
+    const auto [n0, cols] = columns(t, c);
+    for (int64_t g = 0; g < nsegs; ++g)
+      for (int64_t i = 0; i < segs[g].hi - segs[g].lo; ++i) {
+        T* op = out + (segs[g].lo + i) * ldo + col[t] + n0;
+        const float* di = d.data() + (segs[g].packed + i) * cols;
+        for (int64_t k = 0; k < cols; ++k) op[k] = to<T>(f32(op[k]) + di[k]);
+      }
+  }
+};
+
+// segments of at most this many rows take the batched path (outside deterministic mode, where
+// every segment does); longer ones (a prefill's) at::mm, shrink then expand
 constexpr int64_t kLoraRowsLoop = 16;
 
-// out[:, col : col + N] += the delta of projection p of `layer` for x's rows (segments `segs`);
-// x and out contiguous rows
+// out[:, col_t : col_t + N_t] += the delta of each target projection of `layer` for x's rows
+// (segments `segs`); x and out contiguous rows. The batched path: the planned segments' rows
+// copied once (float, memory this call owns: work_pool.h), every target's shrink in one pool call
+// (A read once per segment, not once per row), then every target's expand in one.
 template <typename T>
-void add_lora(Tensor& out, int64_t col, const Tensor& x, const LoraStack& l, int64_t layer, int p,
-              const std::vector<LoraSegment>& segs, bool det) {
-  const Tensor& a = l.a[layer][p];
-  if (!a.defined()) return;
-  const Tensor& b = l.b[layer][p];
-  const float* scaling = l.scaling[layer][p].data_ptr<float>();
+void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
+              std::initializer_list<LoraTarget> targets, const std::vector<LoraSegment>& segs, bool det) {
+  std::vector<LoraTarget> live;
+  for (const LoraTarget& t : targets)
+    if (l.a[layer][t.proj].defined()) live.push_back(t);
+  if (live.empty()) return;
+  TORCH_CHECK(live.size() <= kLoraMaxTargets && x.stride(1) == 1 && out.stride(1) == 1,
+              "pagedecode._cpu.forward: LoRA rows");
   const int32_t* ranks = l.ranks.data_ptr<int32_t>();
-  const int64_t R = a.size(1), K = a.size(2), N = b.size(1), ldx = x.stride(0), ldo = out.stride(0);
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && x.size(1) == K, "pagedecode._cpu.forward: LoRA rows");
+  const Tensor& a0 = l.a[layer][live[0].proj];
+  const int64_t R = a0.size(1), K = a0.size(2), ldx = x.stride(0), ldo = out.stride(0);
+  TORCH_CHECK(x.size(1) == K, "pagedecode._cpu.forward: LoRA rows of ", x.size(1), " inputs, A of ", K);
+  std::vector<LoraPlanSeg> plan;
+  int64_t packed = 0;
   for (const LoraSegment& s : segs) {
     const int64_t rows = s.hi - s.lo, r = s.slot < 0 ? 0 : std::min<int64_t>(ranks[s.slot], R);
     if (rows == 0 || r <= 0) continue;
-    const T* as = a.data_ptr<T>() + s.slot * R * K;                        // (R, K)
-    const T* bs = b.data_ptr<T>() + s.slot * N * R;                        // (N, R)
-    const float scale = scaling[s.slot];
     if (det || rows <= kLoraRowsLoop) {
-      const T* xp = x.data_ptr<T>() + s.lo * ldx;
-      T* op = out.data_ptr<T>() + s.lo * ldo + col;
-      at::parallel_for(0, rows, det ? 8 : kLoraRowsLoop, [&](int64_t lo, int64_t hi) {
-        std::vector<float> shrunk(r);
-        for (int64_t i = lo; i < hi; ++i) lora_row(xp + i * ldx, as, bs, r, R, K, N, scale, op + i * ldo, shrunk.data());
-      });
+      plan.push_back({s.lo, s.hi, packed, s.slot, static_cast<int32_t>(r)});
+      packed += rows;
       continue;
     }
     const Tensor xs = x.narrow(0, s.lo, rows);
-    const Tensor shrunk = at::mm(xs, a[s.slot].narrow(0, 0, r).t());                 // (rows, r)
-    const Tensor delta = at::mm(shrunk, b[s.slot].narrow(1, 0, r).t());              // (rows, N)
-    out.narrow(0, s.lo, rows).narrow(1, col, N).add_(delta, scale);
+    for (const LoraTarget& t : live) {
+      const Tensor& b = l.b[layer][t.proj];
+      const Tensor shrunk = at::mm(xs, l.a[layer][t.proj][s.slot].narrow(0, 0, r).t());   // (rows, r)
+      const Tensor delta = at::mm(shrunk, b[s.slot].narrow(1, 0, r).t());                 // (rows, N)
+      out.narrow(0, s.lo, rows).narrow(1, t.col, b.size(1)).add_(delta, l.scaling[layer][t.proj].data_ptr<float>()[s.slot]);
+    }
   }
+  if (plan.empty()) return;
+  const int64_t P = static_cast<int64_t>(live.size()), W = P * R, rows = packed;
+  work::Keep keep{x, out};
+  for (const LoraTarget& t : live) {
+    keep.push_back(l.a[layer][t.proj]);
+    keep.push_back(l.b[layer][t.proj]);
+    keep.push_back(l.scaling[layer][t.proj]);
+  }
+  const int64_t o_shrunk = work::lines(rows * K * 4), o_plan = o_shrunk + work::lines(rows * W * 4);
+  unsigned char* mem = work::owned(keep, o_plan + static_cast<int64_t>(plan.size() * sizeof(LoraPlanSeg)));
+  float* xf = reinterpret_cast<float*>(mem);
+  float* shrunk = reinterpret_cast<float*>(mem + o_shrunk);
+  LoraPlanSeg* segp = reinterpret_cast<LoraPlanSeg*>(mem + o_plan);
+  std::memcpy(segp, plan.data(), plan.size() * sizeof(LoraPlanSeg));
+  const T* xp = x.data_ptr<T>();
+  for (const LoraPlanSeg& s : plan)
+    for (int64_t i = 0; i < s.hi - s.lo; ++i)
+      for (int64_t k = 0; k < K; ++k) xf[(s.packed + i) * K + k] = f32(xp[(s.lo + i) * ldx + k]);
+
+  const int64_t threads = work::Pool::get().threads();
+  LoraShrinkJob<T> shrink{xf, {}, {}, segp, shrunk, static_cast<int64_t>(plan.size()), rows, K, R, P, 1};
+  LoraExpandJob<T> expand{shrunk, {}, {}, {}, {}, segp, out.data_ptr<T>(), ldo, static_cast<int64_t>(plan.size()),
+                          rows, R, P, 64};
+  int64_t reads = 0;
+  for (int64_t t = 0; t < P; ++t) {
+    const int p = live[t].proj;
+    shrink.a[t] = l.a[layer][p].data_ptr<T>();
+    shrink.scaling[t] = l.scaling[layer][p].data_ptr<float>();
+    expand.b[t] = l.b[layer][p].data_ptr<T>();
+    expand.n[t] = l.b[layer][p].size(1);
+    expand.col[t] = live[t].col;
+    reads += (K + expand.n[t]) * R * static_cast<int64_t>(plan.size()) * static_cast<int64_t>(sizeof(T));
+  }
+  // expand chunks of 64 columns, wider where a model's widths would make more than ~128
+  int64_t n_all = 0;
+  for (int64_t t = 0; t < P; ++t) n_all += (expand.n[t] + 63) / 64;
+  expand.per = 64 * ((n_all + 127) / 128);
+  for (int64_t t = 0; t < P; ++t)
+    expand.first_chunk[t + 1] = expand.first_chunk[t] + (expand.n[t] + expand.per - 1) / expand.per;
+  // On the Pool (work_pool.h: the caller never waits on a descheduled worker) for a gemv's few
+  // rows, ~4 chunks a thread; on the caller alone for a call of few bytes (the hand-off costs
+  // more) and from work::kOpenMPRows rows, where the base matmuls run on OpenMP's threads: these
+  // calls are tens of microseconds, 2 per add_lora, and a fork-join each would wait on any
+  // descheduled thread (or a second pool would spin beside OpenMP's: work_pool.h). Measured on 2
+  // loaded cores (load ~15), 16 requests over 4 adapters, one run: 2.6x the base's time with OpenMP here.
+  if (reads < (32 << 10) || rows >= work::kOpenMPRows) {
+    for (int64_t c = 0; c < W; ++c) shrink.compute(c, nullptr, work::Live{nullptr, 0});
+    for (int64_t c = 0; c < expand.first_chunk[P]; ++c) expand.compute(c, nullptr, work::Live{nullptr, 0});
+    return;
+  }
+  shrink.per_chunk = std::max<int64_t>(1, (W + 4 * threads - 1) / (4 * threads));
+  work::Pool::get().run((W + shrink.per_chunk - 1) / shrink.per_chunk, shrink, keep);
+  work::Pool::get().run(expand.first_chunk[P], expand, std::move(keep));
 }

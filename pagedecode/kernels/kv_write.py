@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import HAS_TRITON, use_triton
-from .kv_quant import QMAX, quantize_rows
+from .kv_quant import FP8_STEPS, QMAX, quantize_rows
 
 if HAS_TRITON:
     import triton
@@ -58,25 +58,53 @@ if HAS_TRITON:
             tl.store(vc_ptr + dst, vx.to(vc_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _quantize_store(x, c_ptr, s_ptr, dst, srow, m, h_ok, QLIMIT: tl.constexpr, IS_INT: tl.constexpr):
+    def _e4m3_round(y):
+        """kv_quant.e4m3_round: float32 y, |y| <= 448 -> the nearest e4m3 value, as float32."""
+        e = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+        up = ((257 - e) << 23).to(tl.float32, bitcast=True)
+        step = ((e - 3) << 23).to(tl.float32, bitcast=True)
+        return ((y * up + 12582912.0) - 12582912.0) * step
+
+    @triton.jit
+    def _quantize_store(x, c_ptr, s_ptr, dst, srow, m, h_ok, QLIMIT: tl.constexpr, IS_INT: tl.constexpr,
+                        FP8_STEPS: tl.constexpr):
         """x (BLOCK_H, BLOCK_D) float32 rows -> 8-bit values at c_ptr + dst, each row's scale at
-        s_ptr + srow (kernels/kv_quant.py's quantize_rows)."""
+        s_ptr + srow (kernels/kv_quant.py's quantize_rows: int8's one scale, fp8's best of
+        FP8_STEPS)."""
         amax = tl.max(tl.where(m, tl.abs(x), 0.0), 1)                      # (BLOCK_H,)
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, QLIMIT, tl.float32))
-        safe = tl.where(scale > 0, scale, 1.0)
-        y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape))
-        y = tl.minimum(tl.maximum(y, -QLIMIT), QLIMIT)
+        base = tl.math.div_rn(amax, tl.full(amax.shape, QLIMIT, tl.float32))
         if IS_INT:
+            safe = tl.where(base > 0, base, 1.0)
+            y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape))
+            y = tl.minimum(tl.maximum(y, -QLIMIT), QLIMIT)
             y = (y + 12582912.0) - 12582912.0               # kv_quant.ROUNDER: half to even, then exact
-        tl.store(c_ptr + dst, y.to(c_ptr.dtype.element_ty), mask=m)
-        tl.store(s_ptr + srow, scale, mask=h_ok)
+            tl.store(c_ptr + dst, y.to(c_ptr.dtype.element_ty), mask=m)
+            tl.store(s_ptr + srow, base, mask=h_ok)
+        else:
+            x64 = x.to(tl.float64)
+            best_q = tl.zeros(x.shape, tl.float32)
+            best_s = base
+            best_e = tl.full(amax.shape, float("inf"), tl.float64)
+            for j in tl.static_range(FP8_STEPS):
+                s = base * (1.0 + j / FP8_STEPS)
+                safe = tl.where(s > 0, s, 1.0)
+                q = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape))
+                q = _e4m3_round(tl.minimum(tl.maximum(q, -QLIMIT), QLIMIT))
+                d = q.to(tl.float64) * s.to(tl.float64)[:, None] - x64
+                err = tl.sum(tl.where(m, d * d, 0.0), 1)
+                better = err < best_e                         # the first j on a tie, as the reference
+                best_q = tl.where(better[:, None], q, best_q)
+                best_s = tl.where(better, s, best_s)
+                best_e = tl.where(better, err, best_e)
+            tl.store(c_ptr + dst, best_q.to(c_ptr.dtype.element_ty), mask=m)
+            tl.store(s_ptr + srow, best_s, mask=h_ok)
 
     @triton.jit
     def _write_kv_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
                                stride_kt, stride_kh, stride_vt, stride_vh,
                                PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QLIMIT: tl.constexpr,
-                               IS_INT: tl.constexpr):
+                               IS_INT: tl.constexpr, FP8_STEPS: tl.constexpr):
         # one program per token, all its heads; the caches are contiguous, so slot s's head h
         # starts at (s * HEADS + h) * HEAD_DIM and its scale sits at s * HEADS + h
         t = tl.program_id(0)
@@ -90,8 +118,8 @@ if HAS_TRITON:
             dst = srow[:, None] * HEAD_DIM + d
             kx = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d, mask=m).to(tl.float32)
             vx = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d, mask=m).to(tl.float32)
-            _quantize_store(kx, kc_ptr, ks_ptr, dst, srow, m, h_ok, QLIMIT, IS_INT)
-            _quantize_store(vx, vc_ptr, vs_ptr, dst, srow, m, h_ok, QLIMIT, IS_INT)
+            _quantize_store(kx, kc_ptr, ks_ptr, dst, srow, m, h_ok, QLIMIT, IS_INT, FP8_STEPS)
+            _quantize_store(vx, vc_ptr, vs_ptr, dst, srow, m, h_ok, QLIMIT, IS_INT, FP8_STEPS)
 
 
 def write_kv_triton(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -106,7 +134,7 @@ def write_kv_triton(k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             PAGE_SIZE=k_cache.shape[1], HEADS=H, HEAD_DIM=D,
             BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
-            QLIMIT=QMAX[k_cache.dtype], IS_INT=k_cache.dtype == torch.int8)
+            QLIMIT=QMAX[k_cache.dtype], IS_INT=k_cache.dtype == torch.int8, FP8_STEPS=FP8_STEPS)
         return
     assert k_cache.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()

@@ -2,10 +2,10 @@
 prompts x 32 tokens, teacher-forced, SmolLM2-135M-Instruct's weights dequantized to float32 so that
 no activation rounding hides the cache's error), against the float32 cache.
 
-Measured (2026-12-06): float16 3.6e-7, int8 1.0e-3, fp8_e4m3 4.6e-3. Issue 40 asks <= 1e-3 for
-both: int8 sits at it, fp8 (3 mantissa bits, one scale per token and head) is 4.6x over it. The
-bounds below guard what holds (and that the measurement tells the caches apart); they are not the
-issue's bound for fp8."""
+Measured (2026-12-06): float16 3.6e-7, int8 1.0e-3, fp8_e4m3 2.6e-3 (4.6e-3 before fp8's scale
+search). Issue 40 asks <= 1e-3 for both: int8 sits at it, fp8 (3 mantissa bits, one scale per
+token and head) is 2.6x over it. The bounds below guard what holds (and that the measurement
+tells the caches apart); they are not the issue's bound for fp8."""
 import sys
 from pathlib import Path
 
@@ -41,4 +41,4 @@ def test_teacher_forced_kl_of_8_bit_caches(dense_smollm2, smollm2_path):
                                                              ["float16", "int8", "fp8_e4m3"]).items()}
     assert got["float16"] < 1e-5, got
     assert 1e-4 < got["int8"] <= 2 * kv_quant.KL_BOUND, got
-    assert got["int8"] < got["fp8_e4m3"] <= 10 * kv_quant.KL_BOUND, got
+    assert got["int8"] < got["fp8_e4m3"] <= 3.5 * kv_quant.KL_BOUND, got     # 4.6e-3 without the scale search
