@@ -58,7 +58,6 @@ class CloseWatch:
     scanned: int = 0                # output tokens searched for `after`
     tail: bytes = b""               # the end of the text searched (a trigger may span tokens)
     longest: int = 0                # the longest way seen (a call's own length, from its start)
-    replaced: int = 0               # tokens replaced so far
 
     def __post_init__(self) -> None:
         self.started = not self.after
@@ -78,7 +77,6 @@ class Closer:
         one_byte = sorted(i for b, i in self.by_bytes.items() if len(b) == 1)
         closers = [self.by_bytes[c] for c in CLOSERS if c in self.by_bytes]
         self.candidates = closers + [i for i in one_byte if i not in closers]
-        self.one_byte = one_byte
         self.stop_ids = list(stop_ids)
         self.mask = torch.zeros((2, -(-vocab_size // 32)), dtype=torch.int32)   # rows: now, after a candidate
 
@@ -109,7 +107,6 @@ class Closer:
             w.check_at = t + budget + 1
             return None
         self._next_check(w, t + 1, budget - 1, way[1:])
-        w.replaced += 1
         return way[0]
 
     @staticmethod
