@@ -25,8 +25,10 @@ grows with what the model opens: another call, whose way is as long as the first
 its start; a nested object's required properties; a property whose value is a long const);
 beyond, the next check comes after a quarter of the distance to there. So growth of up to the
 longest way plus MARGIN in one token, or three tokens per token sustained, is caught; more, and
-a call can still be cut (then, as before, finish_reason "length"). A check simulates the way (a
-few µs per token, two mask fills where no text is forced); far from the end nothing runs.
+a call can still be cut (then, as before, finish_reason "length"). A check first tries the last way
+again after the token (inside a string it still fits: a few µs per token, one mask fill), else
+simulates the way afresh (two mask fills per step where no text is forced); far from the end
+nothing runs.
 
 Exactness: what is kept or replaced depends only on the request (its matcher, its output, its
 budget) and the token selected for it, decided where every constrained token is selected
@@ -96,7 +98,9 @@ class Closer:
             if not matcher.accept_token(token):
                 raise RuntimeError(f"the grammar rejected token {token} (a bug: the mask allowed it)")
             try:
-                ahead = self.way(matcher, budget - 1)
+                ahead = self._again(matcher, w.way, budget - 1) if w.way_at == t else None
+                if ahead is None:
+                    ahead = self.way(matcher, budget - 1)
             finally:
                 matcher.rollback(1)
         if ahead is not None:
@@ -126,8 +130,25 @@ class Closer:
         w.scanned = len(output)
         w.started = any(a in text for a in w.after)
         keep = max(len(a) for a in w.after) - 1
-        w.tail = text[len(text) - keep:] if keep > 0 else b""
+        w.tail = text[max(0, len(text) - keep):] if keep > 0 else b""
         return w.started
+
+    def _again(self, matcher: Any, way: list[int] | None, limit: int) -> list[int] | None:
+        """`way` (the way from before the token just accepted) when it still finishes the grammar
+        from here within `limit`, else None: inside a string, most tokens leave the way to finish
+        as it was, and trying it costs no mask fill but the last."""
+        if not way or len(way) > limit:
+            return None
+        taken = 0
+        try:
+            for token in way:
+                if not matcher.accept_token(token):
+                    return None
+                taken += 1
+            return way if way[-1] in self.stop_ids or self._only_stops(matcher) else None
+        finally:
+            if taken:
+                matcher.rollback(taken)
 
     # -- the way to finish -----------------------------------------------------------------------
     def way(self, matcher: Any, limit: int) -> list[int] | None:

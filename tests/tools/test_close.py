@@ -119,3 +119,24 @@ def test_speculation_on_and_off_give_the_same_closed_calls(path):
     assert engine.snapshot().spec_decode_num_accepted_tokens > 0
     for a, b in zip(*runs):
         assert a.selected_token_ids == b.selected_token_ids and a.finish_reason == b.finish_reason
+
+
+def test_auto_calls_close_once_started(engine):
+    """Under auto a call is closed in time once its trigger (several tokens) is written; a reply
+    is left to be cut. Generic format (a reply or calls, as one JSON object), the random model
+    nudged towards calls by a logit_bias on tokens starting with "t" (so a replaced token also
+    rebuilds the slot's penalty record)."""
+    from pagedecode.runtime.grammar_compiler import token_bytes_table
+    table = token_bytes_table(engine.tokenizer, engine.vocab_size)
+    bias = {i: 8.0 for i, b in enumerate(table) if b.startswith(b"t")}
+    reqs = [(FORMATS["generic"], {"tools": [NOTE], "parallel_tool_calls": False})] * 12
+    ps = [pd.SamplingParams(max_tokens=120, temperature=1.0, seed=i, logit_bias=bias,
+                            structured_output=tool_constraint(parse_tool_fields(body), fmt))
+          for i, (fmt, body) in enumerate(reqs)]
+    outs = engine.generate([f"auto {i}" for i in range(len(reqs))], ps)
+    calls = [(r, o) for r, o in zip(reqs, outs) if o.text.startswith('{"tool_calls"')]
+    assert 0 < len(calls) < len(outs)
+    check_calls(*zip(*calls))
+    assert closed(engine, [o for _, o in calls]) == len(calls)
+    replies = [o for o in outs if o.text.startswith('{"response"')]
+    assert closed(engine, replies) == 0 and all(o.finish_reason == pd.FinishReason.MAX_OUTPUT_TOKENS for o in replies)
