@@ -104,6 +104,10 @@ class StructuredOutput:
     choice: tuple[str, ...] | list[str] | None = None  # the output is exactly one of these
     json_object: bool = False                         # any JSON object
     structural_tag: dict[str, Any] | None = None      # xgrammar's {"type": "structural_tag", "format": ...}
+    # None: a constraint max_tokens cuts is cut (finish "length"). Tool calls (tools/constraint.py):
+    # once the output holds one of these texts (empty: from the first token), the grammar is
+    # finished within max_tokens and the context (runtime/grammar_close.py)
+    close_after: tuple[str, ...] | None = None
     kind: str = field(init=False, repr=False, compare=False)  # which one of the six is given
     depth: int = field(init=False, repr=False, compare=False)  # JSON nesting depth (json_schema; else 0)
 
@@ -141,6 +145,11 @@ class StructuredOutput:
             object.__setattr__(self, "depth", _check_structural_tag(self.structural_tag))
         elif self.json_object is not True:
             raise _bad("json_object must be a bool")
+        if self.close_after is not None:
+            if not isinstance(self.close_after, (list, tuple)) or not all(
+                    isinstance(a, str) and a for a in self.close_after):
+                raise _bad("close_after must be a list of non-empty strings")
+            object.__setattr__(self, "close_after", tuple(self.close_after))
         object.__setattr__(self, "kind", kind)
         if kind not in ("json_schema", "structural_tag"):
             object.__setattr__(self, "depth", 0)

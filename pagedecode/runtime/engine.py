@@ -97,7 +97,8 @@ class Engine:
         self.vocab_size = mc.vocab_size
         self.eos_ids = frozenset(mc.eos_token_ids or self.tokenizer.eos_token_ids)
         self.model_name = config.model_name or getattr(mc, "name", None) or mc.model_type
-        self.constraints = Constraints.from_config(self.tokenizer, self.vocab_size, self.eos_ids, self.device, config)
+        self.constraints = Constraints.from_config(self.tokenizer, self.vocab_size, self.eos_ids, self.device, config,
+                                                    self.max_context)
         # always there: without config.speculative it drafts only for requests with a prediction
         self.speculator = Speculator(config.speculative, self.max_context, config.page_size, model,
                                      num_pages * config.page_size, config.deterministic, kv_dtype)

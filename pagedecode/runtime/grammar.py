@@ -10,6 +10,8 @@ Life of a constrained request:
                   a failed or timed-out compile fails the request
     each step     its slot's bitmask row is filled (at most once per token) and applied to its
                   logits before sampling; a row left with no allowed token fails the request
+    tool calls    near the end of the budget, a selected token that would leave the call unable to
+                  finish in time is replaced by the way to finish it (grammar_close.py)
     commit        the chosen token is accepted by the matcher (a refusal is a bug: the request
                   fails naming the token); grammar_complete when the matcher accepts a stop token
                   (EOS) or allows nothing but stop tokens next (must end), without another forward
@@ -26,6 +28,7 @@ from ..errors import InvalidRequestError
 from ..model.tokenizer import TokenizerLike
 from ..structured import StructuredOutput
 from .finish_rules import is_eos
+from .grammar_close import Closer, CloseWatch
 from .grammar_compiler import CompileJob, GrammarCompiler, check_installed, check_limits
 
 if TYPE_CHECKING:
@@ -43,6 +46,7 @@ class GrammarState:
         self.timeout_s = timeout_s
         self.matcher: Any = None
         self.mask_for: tuple[int, int] | None = None   # (slot, output length) its bitmask row was filled for
+        self.close = None if so.close_after is None else CloseWatch(tuple(a.encode() for a in so.close_after))
 
     def ready(self, make_matcher: Callable[[Any], Any]) -> bool:
         if self.matcher is not None:
@@ -103,19 +107,21 @@ class Constraints:
 
     def __init__(self, tokenizer: TokenizerLike, vocab_size: int, eos_ids: frozenset[int], num_slots: int,
                  device: torch.device, *, cache_size: int, cache_bytes: int, timeout_s: float,
-                 max_depth: int, max_bytes: int) -> None:
+                 max_depth: int, max_bytes: int, max_context: int) -> None:
         self.eos_ids = sorted(eos_ids)
+        self.vocab_size, self.max_context = vocab_size, max_context
+        self._closer: Closer | None = None
         self.timeout_s, self.max_depth, self.max_bytes = timeout_s, max_depth, max_bytes
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_ids, cache_size=cache_size, cache_bytes=cache_bytes)
         self.bitmask = TokenBitmask(num_slots, vocab_size, device)
 
     @classmethod
     def from_config(cls, tokenizer: TokenizerLike, vocab_size: int, eos_ids: frozenset[int], device: torch.device,
-                    config: EngineConfig) -> "Constraints":
+                    config: EngineConfig, max_context: int) -> "Constraints":
         return cls(tokenizer, vocab_size, eos_ids, config.max_batch_size, device,
                    cache_size=config.grammar_cache_size, cache_bytes=config.grammar_cache_bytes,
                    timeout_s=config.grammar_compile_timeout_s, max_depth=config.max_schema_depth,
-                   max_bytes=config.max_schema_bytes)
+                   max_bytes=config.max_schema_bytes, max_context=max_context)
 
     def prepare(self, so: StructuredOutput) -> CompileJob:
         """Check the constraint's limits (InvalidRequestError naming them) and start its parse and
@@ -153,6 +159,26 @@ class Constraints:
                     self.bitmask.fill(g.matcher, slot)
                     g.mask_for = (slot, n)
         return self.bitmask.rows([s if g is not None else None for g, s in zip(grammars, slots)])
+
+    def close_in_budget(self, reqs: list[Request], tokens: list[int], skip: frozenset[int]) -> dict[int, int]:
+        """The rows whose selected token would leave a watched tool call unable to finish within
+        its request's budget, each with the token to select instead (grammar_close.py); rows in
+        `skip` (bad or empty) are left alone. Cheap until a watch is due."""
+        out: dict[int, int] = {}
+        for i, req in enumerate(reqs):
+            g = req.grammar
+            if g is None or g.close is None or i in skip or len(req.output_ids) < g.close.check_at:
+                continue
+            if self._closer is None:
+                c = self.compiler
+                self._closer = Closer(c.token_bytes, c.stop_ids, self.vocab_size)
+            t = len(req.output_ids)
+            budget = min(req.params.max_tokens - t, self.max_context - req.num_tokens)
+            token = self._closer.check(g.close, g.matcher, req.output_ids, tokens[i], budget)
+            if token is not None:
+                out[i] = token
+                req.trace.add("grammar.closing", t=t + 1, selected=tokens[i], token=token, budget=budget)
+        return out
 
     def accept(self, g: GrammarState, token: int) -> bool:
         """The matcher takes the committed token; True when it accepted a stop token. A refused

@@ -120,6 +120,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.xgr: Any = None                     # set in the worker by the first job
+        self.token_bytes: list[bytes] = []       # ... with each id's bytes, as the grammar reads them
         self._compiler: Any = None
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedecode-grammar-parse")
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedecode-grammar")
@@ -184,7 +185,8 @@ class GrammarCompiler:
     def _backend(self) -> None:
         if self._compiler is None:
             self.xgr = xgrammar()
-            info = self.xgr.TokenizerInfo(token_bytes_table(self._tokenizer, self.vocab_size), self.xgr.VocabType.RAW,
+            self.token_bytes = token_bytes_table(self._tokenizer, self.vocab_size)
+            info = self.xgr.TokenizerInfo(self.token_bytes, self.xgr.VocabType.RAW,
                                           vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
             self._compiler = self.xgr.GrammarCompiler(info, max_threads=1)
 

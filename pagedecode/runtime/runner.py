@@ -53,8 +53,13 @@ class StepRunner:
 
     def select(self, logits: torch.Tensor, choosers: list[Request]) -> Selection:
         """One row of logits per request -> its token, with its grammar's mask for this position
-        (each row's slot and output position: the staged ones, else read off the requests)."""
+        (each row's slot and output position: the staged ones, else read off the requests), and a
+        tool call's token replaced where the call would not finish within its budget."""
         grammars = [r.grammar for r in choosers]
-        bitmask = None if all(g is None for g in grammars) else self.constraints.rows(
-            grammars, [r.seq.slot for r in choosers], [len(r.output_ids) for r in choosers])
-        return self.selector.select(logits, choosers, bitmask)
+        if all(g is None for g in grammars):
+            return self.selector.select(logits, choosers, None)
+        bitmask = self.constraints.rows(grammars, [r.seq.slot for r in choosers], [len(r.output_ids) for r in choosers])
+        sel = self.selector.select(logits, choosers, bitmask)
+        for row, token in self.constraints.close_in_budget(choosers, sel.tokens, sel.bad | sel.empty).items():
+            self.selector.replace(sel, row, choosers[row], token)
+        return sel

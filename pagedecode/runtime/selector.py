@@ -215,6 +215,19 @@ class TokenSelector:
             penalties.state.record_rows(rows.slot, out.tokens)
         return Selection(tokens, logprobs, bad, top, empty)
 
+    def replace(self, sel: Selection, row: int, req: Request, token: int) -> None:
+        """Row `row`'s token replaced by `token`, the only one its request may take there (a tool
+        call finishing within its budget: grammar_close.py): its logprob 0, its top list that token
+        alone, and the slot's penalty record rebuilt from the request's tokens with it."""
+        sel.tokens[row] = token
+        if sel.logprobs is not None:
+            sel.logprobs[row] = 0.0
+        if sel.top is not None and sel.top[row]:
+            sel.top[row] = ((token, 0.0),)
+        if uses_penalties(req.params):
+            self._penalty_state().reset(self._slot(req), req.prompt_ids, [*req.output_ids, token],
+                                        req.params.logit_bias)
+
     @staticmethod
     def _top_logprobs(processed: torch.Tensor, reqs: Sequence[Request]) -> list[TopLogprobs] | None:
         """The N most likely tokens of each row that asks for N > 0, from the logits the chosen

@@ -8,6 +8,10 @@
     none       no constraint (and no calls parsed)
 
 The text each call is forced into is the format's own (formats.py), so the parser reads it.
+A call also finishes within the request's budget (max_tokens, the context): near its end, a
+token that would leave the call unable to close in time is replaced by the shortest way to
+close it (runtime/grammar_close.py; `close_after`: from the first token, or under auto from the
+trigger), so a call is never cut: its string arguments are truncated instead.
 """
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ def tool_constraint(spec: ToolSpec, fmt: ToolFormat) -> StructuredOutput | None:
     if not spec.calls_possible:
         return None
     body = _auto(fmt, spec) if spec.mode == "auto" else _calls(fmt, spec)
-    return StructuredOutput(structural_tag={"type": "structural_tag", "format": body})
+    close_after = (fmt.trigger,) if spec.mode == "auto" else ()
+    return StructuredOutput(structural_tag={"type": "structural_tag", "format": body}, close_after=close_after)
 
 
 def check_grammars(spec: ToolSpec, flat: bool = False) -> None:

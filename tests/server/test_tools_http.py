@@ -103,6 +103,31 @@ def test_streamed_deltas_equal_the_body(client, parallel):
     assert content == (body.message.content or "")
 
 
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "note"}}])
+def test_a_call_closed_at_its_budget_streams_as_its_body(client, choice):
+    """The random model never ends a free string: the call is closed within max_tokens (its text
+    truncated), a valid call, and the streamed deltas are the body's."""
+    kw = dict(tools=[NOTE], tool_choice=choice, seed=7, temperature=1.0, max_tokens=60)
+    body = ask(client, **kw)
+    ch = body.choices[0]
+    assert ch.finish_reason == "tool_calls" and body.usage.completion_tokens <= 60
+    [call] = ch.message.tool_calls
+    assert isinstance(json.loads(call.function.arguments)["text"], str)
+    calls, reasons = {}, []
+    for chunk in ask(client, stream=True, **kw):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                calls.setdefault(tc.index, "")
+                calls[tc.index] += tc.function.arguments or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["tool_calls"] and calls == {0: call.function.arguments}
+
+
 def test_a_resumed_tool_stream_sends_what_followed(server):
     """Last-Event-ID resumes a tool-calling stream: the parser is fed what the client had, so
     the rest is byte-identical to the first stream's rest (the same call ids)."""

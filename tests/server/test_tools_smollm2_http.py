@@ -5,6 +5,7 @@ same weights in float32 (benchmarks/real_model.py's cache, when it was written) 
 when neither is there."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,23 @@ def test_anthropic_tool_use(server):
     assert uses and uses[0].name == "get_weather"
     if m.stop_reason == "tool_use":
         jsonschema.validate(uses[0].input, SCHEMAS["get_weather"])
+
+
+def test_the_benchmarks_run_on_email_closes_within_max_tokens(server):
+    """benchmarks/tool_calls.py's prompt 19 (send_email, all 15 tools, greedy, max_tokens 256):
+    SmolLM2 never wrote the `@` its `to` pattern needs and ran on until max_tokens cut the call
+    (finish "length", arguments that do not parse). Closed within the budget, it is a call."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import tool_calls
+    want, prompt = tool_calls.PROMPTS[19]
+    assert want == "send_email"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    r = client.chat.completions.create(
+        model="stories260k", max_tokens=256, temperature=0, tools=tool_calls.TOOLS,
+        tool_choice={"type": "function", "function": {"name": want}}, parallel_tool_calls=False,
+        messages=[{"role": "system", "content": tool_calls.SYSTEM}, {"role": "user", "content": prompt}])
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and r.usage.completion_tokens <= 256, ch
+    [call] = ch.message.tool_calls
+    assert call.function.name == want
+    jsonschema.validate(json.loads(call.function.arguments), tool_calls.SCHEMAS[want])
