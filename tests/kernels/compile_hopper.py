@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 import pagedecode.kernels.decode_attention as DA
 import pagedecode.kernels.extend_attention as EA
 import pagedecode.kernels.gguf_matmul as GM
+import pagedecode.kernels.kv_quant as KQ
 import pagedecode.kernels.kv_write as KW
 import pagedecode.kernels.lora as LO
 import pagedecode.kernels.matmul as MM
@@ -94,7 +95,8 @@ def cases():
             GROUP=4, GROUP_PAD=4, HEAD_DIM=64, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64,
             DOT_DTYPE=tl.float32, QUANT=True)
         yield f"kv write {cdt} cache", KW._write_kv_quant_kernel, kv, dict(
-            PAGE_SIZE=16, HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64, QLIMIT=qmax, IS_INT=cdt == "i8")
+            PAGE_SIZE=16, HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64, QLIMIT=qmax, IS_INT=cdt == "i8",
+            FP8_STEPS=KQ.FP8_STEPS)
     yield "speculative rejection", RJ._rejection_kernel, {
         "target_ptr": "*fp32", "draft_ptr": "*fp32", "ids_ptr": "*i64", "n_ptr": "*i32", "seed_ptr": "*i64",
         "index_ptr": "*i64", "tokens_ptr": "*i64", "accepted_ptr": "*i32"}, dict(BLOCK_V=4096)
