@@ -158,6 +158,14 @@ def test_trained_tokenizers_random_ids(real, kind, data, skip):
                       skip)
 
 
+def test_a_surrogate_lead_the_output_makes_invalid_at_the_end(real):
+    """Byte-level 0xED (the prompt's last byte) then 0xA1 (the output's, the last): Python's
+    incremental decoder holds both until the end, then gives two U+FFFDs: one is the prompt's,
+    one the output's (both went to the prompt; hypothesis found it)."""
+    check_every_split(real["bytelevel"], [171, 96], False)
+    check_every_split(real["bytelevel"], [171, 96, 96], False)
+
+
 @pytest.mark.parametrize("kind", ["sentencepiece", "bytelevel"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=20))

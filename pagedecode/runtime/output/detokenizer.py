@@ -207,9 +207,12 @@ class ByteStream:
         text = self._close_run() if self._run else ""
         tail = self._utf8.decode(b"", final=True)
         if self._prompt_held and tail:
+            # the tail is U+FFFDs only; as many as the prompt's held bytes make alone are the
+            # prompt's, the rest the output's (ED A1: the decoder held both, '\ufffd\ufffd' is one each)
+            n = len(held[:self._prompt_held].decode("utf-8", "replace"))
             self._prompt_held = 0
-            self._prompt_text += self._stripped(tail)
-            tail = ""
+            self._prompt_text += self._stripped(tail[:n])
+            tail = tail[n:]
         return text + self._stripped(tail)
 
 
