@@ -39,6 +39,7 @@ and body itself and keeps each replica addressable by name, so it is used instea
 from .app import Spec, build_app
 from .cli import serve_main
 from .replica import EngineReplica
-from .router import Ring, Router
+from .ring import Ring
+from .router import Router
 
 __all__ = ["EngineReplica", "Ring", "Router", "Spec", "build_app", "serve_main"]

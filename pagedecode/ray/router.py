@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
-import hashlib
 import itertools
 import json
 import logging
@@ -13,6 +11,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from ..runtime.prefix_cache import namespace, page_key
+from .ring import Ring
 
 if TYPE_CHECKING:
     from .app import Spec
@@ -20,7 +19,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pagedecode.ray")
 
 REPLICA_HEADER = "x-pagedecode-replica"
-RING_POINTS = 64                 # virtual nodes per replica on the hash ring
 INDEX_KEYS = 200_000             # page keys the router remembers per replica (LRU)
 PROBE_S = 0.5                    # how often a replica marked down is probed
 PROMPTED = ("/v1/completions", "/v1/chat/completions")   # routed by their prompt's prefix
@@ -32,26 +30,6 @@ def _failure_types() -> tuple[type[BaseException], ...]:
     return tuple(t for t in (getattr(rx, "RayActorError", None), getattr(rx, "ActorUnavailableError", None),
                              getattr(rx, "ActorDiedError", None)) if isinstance(t, type))
 
-
-def _point(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-
-class Ring:
-    """Consistent hashing: RING_POINTS points per replica; a key's owner is the first live
-    replica clockwise from the key's point."""
-
-    def __init__(self, n: int) -> None:
-        self.points = sorted((_point(f"replica-{i}#{v}"), i) for i in range(n) for v in range(RING_POINTS))
-        self.keys = [p for p, _ in self.points]
-
-    def owner(self, key: str, live: set[int]) -> int | None:
-        start = bisect.bisect(self.keys, _point(key))
-        for k in range(len(self.points)):
-            i = self.points[(start + k) % len(self.points)][1]
-            if i in live:
-                return i
-        return None
 
 
 class Router:
