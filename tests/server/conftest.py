@@ -1,4 +1,5 @@
 """A real server on an ephemeral loopback port: uvicorn in a thread over stories260k."""
+import contextlib
 import resource
 import signal
 import socket
@@ -59,6 +60,23 @@ def start_server(stories_path, *, api_key=None, template=TEMPLATE, engine_option
         warming.result(timeout=120)
     port = server.servers[0].sockets[0].getsockname()[1]
     return Running(f"http://127.0.0.1:{port}", app, ae, server, thread)
+
+
+@contextlib.contextmanager
+def slow_steps(engine, seconds=0.01):
+    """Each engine step takes at least `seconds` while inside: a test whose client must leave
+    while its request still runs does not race a fast machine (400 steps of stories260k finish
+    within half a second on CI's)."""
+    step = engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+    engine.step = slow
+    try:
+        yield
+    finally:
+        del engine.step
 
 
 def stop_server(s):
