@@ -265,7 +265,7 @@ def test_byte_fallback_output_ending_in_invalid_bytes_is_replacement_characters(
             pieces = [d.add(t) for t in out]
             assert "".join(pieces) + d.flush("strict") == want
             known = next(i for i in range(1, len(data) + 1)       # the first byte that spoils the run
-                         if not pd.runtime.output.detokenizer._valid_prefix(data[:i]))
+                         if not pd.runtime.output.utf8.valid_prefix(data[:i]))
             assert "".join(pieces[:known]) == "\ufffd" * known
 
 
