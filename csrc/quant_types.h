@@ -358,22 +358,22 @@ inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_
   }
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[RM];
-    float dw[RM];
+    __m256 dw[RM];
     if constexpr (RN == 1) prefetch_span(rows[0] + b * RM * kBytes32<KIND>, RM * kBytes32<KIND>);   // the gemv
     for (int r = 0; r < RM; ++r) {
       const uint8_t* blk = rows[r] + b * kBytes32<KIND>;
       w[r] = block32_avx2(KIND, blk);
-      dw[r] = fp16_to_float(blk);
+      dw[r] = _mm256_set1_ps(fp16_to_float(blk));
       if constexpr (MINS_HERE && KIND != Kind::Q5_0) mins[r] = std::fma(fp16_to_float(blk + 2), a.sx[t * nb + b], mins[r]);
     }
     for (int j = 0; j < RN; ++j) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t + j) * K + b * kBlock));
-      const float dx = a.d[(t + j) * nb + b];
+      const __m256 dx = _mm256_broadcast_ss(a.d + (t + j) * nb + b);     // dw * dx below: the scalar product's bits
       __m256i c = _mm256_setzero_si256();
       if constexpr (sign) c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr + ((t + j) * nb + b) * 8));
       for (int r = 0; r < RM; ++r) {
         const __m256i lanes = sign ? _mm256_add_epi32(dot32(w[r], x, false), c) : dot32(w[r], x, false);
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw[r] * dx), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(dw[r], dx), acc[r][j]);
       }
     }
   }
@@ -411,14 +411,6 @@ inline void mins32(const uint8_t* row, const Acts& a, int64_t nb, int64_t T, int
   }
 }
 
-// f(std::integral_constant<int, n>) for a runtime n in [1, N]
-template <int N, typename F>
-inline void by_count(int n, F&& f) {
-  if constexpr (N >= 1) {
-    if (n == N) return f(std::integral_constant<int, N>{});
-    by_count<N - 1>(n, f);
-  }
-}
 #endif
 
 // One weight row against tokens [t0, t1): out[(t - t0) * ld]
