@@ -8,12 +8,14 @@
 //
 // The int8 dot of a block is one vpdpbusd with AVX-512 VNNI (vpdpbusd multiplies unsigned by
 // signed bytes: |qw| times qx carrying qw's sign, llama.cpp's trick), vpmaddubsw + vpmaddwd with
-// AVX2, a plain loop otherwise. Q4_0's nibbles are unpacked to q - 8 in registers first. Lanes
-// accumulate in float (scale products broadcast); one horizontal sum per output.
+// AVX2, a plain loop otherwise. Q4_0's nibbles are unpacked to q - 8 in registers first (the
+// AVX2 tiles: used as stored, the -8 a per-token offset). Lanes accumulate in float (scale
+// products broadcast); one horizontal sum per output.
 //
-// Work: rows of W are split over threads; each thread walks its rows and, for each row, the
-// tokens four at a time (a block unpacked once serves four), so a row's blocks are read from
-// memory once per call and stay in L1 across the tokens.
+// Work: rows of W are split over threads (chunks of output columns); each thread walks its rows in
+// register tiles of several rows x several tokens (a weight block decoded once serves the tile's
+// tokens, a token's block loaded once serves its rows), so a row's blocks are read from memory
+// once per call and stay in L1 across the tokens.
 
 #pragma once
 
