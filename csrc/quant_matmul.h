@@ -119,6 +119,25 @@ inline void unpack_scalar(const uint8_t* blk, bool q4, int8_t* w) {
 }
 
 #if defined(__AVX2__)
+// 16 bytes -> their 32 nibbles as bytes: the low nibbles, then the high ones (the bytes loaded
+// once into both halves, the upper half shifted by 4: 3 operations against 5 with a shift, two
+// ands and an insert)
+inline __m256i nibbles32(const uint8_t* qs16) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs16)));
+  return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+}
+
+// two adjacent float16 (a block's d and m) -> lanes 0 and 1
+inline __m128 fp16_pair(const uint8_t* p) {
+#if defined(__F16C__)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+#else
+  return _mm_setr_ps(fp16_to_float(p), fp16_to_float(p + 2), 0.f, 0.f);
+#endif
+}
+
 inline __m256i unpack_avx2(const uint8_t* blk, bool q4) {
   if (!q4) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
@@ -493,9 +512,7 @@ inline void tile_avx2(const uint8_t* const* rows, int64_t nb, const int8_t* qx, 
     for (int r = 0; r < RM; ++r) {
       const uint8_t* blk = rows[r] + b * kBytes;
       if constexpr (Q4) {
-        const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-        const __m128i low = _mm_set1_epi8(15);
-        w[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
+        w[r] = nibbles32(blk + 2);
       } else {
         w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
         w_abs[r] = _mm256_sign_epi8(w[r], w[r]);

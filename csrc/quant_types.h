@@ -240,9 +240,7 @@ inline void quantize_acts(Kind kind, const float* x, int64_t T, int64_t K, const
 #if defined(__AVX2__)
 // 32 signed / unsigned weights of one block (or sub-block), in registers
 inline __m256i nibbles_avx2(const uint8_t* qs16) {      // 16 bytes -> low nibbles, then high
-  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs16));
-  const __m128i low = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
+  return nibbles32(qs16);                                // quant_matmul.h
 }
 
 // bit j of qh (a little-endian u32) -> byte j: 16 if set, else 0
@@ -363,8 +361,13 @@ inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_
     for (int r = 0; r < RM; ++r) {
       const uint8_t* blk = rows[r] + b * kBytes32<KIND>;
       w[r] = block32_avx2(KIND, blk);
-      dw[r] = _mm256_set1_ps(fp16_to_float(blk));
-      if constexpr (MINS_HERE && KIND != Kind::Q5_0) mins[r] = std::fma(fp16_to_float(blk + 2), a.sx[t * nb + b], mins[r]);
+      if constexpr (KIND == Kind::Q5_0) {
+        dw[r] = _mm256_set1_ps(fp16_to_float(blk));
+      } else {                 // d and m side by side: one conversion for both
+        const __m128 dm = fp16_pair(blk);
+        dw[r] = _mm256_broadcastss_ps(dm);
+        if constexpr (MINS_HERE) mins[r] = std::fma(_mm_cvtss_f32(_mm_movehdup_ps(dm)), a.sx[t * nb + b], mins[r]);
+      }
     }
     for (int j = 0; j < RN; ++j) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t + j) * K + b * kBlock));
