@@ -23,9 +23,10 @@
 // activations' rounding: at most half a step (the block's max |x| / 127 / 2) per input, times the
 // weight's |w| (tests/model/test_quant_types.py holds each type to that bound).
 //
-// The integer dots are AVX2 (vpmaddubsw: unsigned weights times signed activations; the signed
-// Q5_0 / Q6_K weights by llama.cpp's sign trick), with AVX-512 VNNI's vpdpbusd for a block's plain
-// sum where the build has it, else a scalar loop. Every output (row n, token t) accumulates its
+// The integer dots are AVX2 (vpmaddubsw: unsigned weights times signed activations; Q5_0's and
+// Q6_K's offsets, -16 and -32, come in as int32 terms made from the activations' sums, which
+// leaves the same exact integer totals), with AVX-512 VNNI's vpdpbusd for a block's plain sum
+// where the build has it, else a scalar loop. Every output (row n, token t) accumulates its
 // blocks in order into its own float registers, whatever the number of tokens, the token block or
 // the thread that computes its row: the GEMM's rows are the GEMV's bit for bit, at any thread count.
 #pragma once
