@@ -155,7 +155,13 @@ def run_pagedecode(path: Path, reqs: list, device: str, dtype: str, quantization
                                        max_cache_tokens=total + 64 * 16, max_tokens_per_step=2048,
                                        quantization=quantization, **options)
     weight_bytes = engine.weight_bytes
-    engine.generate([reqs[0][0][:8]], pd.SamplingParams(max_tokens=4, ignore_eos=True))     # warm-up
+    # warm-up as llama-bench's (a prompt run of the test's length, then a generated token): the first
+    # prompt's length in other token ids (no prefix-cache hit). The first step of a size grows the
+    # heap the later ones reuse, and this machine's first touch of fresh pages is slow: after an
+    # 8-token warm-up the first 64-token prefill of SmolLM2 took 3-4x the next ones (~1,700 page faults)
+    first = reqs[0][0]
+    warm = [first[0]] + [3 + (t + 101) % 400 for t in first[1:]]
+    engine.generate([warm], pd.SamplingParams(max_tokens=2, ignore_eos=True))
     pd.freeze_heap()                                    # as `pagedecode serve` runs (runtime/process.py)
     bar = progress(sum(o for _, o in reqs), "pagedecode")
     t0 = time.perf_counter()

@@ -8,12 +8,14 @@
 //
 // The int8 dot of a block is one vpdpbusd with AVX-512 VNNI (vpdpbusd multiplies unsigned by
 // signed bytes: |qw| times qx carrying qw's sign, llama.cpp's trick), vpmaddubsw + vpmaddwd with
-// AVX2, a plain loop otherwise. Q4_0's nibbles are unpacked to q - 8 in registers first. Lanes
-// accumulate in float (scale products broadcast); one horizontal sum per output.
+// AVX2, a plain loop otherwise. Q4_0's nibbles are unpacked to q - 8 in registers first (the
+// AVX2 tiles: used as stored, the -8 a per-token offset). Lanes accumulate in float (scale
+// products broadcast); one horizontal sum per output.
 //
-// Work: rows of W are split over threads; each thread walks its rows and, for each row, the
-// tokens four at a time (a block unpacked once serves four), so a row's blocks are read from
-// memory once per call and stay in L1 across the tokens.
+// Work: rows of W are split over threads (chunks of output columns); each thread walks its rows in
+// register tiles of several rows x several tokens (a weight block decoded once serves the tile's
+// tokens, a token's block loaded once serves its rows), so a row's blocks are read from memory
+// once per call and stay in L1 across the tokens.
 
 #pragma once
 
@@ -33,6 +35,15 @@ constexpr int64_t kPrefetchAhead = 4096;
 inline void prefetch_span(const uint8_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + off), _MM_HINT_T0);
+}
+
+// f(std::integral_constant<int, n>) for a runtime n in [1, N]
+template <int N, typename F>
+inline void by_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    by_count<N - 1>(n, f);
+  }
 }
 
 inline float fp16_to_float(const uint8_t* p) {
@@ -108,6 +119,25 @@ inline void unpack_scalar(const uint8_t* blk, bool q4, int8_t* w) {
 }
 
 #if defined(__AVX2__)
+// 16 bytes -> their 32 nibbles as bytes: the low nibbles, then the high ones (the bytes loaded
+// once into both halves, the upper half shifted by 4: 3 operations against 5 with a shift, two
+// ands and an insert)
+inline __m256i nibbles32(const uint8_t* qs16) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs16)));
+  return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+}
+
+// two adjacent float16 (a block's d and m) -> lanes 0 and 1
+inline __m128 fp16_pair(const uint8_t* p) {
+#if defined(__F16C__)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
+#else
+  return _mm_setr_ps(fp16_to_float(p), fp16_to_float(p + 2), 0.f, 0.f);
+#endif
+}
+
 inline __m256i unpack_avx2(const uint8_t* blk, bool q4) {
   if (!q4) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
@@ -133,29 +163,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// out[r * N] for R tokens (qx, dx at the first, rows K / nb apart) against one weight row: each
-// block is unpacked once and used for all R tokens, each token keeping its own accumulator
-template <int R>
-inline void row_tile(const uint8_t* row, int64_t nb, int64_t block_bytes, bool q4, const int8_t* qx,
-                     const float* dx, int64_t K, float* out, int64_t N) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * block_bytes;
-    const __m256i w = unpack_avx2(blk, q4);
-    const __m256i w_abs = _mm256_sign_epi8(w, w);
-    const float dw = fp16_to_float(blk);
-    for (int r = 0; r < R; ++r) {
-      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
-      const __m256i lanes = dot_block(w, w_abs, xb);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw * dx[r * nb + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r * N] = hsum(acc[r]);
-}
-
-// RM weight rows against one token: row_tile<1>'s operations for each output, RM fma chains in
-// flight instead of one (a decode step's gemv, the LM head's 49152 rows above all, waited on the
+// RM weight rows against one token: per output, per block in order, acc = fma(float(lanes), dw * dx,
+// acc), then hsum(acc) (the AVX-512 GEMM's tile_q8 the same); RM fma chains in flight instead of one (a decode step's gemv, the LM head's 49152 rows above all, waited on the
 // chain's latency): out[r] for rows[r]
 template <int RM>
 inline void rows_tile(const uint8_t* const* rows, int64_t nb, int64_t block_bytes, bool q4, const int8_t* qx,
@@ -273,12 +282,7 @@ inline void one_row(const uint8_t* row, int64_t nb, int64_t block_bytes, bool q4
 #endif
   (void)xp;
   (void)corr;
-#if defined(__AVX2__)
-  int64_t t = 0;
-  for (; t + kTile <= T; t += kTile)
-    row_tile<kTile>(row, nb, block_bytes, q4, qx + t * K, dx + t * nb, K, out + t * ld, ld);
-  for (; t < T; ++t) row_tile<1>(row, nb, block_bytes, q4, qx + t * K, dx + t * nb, K, out + t * ld, ld);
-#else
+#if !defined(__AVX2__)   // (AVX2: MatmulJob::tiles, or the AVX-512 GEMM)
   for (int64_t t = 0; t < T; ++t) {
     const int8_t* xq = qx + t * K;
     const float* xd = dx + t * nb;
@@ -293,6 +297,8 @@ inline void one_row(const uint8_t* row, int64_t nb, int64_t block_bytes, bool q4
     }
     out[t * ld] = acc;
   }
+#else
+  (void)row, (void)nb, (void)block_bytes, (void)q4, (void)qx, (void)dx, (void)T, (void)K, (void)out, (void)ld;
 #endif
 }
 
@@ -457,6 +463,78 @@ inline void rows_gemm(const uint8_t* const* rows, const Panel& p, bool q4, int64
 }
 #endif
 
+#if defined(__AVX2__) && !defined(QUANT_Q4_PAIRS)
+#define QUANT_AVX2_TILES 1
+// The matmul without AVX-512 (AMD Zen 2 / 3, older Intel): register tiles of RM weight rows x RN
+// tokens, each (row, token) output with its own 8 float lanes, through the gemv's float operations
+// (rows_tile's: per block in order, acc = fma(float(lanes), dw * dx, acc), then hsum), so a GEMM
+// row is the gemv's bit for bit whatever tile, token block or thread computes it. A weight block is
+// decoded once per RN tokens and a token's block loaded once per RM rows; dw and dx are broadcast
+// once a block and multiplied in a register (the product rounded as the scalar one is). One row x 4
+// tokens at a time (row_tile, the tile before) formed ~26-30 GMAC/s a core on SmolLM2's shapes.
+//
+// Q4_0's nibbles go to vpmaddubsw as stored (0..15, the unsigned operand) and the -8 comes in as a
+// per-token int32 offset, -8 times each 4 inputs' sum (corr, made once a call): the same exact
+// int32 lanes as the sign trick's (each lane sums the same 4 products), without the unpack's
+// subtraction and two vpsignb per block. Q8_0 keeps the sign trick (|w| times x carrying w's sign:
+// unsigned x + 128 would overflow vpmaddubsw's int16 pairs).
+constexpr int kGemvRows = 4, kGemmRows = 2, kGemmTokens = 4;
+constexpr int64_t kTokenBlockAvx2 = 64;     // tokens whose activations a row tile walks (in L2)
+
+// 8 int32 lanes, lane i the dot of bytes 4i .. 4i + 4 of w (unsigned) and x (signed)
+inline __m256i udot(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// qx (T, K) -> corr (T, K / 4): -8 times each 4 inputs' sum, in block order
+inline void q4_offsets(const int8_t* qx, int32_t* corr, int64_t T, int64_t K) {
+  for (int64_t l = 0; l < T * K / 4; ++l)
+    corr[l] = -8 * (int32_t(qx[4 * l]) + qx[4 * l + 1] + qx[4 * l + 2] + qx[4 * l + 3]);
+}
+
+// rows[0, RM) x tokens j < RN (token j's activations at qx + j K, scales dx + j nb, Q4_0 offsets
+// corr + j K / 4): out[j * ld + r]
+template <bool Q4, int RM, int RN>
+inline void tile_avx2(const uint8_t* const* rows, int64_t nb, const int8_t* qx, const float* dx, const int32_t* corr,
+                      int64_t K, float* out, int64_t ld) {
+  constexpr int64_t kBytes = Q4 ? 2 + kBlock / 2 : 2 + kBlock;
+  __m256 acc[RM][RN];
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < RN; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (RN == 1) prefetch_span(rows[0] + b * RM * kBytes, RM * kBytes);    // the gemv (rows_tile's)
+    __m256i w[RM], w_abs[RM];
+    __m256 dw[RM];
+    for (int r = 0; r < RM; ++r) {
+      const uint8_t* blk = rows[r] + b * kBytes;
+      if constexpr (Q4) {
+        w[r] = nibbles32(blk + 2);
+      } else {
+        w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        w_abs[r] = _mm256_sign_epi8(w[r], w[r]);
+      }
+      dw[r] = _mm256_set1_ps(fp16_to_float(blk));
+    }
+    for (int j = 0; j < RN; ++j) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + j * K + b * kBlock));
+      const __m256 dxb = _mm256_broadcast_ss(dx + j * nb + b);
+      __m256i c = _mm256_setzero_si256();
+      if constexpr (Q4) c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + j * (K / 4) + b * 8));
+      for (int r = 0; r < RM; ++r) {
+        const __m256i lanes = Q4 ? _mm256_add_epi32(udot(w[r], x), c) : udot(w_abs[r], _mm256_sign_epi8(x, w[r]));
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(dw[r], dxb), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < RN; ++j) out[j * ld + r] = hsum(acc[r][j]);
+}
+#endif
+
 // A chunk of rows of one call, as work::Pool runs it: in place on the caller, or into a worker's
 // scratch (T, rows) and then copied out.
 struct MatmulJob {
@@ -473,6 +551,9 @@ struct MatmulJob {
   bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
     const int64_t begin = c * per_chunk, end = std::min(N, begin + per_chunk);
     const auto [o, ld] = work::destination(out, N, T, begin, end - begin, scratch);
+#if defined(QUANT_AVX2_TILES)
+    return q4 ? tiles<true>(begin, end, o, ld, live) : tiles<false>(begin, end, o, ld, live);
+#endif
 #if defined(QUANT_Q4_PAIRS)
     if (T >= 2) return gemm(begin, end, o, ld, live);
     const bool pairs = q4;            // Q4_0's gemv is row_tile_q4
@@ -507,6 +588,39 @@ struct MatmulJob {
     }
     return true;
   }
+
+#if defined(QUANT_AVX2_TILES)
+  // rows [begin, end) by tile_avx2: a lone token kGemvRows rows at a time; more tokens, per block
+  // of kTokenBlockAvx2, kGemmRows rows x kGemmTokens tokens (the last few tokens one tile of fewer)
+  template <bool Q4>
+  bool tiles(int64_t begin, int64_t end, float* o, int64_t ld, work::Live live) const {
+    const int64_t step = T == 1 ? kGemvRows : kGemmRows;
+    for (int64_t t0 = 0; t0 < T; t0 += kTokenBlockAvx2) {
+      const int64_t t1 = std::min(T, t0 + kTokenBlockAvx2);
+      for (int64_t n = begin; n < end; n += step) {
+        if (!live()) return false;
+        const int rm = static_cast<int>(std::min(step, end - n));
+        const uint8_t* rows[kGemvRows];
+        for (int r = 0; r < rm; ++r) rows[r] = w + (n + r) * nb * block_bytes;
+        float* on = o + (n - begin);
+        if (T == 1) {
+          by_count<kGemvRows>(rm, [&](auto RM) { tile_avx2<Q4, RM.value, 1>(rows, nb, qx, dx, corr, K, on, ld); });
+          continue;
+        }
+        by_count<kGemmRows>(rm, [&](auto RM) {
+          auto run = [&](auto RN, int64_t t) {
+            tile_avx2<Q4, RM.value, RN.value>(rows, nb, qx + t * K, dx + t * nb, Q4 ? corr + t * (K / 4) : nullptr, K,
+                                              on + t * ld, ld);
+          };
+          int64_t t = t0;
+          for (; t + kGemmTokens <= t1; t += kGemmTokens) run(std::integral_constant<int, kGemmTokens>{}, t);
+          if (t < t1) by_count<kGemmTokens - 1>(static_cast<int>(t1 - t), [&](auto RN) { run(RN, t); });
+        });
+      }
+    }
+    return true;
+  }
+#endif
 
 #if defined(QUANT_Q4_PAIRS)
   // rows [begin, end) against every token: per block of kTokenBlock tokens, each tile of rows
@@ -584,6 +698,13 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   }
 #else
   (void)pairs_q8;
+#endif
+#if defined(QUANT_AVX2_TILES)
+  if (q4) {
+    int32_t* corr = reinterpret_cast<int32_t*>(mem + o_corr);
+    q4_offsets(qx, corr, T, K);
+    job.corr = corr;
+  }
 #endif
   const int64_t reads = nb * block_bytes * N * ((T + kTile - 1) / kTile);
   const int64_t chunks = std::max<int64_t>(

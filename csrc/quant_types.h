@@ -23,9 +23,10 @@
 // activations' rounding: at most half a step (the block's max |x| / 127 / 2) per input, times the
 // weight's |w| (tests/model/test_quant_types.py holds each type to that bound).
 //
-// The integer dots are AVX2 (vpmaddubsw: unsigned weights times signed activations; the signed
-// Q5_0 / Q6_K weights by llama.cpp's sign trick), with AVX-512 VNNI's vpdpbusd for a block's plain
-// sum where the build has it, else a scalar loop. Every output (row n, token t) accumulates its
+// The integer dots are AVX2 (vpmaddubsw: unsigned weights times signed activations; Q5_0's and
+// Q6_K's offsets, -16 and -32, come in as int32 terms made from the activations' sums, which
+// leaves the same exact integer totals), with AVX-512 VNNI's vpdpbusd for a block's plain sum
+// where the build has it, else a scalar loop. Every output (row n, token t) accumulates its
 // blocks in order into its own float registers, whatever the number of tokens, the token block or
 // the thread that computes its row: the GEMM's rows are the GEMV's bit for bit, at any thread count.
 #pragma once
@@ -188,6 +189,7 @@ struct Acts {
   float* sx;       // blocks of 32 with a min (Q8_1's s): d * sum per block (T, K / 32), and the same
   float* sx_t;     // transposed (K / 32, T) for the GEMM's mins, 8 tokens to a register (T >= 2)
   int32_t* corr;   // Q5_0: -16 times each 4 inputs' sum of q (T, K / 32, 8): tile32's offset, in int32 lanes
+  int16_t* sum16;  // Q6_K: the sum of q of every 16 inputs (T, K / 16): row_dot's -32 offset
 };
 
 // llama.cpp's quantize_row_q8_K: the scale from the signed input of largest magnitude
@@ -222,6 +224,12 @@ inline void quantize_acts(Kind kind, const float* x, int64_t T, int64_t K, const
     for (int j = 0; j < kBlock; ++j) s += a.q[i * kBlock + j];
     a.sum[i] = s;
   }
+  if (kind == Kind::Q6_K)
+    for (int64_t i = 0; i < T * K / 16; ++i) {
+      int32_t s = 0;
+      for (int j = 0; j < 16; ++j) s += a.q[i * 16 + j];
+      a.sum16[i] = static_cast<int16_t>(s);                 // |s| <= 16 * 127
+    }
   if (kind == Kind::Q5_0)
     for (int64_t l = 0; l < T * K / 4; ++l)
       a.corr[l] = -16 * (int32_t(a.q[4 * l]) + a.q[4 * l + 1] + a.q[4 * l + 2] + a.q[4 * l + 3]);
@@ -240,17 +248,15 @@ inline void quantize_acts(Kind kind, const float* x, int64_t T, int64_t K, const
 #if defined(__AVX2__)
 // 32 signed / unsigned weights of one block (or sub-block), in registers
 inline __m256i nibbles_avx2(const uint8_t* qs16) {      // 16 bytes -> low nibbles, then high
-  const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs16));
-  const __m128i low = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
+  return nibbles32(qs16);                                // quant_matmul.h
 }
 
 // bit j of qh (a little-endian u32) -> byte j: 16 if set, else 0
 inline __m256i high_bits_avx2(const uint8_t* qh4) {
-  uint32_t qh;
-  std::memcpy(&qh, qh4, 4);
+  // broadcast from memory (a load, no shuffle: the set1 of a loaded int went through a register)
+  const __m256i qh = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(qh4)));
   const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(qh)),
+      qh,
       _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
@@ -265,7 +271,8 @@ inline __m256i block32_avx2(Kind kind, const uint8_t* b) {
   }
 }
 
-// sub-block s (32 inputs) of a K-quant super-block: Q4_K / Q5_K unsigned, Q6_K minus 32
+// sub-block s (32 inputs) of a K-quant super-block, unsigned (Q6_K's q before its -32: row_dot
+// subtracts 32 times the activations' sums instead)
 inline __m256i sub32_avx2(Kind kind, const uint8_t* b, int s) {
   const __m256i low = _mm256_set1_epi8(15);
   if (kind == Kind::Q6_K) {
@@ -274,7 +281,7 @@ inline __m256i sub32_avx2(Kind kind, const uint8_t* b, int s) {
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     const __m256i lo = (i >> 1) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), low) : _mm256_and_si256(ql, low);
     const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
   }
   const uint8_t* qs = b + (kind == Kind::Q5_K ? 48 : 16) + 32 * (s / 2);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
@@ -358,22 +365,27 @@ inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_
   }
   for (int64_t b = 0; b < nb; ++b) {
     __m256i w[RM];
-    float dw[RM];
+    __m256 dw[RM];
     if constexpr (RN == 1) prefetch_span(rows[0] + b * RM * kBytes32<KIND>, RM * kBytes32<KIND>);   // the gemv
     for (int r = 0; r < RM; ++r) {
       const uint8_t* blk = rows[r] + b * kBytes32<KIND>;
       w[r] = block32_avx2(KIND, blk);
-      dw[r] = fp16_to_float(blk);
-      if constexpr (MINS_HERE && KIND != Kind::Q5_0) mins[r] = std::fma(fp16_to_float(blk + 2), a.sx[t * nb + b], mins[r]);
+      if constexpr (KIND == Kind::Q5_0) {
+        dw[r] = _mm256_set1_ps(fp16_to_float(blk));
+      } else {                 // d and m side by side: one conversion for both
+        const __m128 dm = fp16_pair(blk);
+        dw[r] = _mm256_broadcastss_ps(dm);
+        if constexpr (MINS_HERE) mins[r] = std::fma(_mm_cvtss_f32(_mm_movehdup_ps(dm)), a.sx[t * nb + b], mins[r]);
+      }
     }
     for (int j = 0; j < RN; ++j) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t + j) * K + b * kBlock));
-      const float dx = a.d[(t + j) * nb + b];
+      const __m256 dx = _mm256_broadcast_ss(a.d + (t + j) * nb + b);     // dw * dx below: the scalar product's bits
       __m256i c = _mm256_setzero_si256();
       if constexpr (sign) c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr + ((t + j) * nb + b) * 8));
       for (int r = 0; r < RM; ++r) {
         const __m256i lanes = sign ? _mm256_add_epi32(dot32(w[r], x, false), c) : dot32(w[r], x, false);
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(dw[r] * dx), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(dw[r], dx), acc[r][j]);
       }
     }
   }
@@ -411,14 +423,6 @@ inline void mins32(const uint8_t* row, const Acts& a, int64_t nb, int64_t T, int
   }
 }
 
-// f(std::integral_constant<int, n>) for a runtime n in [1, N]
-template <int N, typename F>
-inline void by_count(int n, F&& f) {
-  if constexpr (N >= 1) {
-    if (n == N) return f(std::integral_constant<int, N>{});
-    by_count<N - 1>(n, f);
-  }
-}
 #endif
 
 // One weight row against tokens [t0, t1): out[(t - t0) * ld]
@@ -428,17 +432,23 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
   const int64_t nblocks = K / type.block, n = t1 - t0, per32 = K / kBlock;
   acc.reset(n);
 #if defined(__AVX2__)
-  // (Q4_1 / Q5_0 / Q5_1 go through Job::rows32 with AVX2: the K-quants here)
+  // (Q4_1 / Q5_0 / Q5_1 go through Job::rows32 with AVX2: the K-quants here.) Q6_K's weights go to
+  // vpmaddubsw unsigned (q, 0..63) and its -32 comes as 32 times the scaled sums of the activations'
+  // 16-input blocks (sum16), one vpmaddwd per token and block: the same exact int32 total as the
+  // sign trick's q - 32 without its two vpsignb per 32 inputs; the 16 scales widened once a block
+  // and each pair broadcast by two shuffles (one set1 per scale cost more than the products)
   const bool six = kind == Kind::Q6_K;
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* blk = row + b * type.bytes;
-    __m256i w[8], scale[8];
+    __m256i w[8], scale[8], sc16 = _mm256_setzero_si256();
     int32_t sc[8], m[8];
     float d, dmin = 0.f;
     if (six) {
-      for (int s = 0; s < 8; ++s)
-        scale[s] = _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[192 + 2 * s + 1])),
-                                    _mm_set1_epi16(static_cast<int8_t>(blk[192 + 2 * s])));
+      sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      const __m256i halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                              2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+      for (int s = 0; s < 8; ++s)       // words 0-7: scale 2s (the first 16 inputs), 8-15: scale 2s + 1
+        scale[s] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), halves);
       d = fp16_to_float(blk + 208);
     } else {
       k_scales(blk + 4, sc, m);
@@ -453,7 +463,11 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
       __m256i lanes = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
-        lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pair_products(w[s], x, six), scale[s]));
+        lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pair_products(w[s], x, false), scale[s]));
+      }
+      if (six) {
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16 + tok * (K / 16) + b * 16));
+        lanes = _mm256_sub_epi32(lanes, _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
       }
       const float dx = a.d[tok * nblocks + b];
       acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc.lanes[t].v);
@@ -576,10 +590,12 @@ inline void matmul(const Type& type, const float* x, const uint8_t* w, float* ou
   const int64_t n32 = T * K / kBlock;
   const int64_t o_d = work::lines(T * K), o_sum = o_d + work::lines(nd * 4), o_sx = o_sum + work::lines(n32 * 4);
   const int64_t o_sx_t = o_sx + work::lines(n32 * 4), o_corr = o_sx_t + work::lines(n32 * 4);
-  unsigned char* mem = work::owned(keep, type.kind == Kind::Q5_0 ? o_corr + n32 * 32 : o_corr);
+  const int64_t o_sum16 = o_corr + (type.kind == Kind::Q5_0 ? work::lines(n32 * 32) : 0);
+  unsigned char* mem = work::owned(keep, type.kind == Kind::Q6_K ? o_sum16 + n32 * 4 : o_sum16);
   const Acts acts{reinterpret_cast<int8_t*>(mem), reinterpret_cast<float*>(mem + o_d),
                   reinterpret_cast<int32_t*>(mem + o_sum), reinterpret_cast<float*>(mem + o_sx),
-                  reinterpret_cast<float*>(mem + o_sx_t), reinterpret_cast<int32_t*>(mem + o_corr)};
+                  reinterpret_cast<float*>(mem + o_sx_t), reinterpret_cast<int32_t*>(mem + o_corr),
+                  reinterpret_cast<int16_t*>(mem + o_sum16)};
   quantize_acts(type.kind, x, T, K, acts);
   const int64_t row_bytes = K / type.block * type.bytes;
   const int64_t reads = row_bytes * N * ((T + kTokenTile - 1) / kTokenTile);

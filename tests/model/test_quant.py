@@ -78,7 +78,7 @@ def test_gemm_equals_the_gemv_row_by_row(kind, layout):
     once per tile), one token through the gemv: the same int8 activations, the same exact int32 block
     dots and the same float operations per output, so each row of the GEMM is the gemv's bit for bit
     (what keeps a request's tokens independent of its batch), at 1 and 2 threads. Odd shapes: T not
-    a multiple of the 4-token tile, N not of the 4-row tile, K a multiple of 32 but not of 64 / 256
+    a multiple of the 4-token tile (5, 17, 65), N not of the 4-row tile, K a multiple of 32 but not of 64 / 256
     (Q4_0's odd last block), tokens past one 128-token block. Packed: N past and not a multiple of
     the 16-row group (the rest of the rows in GGUF's layout), T past the 8-token tile and past one
     128-token block with whole row groups (131 x 37, 130 x 48)."""
@@ -88,7 +88,7 @@ def test_gemm_equals_the_gemv_row_by_row(kind, layout):
         for n in (1, 2):
             torch.set_num_threads(n)
             for T, K, N in [(2, 96, 7), (3, 800, 33), (17, 608, 65), (64, 576, 9), (131, 160, 5), (15, 64, 48),
-                            (5, 96, 300), (131, 160, 37), (130, 64, 48)]:
+                            (5, 96, 300), (131, 160, 37), (130, 64, 48), (5, 576, 9), (65, 576, 33)]:
                 q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
                 x = torch.randn(T, K, generator=g) * torch.rand(T, 1, generator=g) * 4
                 blocks = blocks_in(q, layout)

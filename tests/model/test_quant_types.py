@@ -78,6 +78,19 @@ def test_gemm_rows_equal_the_gemv_and_any_thread_count(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [5, 17, 64, 65])
+def test_gemm_of_odd_token_counts_is_the_gemv_row_by_row(kind, T):
+    """Token counts that leave a partial register tile (the GEMM's tiles hold 4 tokens, 2 rows;
+    N = 37 leaves a lone row) and one past a 64-token block: every row the gemv's bits."""
+    K = BLOCK_TYPES[kind].block * (3 if kind.endswith("_k") else 18)
+    q = weight(37, K, kind, seed=T)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)) * 2
+    y = _cpu.quant_linear(x, q.kernel_blocks(), 37)
+    rows = torch.cat([_cpu.quant_linear(x[t:t + 1], q.kernel_blocks(), 37) for t in range(T)])
+    assert torch.equal(y, rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_embedding_rows_are_ggufs_floats(kind):
     """The compiled forward's embedding lookup dequantizes the rows it reads, to gguf's bits (random
     bytes and any finite float16 scale)."""
