@@ -411,6 +411,60 @@ inline void mins32(const uint8_t* row, const Acts& a, int64_t nb, int64_t T, int
   }
 }
 
+// The K-quants' gemv (one token) RM weight rows at a time, the lines prefetched kPrefetchAhead on
+// (tile32's reasons: one row at a time kept one chain in flight, its accumulators in memory, and the
+// hardware prefetcher left several rows' streams waiting on memory). Each row's float operations
+// are row_dot's, in its order (per super-block the exact integer dot of its 8 sub-blocks, fma'd
+// with d * dx; the mins' fma of dmin * dx and sum_s m_s sum(qx_s); hsum(lanes) - mins), so a row's
+// output is the GEMM's bit for bit. Each sub-block's activations are loaded once for the RM rows.
+template <Kind KIND>
+constexpr int64_t kBytesK = KIND == Kind::Q4_K ? 144 : KIND == Kind::Q5_K ? 176 : 210;
+
+template <Kind KIND, int RM>
+inline void gemv_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, float* out) {
+  constexpr bool six = KIND == Kind::Q6_K;
+  __m256 acc[RM];
+  float mins[RM];
+  for (int r = 0; r < RM; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    mins[r] = 0.f;
+  }
+  for (int64_t b = 0; b < nsb; ++b) {
+    prefetch_span(rows[0] + b * RM * kBytesK<KIND>, RM * kBytesK<KIND>);     // the RM rows lie end to end
+    const int8_t* xq = a.q + b * kSuper;
+    const float dx = a.d[b];
+    const uint8_t* blk[RM];
+    int32_t sc[RM][8], m[RM][8];
+    __m256i lanes[RM];
+    for (int r = 0; r < RM; ++r) {
+      blk[r] = rows[r] + b * kBytesK<KIND>;
+      if constexpr (!six) k_scales(blk[r] + 4, sc[r], m[r]);
+      lanes[r] = _mm256_setzero_si256();
+    }
+    for (int s = 0; s < 8; ++s) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
+      for (int r = 0; r < RM; ++r) {
+        const __m256i scale = six ? _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s + 1])),
+                                                     _mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s])))
+                                  : _mm256_set1_epi16(static_cast<int16_t>(sc[r][s]));
+        lanes[r] = _mm256_add_epi32(lanes[r],
+                                    _mm256_madd_epi16(pair_products(sub32_avx2(KIND, blk[r], s), x, six), scale));
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      const float d = fp16_to_float(blk[r] + (six ? 208 : 0));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[r]), _mm256_set1_ps(d * dx), acc[r]);
+      if constexpr (!six) {
+        const int32_t* sums = a.sum + b * 8;
+        int32_t summ = 0;
+        for (int s = 0; s < 8; ++s) summ += m[r][s] * sums[s];
+        mins[r] = std::fma(fp16_to_float(blk[r] + 2) * dx, static_cast<float>(summ), mins[r]);
+      }
+    }
+  }
+  for (int r = 0; r < RM; ++r) out[r] = hsum(acc[r]) - mins[r];
+}
+
 // f(std::integral_constant<int, n>) for a runtime n in [1, N]
 template <int N, typename F>
 inline void by_count(int n, F&& f) {
@@ -511,7 +565,9 @@ struct Job {
       case Kind::Q4_1: return rows32<Kind::Q4_1>(begin, end, o, ld, live);
       case Kind::Q5_0: return rows32<Kind::Q5_0>(begin, end, o, ld, live);
       case Kind::Q5_1: return rows32<Kind::Q5_1>(begin, end, o, ld, live);
-      default: break;
+      case Kind::Q4_K: if (T == 1) return gemv_rows_k<Kind::Q4_K>(begin, end, o, live); break;
+      case Kind::Q5_K: if (T == 1) return gemv_rows_k<Kind::Q5_K>(begin, end, o, live); break;
+      case Kind::Q6_K: if (T == 1) return gemv_rows_k<Kind::Q6_K>(begin, end, o, live); break;
     }
 #endif
     thread_local Accs acc;
@@ -556,6 +612,19 @@ struct Job {
             });
         });
       }
+    }
+    return true;
+  }
+
+  // rows [begin, end) of a K-quant for a lone token by gemv_k, kRowsGemv rows at a time
+  template <Kind KIND>
+  bool gemv_rows_k(int64_t begin, int64_t end, float* o, work::Live live) const {
+    for (int64_t n = begin; n < end; n += kRowsGemv) {
+      if (!live()) return false;
+      const int rm = static_cast<int>(std::min<int64_t>(kRowsGemv, end - n));
+      const uint8_t* rows[kRowsGemv];
+      for (int r = 0; r < rm; ++r) rows[r] = w + (n + r) * row_bytes;
+      by_count<kRowsGemv>(rm, [&](auto RM) { gemv_k<KIND, RM.value>(rows, acts, K / kSuper, o + (n - begin)); });
     }
     return true;
   }
