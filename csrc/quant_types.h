@@ -304,22 +304,10 @@ inline __m256i dot32(__m256i w, __m256i x, bool sign) {
 }
 #endif
 
-#if defined(__AVX2__)
-struct alignas(32) Lanes {     // a register's worth of float accumulators (std::vector<__m256> drops its attributes)
-  __m256 v;
-};
-#endif
-
-// Per (row, token) accumulators of a tile of tokens (float lanes and a scalar for the mins)
+// Per token accumulators of a tile of tokens for the scalar row_dot (a scalar, and the mins)
 struct Accs {
-#if defined(__AVX2__)
-  std::vector<Lanes> lanes;
-#endif
   std::vector<float> scalar, mins;
   void reset(int64_t n) {
-#if defined(__AVX2__)
-    lanes.assign(n, Lanes{_mm256_setzero_ps()});
-#endif
     scalar.assign(n, 0.f);
     mins.assign(n, 0.f);
   }
@@ -411,58 +399,85 @@ inline void mins32(const uint8_t* row, const Acts& a, int64_t nb, int64_t T, int
   }
 }
 
-// The K-quants' gemv (one token) RM weight rows at a time, the lines prefetched kPrefetchAhead on
-// (tile32's reasons: one row at a time kept one chain in flight, its accumulators in memory, and the
-// hardware prefetcher left several rows' streams waiting on memory). Each row's float operations
-// are row_dot's, in its order (per super-block the exact integer dot of its 8 sub-blocks, fma'd
-// with d * dx; the mins' fma of dmin * dx and sum_s m_s sum(qx_s); hsum(lanes) - mins), so a row's
-// output is the GEMM's bit for bit. Each sub-block's activations are loaded once for the RM rows.
+// The K-quants (Q4_K, Q5_K, Q6_K) in register tiles, as tile32 the blocks of 32: RM weight rows x
+// RN tokens, each (row, token) with its own integer lanes for a super-block's 8 sub-blocks and its
+// own float lanes and min across super-blocks. Each output's float operations are the scalar
+// row_dot's, in its order (per super-block: the exact integer dot fma'd with d * dx; the mins' fma
+// of dmin * dx and the exact sum_s m_s sum(qx_s); then hsum(lanes) - mins), so the gemv's rows are
+// the GEMM's bit for bit. Tiled for tile32's reasons: one row at a time kept one fma chain in
+// flight with its accumulators in memory, and the gemv's rows waited on memory (4 rows, their
+// lines prefetched 4 KB ahead: 576x1536, one thread, from L2 100 -> 62 us for Q4_K); the GEMM
+// decodes each sub-block once per RN tokens and loads each token's once per RM rows.
 template <Kind KIND>
 constexpr int64_t kBytesK = KIND == Kind::Q4_K ? 144 : KIND == Kind::Q5_K ? 176 : 210;
+// the GEMM's tile: Q6_K's signed weights (the sign trick: |w| and each token's x signed by w) hold a
+// register more per row, so one row x 8 tokens, else 2 rows x 4 tokens (kRowsGemm x kTokensGemm)
+// (576x1536 x 64 tokens, one thread: Q6_K 2 x 4 spilled, 0.8x the row-at-a-time kernel)
+template <Kind KIND>
+constexpr int kRowsGemmK = KIND == Kind::Q6_K ? 1 : kRowsGemm;
+template <Kind KIND>
+constexpr int kTokensGemmK = KIND == Kind::Q6_K ? 8 : kTokensGemm;
 
-template <Kind KIND, int RM>
-inline void gemv_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, float* out) {
+// the sum of 8 int32 lanes
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// rows[0, RM) x tokens [t, t + RN) over nsb super-blocks: out[j * ld + r] for token t + j
+template <Kind KIND, int RM, int RN>
+inline void tile_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, int64_t t, float* out, int64_t ld) {
   constexpr bool six = KIND == Kind::Q6_K;
-  __m256 acc[RM];
-  float mins[RM];
-  for (int r = 0; r < RM; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    mins[r] = 0.f;
-  }
+  const int64_t K = nsb * kSuper, per32 = nsb * 8;
+  __m256 acc[RM][RN];
+  float mins[RM][RN];
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < RN; ++j) {
+      acc[r][j] = _mm256_setzero_ps();
+      mins[r][j] = 0.f;
+    }
   for (int64_t b = 0; b < nsb; ++b) {
-    prefetch_span(rows[0] + b * RM * kBytesK<KIND>, RM * kBytesK<KIND>);     // the RM rows lie end to end
-    const int8_t* xq = a.q + b * kSuper;
-    const float dx = a.d[b];
+    if constexpr (RN == 1) prefetch_span(rows[0] + b * RM * kBytesK<KIND>, RM * kBytesK<KIND>);  // rows end to end
     const uint8_t* blk[RM];
     int32_t sc[RM][8], m[RM][8];
-    __m256i lanes[RM];
+    __m256i lanes[RM][RN];
     for (int r = 0; r < RM; ++r) {
       blk[r] = rows[r] + b * kBytesK<KIND>;
       if constexpr (!six) k_scales(blk[r] + 4, sc[r], m[r]);
-      lanes[r] = _mm256_setzero_si256();
+      for (int j = 0; j < RN; ++j) lanes[r][j] = _mm256_setzero_si256();
     }
     for (int s = 0; s < 8; ++s) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
+      __m256i w[RM], scale[RM];
       for (int r = 0; r < RM; ++r) {
-        const __m256i scale = six ? _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s + 1])),
-                                                     _mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s])))
-                                  : _mm256_set1_epi16(static_cast<int16_t>(sc[r][s]));
-        lanes[r] = _mm256_add_epi32(lanes[r],
-                                    _mm256_madd_epi16(pair_products(sub32_avx2(KIND, blk[r], s), x, six), scale));
+        w[r] = sub32_avx2(KIND, blk[r], s);
+        scale[r] = six ? _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s + 1])),
+                                          _mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s])))
+                       : _mm256_set1_epi16(static_cast<int16_t>(sc[r][s]));
+      }
+      for (int j = 0; j < RN; ++j) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t + j) * K + b * kSuper + 32 * s));
+        for (int r = 0; r < RM; ++r)
+          lanes[r][j] = _mm256_add_epi32(lanes[r][j], _mm256_madd_epi16(pair_products(w[r], x, six), scale[r]));
       }
     }
     for (int r = 0; r < RM; ++r) {
       const float d = fp16_to_float(blk[r] + (six ? 208 : 0));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[r]), _mm256_set1_ps(d * dx), acc[r]);
-      if constexpr (!six) {
-        const int32_t* sums = a.sum + b * 8;
-        int32_t summ = 0;
-        for (int s = 0; s < 8; ++s) summ += m[r][s] * sums[s];
-        mins[r] = std::fma(fp16_to_float(blk[r] + 2) * dx, static_cast<float>(summ), mins[r]);
+      for (int j = 0; j < RN; ++j) {
+        const float dx = a.d[(t + j) * nsb + b];
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[r][j]), _mm256_set1_ps(d * dx), acc[r][j]);
+        if constexpr (!six) {
+          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum + (t + j) * per32 + b * 8));
+          const int32_t summ = hsum_epi32(_mm256_mullo_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m[r])), sums));
+          mins[r][j] = std::fma(fp16_to_float(blk[r] + 2) * dx, static_cast<float>(summ), mins[r][j]);
+        }
       }
     }
   }
-  for (int r = 0; r < RM; ++r) out[r] = hsum(acc[r]) - mins[r];
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < RN; ++j) out[j * ld + r] = hsum(acc[r][j]) - mins[r][j];
 }
 
 // f(std::integral_constant<int, n>) for a runtime n in [1, N]
@@ -475,52 +490,13 @@ inline void by_count(int n, F&& f) {
 }
 #endif
 
-// One weight row against tokens [t0, t1): out[(t - t0) * ld]
+// One weight row against tokens [t0, t1): out[(t - t0) * ld], in scalar code (builds without AVX2:
+// tile32 and tile_k otherwise)
 inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t K, int64_t t0, int64_t t1,
                     float* out, int64_t ld, Accs& acc) {
   const Kind kind = type.kind;
   const int64_t nblocks = K / type.block, n = t1 - t0, per32 = K / kBlock;
   acc.reset(n);
-#if defined(__AVX2__)
-  // (Q4_1 / Q5_0 / Q5_1 go through Job::rows32 with AVX2: the K-quants here)
-  const bool six = kind == Kind::Q6_K;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* blk = row + b * type.bytes;
-    __m256i w[8], scale[8];
-    int32_t sc[8], m[8];
-    float d, dmin = 0.f;
-    if (six) {
-      for (int s = 0; s < 8; ++s)
-        scale[s] = _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[192 + 2 * s + 1])),
-                                    _mm_set1_epi16(static_cast<int8_t>(blk[192 + 2 * s])));
-      d = fp16_to_float(blk + 208);
-    } else {
-      k_scales(blk + 4, sc, m);
-      for (int s = 0; s < 8; ++s) scale[s] = _mm256_set1_epi16(static_cast<int16_t>(sc[s]));
-      d = fp16_to_float(blk);
-      dmin = fp16_to_float(blk + 2);
-    }
-    for (int s = 0; s < 8; ++s) w[s] = sub32_avx2(kind, blk, s);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t tok = t0 + t;
-      const int8_t* xq = a.q + tok * K + b * kSuper;
-      __m256i lanes = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
-        lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pair_products(w[s], x, six), scale[s]));
-      }
-      const float dx = a.d[tok * nblocks + b];
-      acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc.lanes[t].v);
-      if (!six) {
-        const int32_t* sums = a.sum + tok * per32 + b * 8;
-        int32_t summ = 0;
-        for (int s = 0; s < 8; ++s) summ += m[s] * sums[s];
-        acc.mins[t] = std::fma(dmin * dx, static_cast<float>(summ), acc.mins[t]);
-      }
-    }
-  }
-  for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t].v) - acc.mins[t];
-#else
   Block blk;
   for (int64_t b = 0; b < nblocks; ++b) {
     decode(kind, row + b * type.bytes, blk);
@@ -546,7 +522,6 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
     }
   }
   for (int64_t t = 0; t < n; ++t) out[t * ld] = is_k(kind) ? acc.scalar[t] - acc.mins[t] : acc.scalar[t] + acc.mins[t];
-#endif
 }
 
 // A chunk of rows of one call, as work::run runs it (quant_matmul.h's MatmulJob, for these types)
@@ -565,12 +540,13 @@ struct Job {
       case Kind::Q4_1: return rows32<Kind::Q4_1>(begin, end, o, ld, live);
       case Kind::Q5_0: return rows32<Kind::Q5_0>(begin, end, o, ld, live);
       case Kind::Q5_1: return rows32<Kind::Q5_1>(begin, end, o, ld, live);
-      case Kind::Q4_K: if (T == 1) return gemv_rows_k<Kind::Q4_K>(begin, end, o, live); break;
-      case Kind::Q5_K: if (T == 1) return gemv_rows_k<Kind::Q5_K>(begin, end, o, live); break;
-      case Kind::Q6_K: if (T == 1) return gemv_rows_k<Kind::Q6_K>(begin, end, o, live); break;
+      case Kind::Q4_K: return rows_k<Kind::Q4_K>(begin, end, o, ld, live);
+      case Kind::Q5_K: return rows_k<Kind::Q5_K>(begin, end, o, ld, live);
+      case Kind::Q6_K: return rows_k<Kind::Q6_K>(begin, end, o, ld, live);
     }
 #endif
-    thread_local Accs acc;
+    thread_local Accs acc;       // the scalar row_dot, without AVX2
+
     for (int64_t t0 = 0; t0 < T; t0 += kTokenTile) {
       const int64_t t1 = std::min(T, t0 + kTokenTile);
       for (int64_t n = begin; n < end; ++n) {
@@ -616,15 +592,34 @@ struct Job {
     return true;
   }
 
-  // rows [begin, end) of a K-quant for a lone token by gemv_k, kRowsGemv rows at a time
+  // rows [begin, end) of a K-quant by tile_k, per tile of kTokenTile tokens: a lone token kRowsGemv
+  // rows at a time, more tokens kRowsGemmK x kTokensGemmK
   template <Kind KIND>
-  bool gemv_rows_k(int64_t begin, int64_t end, float* o, work::Live live) const {
-    for (int64_t n = begin; n < end; n += kRowsGemv) {
-      if (!live()) return false;
-      const int rm = static_cast<int>(std::min<int64_t>(kRowsGemv, end - n));
-      const uint8_t* rows[kRowsGemv];
-      for (int r = 0; r < rm; ++r) rows[r] = w + (n + r) * row_bytes;
-      by_count<kRowsGemv>(rm, [&](auto RM) { gemv_k<KIND, RM.value>(rows, acts, K / kSuper, o + (n - begin)); });
+  bool rows_k(int64_t begin, int64_t end, float* o, int64_t ld, work::Live live) const {
+    const int64_t nsb = K / kSuper;
+    for (int64_t t0 = 0; t0 < T; t0 += kTokenTile) {
+      const int64_t t1 = std::min(T, t0 + kTokenTile);
+      const int64_t step = T == 1 ? kRowsGemv : kRowsGemmK<KIND>;
+      for (int64_t n = begin; n < end; n += step) {
+        if (!live()) return false;
+        const int rm = static_cast<int>(std::min(step, end - n));
+        const uint8_t* rows[kRowsGemv];
+        for (int r = 0; r < rm; ++r) rows[r] = w + (n + r) * row_bytes;
+        float* on = o + (n - begin);
+        if (T == 1) {
+          by_count<kRowsGemv>(rm, [&](auto RM) { tile_k<KIND, RM.value, 1>(rows, acts, nsb, 0, on, ld); });
+          continue;
+        }
+        by_count<kRowsGemmK<KIND>>(rm, [&](auto RM) {
+          int64_t t = t0;
+          for (; t + kTokensGemmK<KIND> <= t1; t += kTokensGemmK<KIND>)
+            tile_k<KIND, RM.value, kTokensGemmK<KIND>>(rows, acts, nsb, t, on + t * ld, ld);
+          if (t < t1)
+            by_count<kTokensGemmK<KIND> - 1>(static_cast<int>(t1 - t), [&](auto RN) {
+              tile_k<KIND, RM.value, RN.value>(rows, acts, nsb, t, on + t * ld, ld);
+            });
+        });
+      }
     }
     return true;
   }
