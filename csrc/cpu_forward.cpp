@@ -750,7 +750,7 @@ template <typename T>
 bool off_openmp(const std::vector<Tensor>& L, int64_t rows, bool det) {
   for (const Proj& p : {kQkv, kO, kGateUp, kDown}) {
     const Tensor& w = L[p.w];
-    if (quant_blocks(w)) {
+    if (quant_blocks(w) || in_parts(L, p)) {
       if (rows >= work::kOpenMPRows) return false;
       continue;
     }
@@ -760,6 +760,21 @@ bool off_openmp(const std::vector<Tensor>& L, int64_t rows, bool det) {
     if (rows > (packed ? kGemvRows<T> : kGemvRowsUnpacked) || rows >= work::kOpenMPRows) return false;
   }
   return true;
+}
+
+// A projection held as its parts (in_parts: a K-quant mix's q, k, v or gate, up, each in its own
+// block type): each part's quant_linear, the same call the torch path makes per part (model/quant.py
+// linear over a RowStack), side by side in the output's columns, then the bias and the model's dtype
+// as linear() gives them for a stacked weight.
+template <typename T>
+Tensor linear_parts(const Tensor& x, const std::vector<Tensor>& L, const Proj& p, const Tensor& b) {
+  const Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<Tensor> ys;
+  for (Slot s : p.parts)
+    if (s != kSlots) ys.push_back(quant_linear(xf, L[s], L[s].size(0)));
+  Tensor y = at::cat(ys, 1);
+  if (b.defined() && b.numel() > 0) y.add_(b.to(at::kFloat));
+  return std::is_same_v<T, float> ? y : y.to(x.scalar_type());
 }
 
 // -- LoRA adapters: csrc/lora_delta.h ---------------------------------------------------------------
@@ -795,6 +810,7 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
   auto mm = [&](const Tensor& in, const Proj& p, const std::vector<Tensor>& L, Tensor& buf) -> Tensor {
     const Tensor none;
     const Tensor& b = p.b == kSlots ? none : L[p.b];
+    if (in_parts(L, p)) return linear_parts<T>(in, L, p, b);     // per row as quant_linear: det's order too
     return det ? det_linear<T>(in, L[p.w], b, L[p.packed], &buf)
                : linear<T>(in, L[p.w], b, L[p.t], L[p.packed], buf, onednn);
   };

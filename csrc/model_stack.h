@@ -10,18 +10,30 @@ enum Slot : int {
   kLn1, kQkvW, kQkvB, kOW, kOB, kLn2, kGateUpW, kDownW,   // the layer (weights float or Q8_0 / Q4_0 blocks)
   kQkvT, kOT, kGateUpT, kDownT,                             // a small layer's weights transposed (gemv_transposed)
   kQkvPacked, kOPacked, kGateUpPacked, kDownPacked,         // packed for the mode's matmul (oneDNN's or det::pack's)
+  kQW, kKW, kVW, kGateW, kUpW,                              // a stacked projection's parts, each in its own block type
   kSlots                                                    // also "no such slot" (gate_up and down have no bias)
 };
 const char* const kSlotNames[kSlots] = {"ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "down_w",
                                         "qkv_t", "o_t", "gate_up_t", "down_t",
-                                        "qkv_packed", "o_packed", "gate_up_packed", "down_packed"};
+                                        "qkv_packed", "o_packed", "gate_up_packed", "down_packed",
+                                        "q_w", "k_w", "v_w", "gate_w", "up_w"};
 
-// a projection's slots: weight, bias, transposed and packed copies
+// a projection's slots: weight, bias, transposed and packed copies, and the parts of a stacked one
+// (q | k | v, gate | up: kSlots where it has fewer). A K-quant mix (llama.cpp's Q4_K_M gives attn_v
+// more bits than attn_q / attn_k) cannot stack its parts into one block type: its w is then empty
+// and each part, quantized in its own type, is multiplied on its own into its columns (linear_parts).
 struct Proj {
   Slot w, b, t, packed;
+  Slot parts[3];
 };
-constexpr Proj kQkv{kQkvW, kQkvB, kQkvT, kQkvPacked}, kO{kOW, kOB, kOT, kOPacked};
-constexpr Proj kGateUp{kGateUpW, kSlots, kGateUpT, kGateUpPacked}, kDown{kDownW, kSlots, kDownT, kDownPacked};
+constexpr Proj kQkv{kQkvW, kQkvB, kQkvT, kQkvPacked, {kQW, kKW, kVW}}, kO{kOW, kOB, kOT, kOPacked, {kSlots, kSlots, kSlots}};
+constexpr Proj kGateUp{kGateUpW, kSlots, kGateUpT, kGateUpPacked, {kGateW, kUpW, kSlots}},
+    kDown{kDownW, kSlots, kDownT, kDownPacked, {kSlots, kSlots, kSlots}};
+
+// whether a layer holds projection p as its parts (an empty w; make_stack checked the parts)
+inline bool in_parts(const std::vector<Tensor>& L, const Proj& p) {
+  return p.parts[0] != kSlots && L[p.w].numel() == 0;
+}
 
 // The weights and shapes of a model, as forward() reads them: built once per packing
 // (model/cpu_forward.py) and checked here, so a tensor that disagrees with the shapes is refused
@@ -66,6 +78,21 @@ void check_copies(const Tensor& w, const Tensor& wt, const Tensor& packed, int64
               "pagedecode._cpu.Stack: ", what, " packed by oneDNN must be (", n_out, ", ", in, "), got ", packed.sizes());
 }
 
+// a stacked projection held as its parts (in_parts): each part quantized, (rows[j], in) in its own block
+// type; no transposed or packed copy of the whole (those are float weights')
+void check_parts(const std::vector<Tensor>& L, const Proj& p, const std::vector<int64_t>& rows, int64_t in,
+                 at::ScalarType t, int64_t layer) {
+  TORCH_CHECK(L[p.t].numel() == 0 && L[p.packed].numel() == 0, "pagedecode._cpu.Stack: ",
+              slot_name(layer, p.w), " held as its parts takes no transposed or packed copy");
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const Tensor& w = L[p.parts[j]];
+    TORCH_CHECK(w.numel() > 0 && quant_blocks(w), "pagedecode._cpu.Stack: ", slot_name(layer, p.parts[j]),
+                " must hold quantized blocks when ", kSlotNames[p.w], " is empty, got ", w.sizes(), " ",
+                w.scalar_type());
+    check_weight(w, rows[j], in, t, slot_name(layer, p.parts[j]));
+  }
+}
+
 Stack make_stack(std::vector<std::vector<Tensor>> layers, Tensor embed, Tensor final_norm, Tensor lm_head,
                  Tensor lm_head_t, Tensor lm_head_packed, Tensor cos, Tensor sin, int64_t H, int64_t Hkv, int64_t D,
                  double eps, double scale) {
@@ -85,11 +112,16 @@ Stack make_stack(std::vector<std::vector<Tensor>> layers, Tensor embed, Tensor f
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat && sin.is_contiguous(),
               "pagedecode._cpu.Stack: rope tables must be (positions, ", D, ") float32, got ", cos.sizes());
-  const Tensor& gate_up = layers[0].size() == kSlots ? layers[0][kGateUpW] : Tensor();
-  TORCH_CHECK(gate_up.defined() && (gate_up.dim() == 2 || (quant_blocks(gate_up) && gate_up.dim() == 3)) &&
-                  gate_up.size(0) % 2 == 0,
+  TORCH_CHECK(layers[0].size() == kSlots, "pagedecode._cpu.Stack: layer 0 holds ", layers[0].size(),
+              " tensors, expected ", static_cast<int>(kSlots), " (layer_slots())");
+  // the intermediate size: gate_up's rows / 2, or its gate part's rows
+  const bool gate_parts = in_parts(layers[0], kGateUp);
+  const Tensor& gate_up = layers[0][gate_parts ? kGateW : kGateUpW];
+  TORCH_CHECK(gate_up.dim() == 2 || (quant_blocks(gate_up) && gate_up.dim() == 3),
+              "pagedecode._cpu.Stack: layer 0 gate_up_w must be (2 intermediate, hidden), or its parts gate_w, up_w");
+  TORCH_CHECK(gate_parts || gate_up.size(0) % 2 == 0,
               "pagedecode._cpu.Stack: layer 0 gate_up_w must be (2 intermediate, hidden)");
-  const int64_t inter = gate_up.size(0) / 2, qkv = (H + 2 * Hkv) * D;
+  const int64_t inter = gate_parts ? gate_up.size(0) : gate_up.size(0) / 2, qkv = (H + 2 * Hkv) * D;
   for (int64_t i = 0; i < static_cast<int64_t>(layers.size()); ++i) {
     const std::vector<Tensor>& L = layers[i];
     TORCH_CHECK(L.size() == kSlots, "pagedecode._cpu.Stack: layer ", i, " holds ", L.size(), " tensors, expected ",
@@ -98,9 +130,18 @@ Stack make_stack(std::vector<std::vector<Tensor>> layers, Tensor embed, Tensor f
     check_vector(L[kLn2], hidden, t, true, slot_name(i, kLn2));
     for (const auto& [p, n_out, in] : {std::tuple{kQkv, qkv, hidden}, std::tuple{kO, hidden, H * D},
                                        std::tuple{kGateUp, 2 * inter, hidden}, std::tuple{kDown, hidden, inter}}) {
-      check_weight(L[p.w], n_out, in, t, slot_name(i, p.w));
       if (p.b != kSlots) check_vector(L[p.b], n_out, t, false, slot_name(i, p.b));
+      if (in_parts(L, p)) {
+        const std::vector<int64_t> rows = p.parts[2] == kSlots ? std::vector<int64_t>{inter, inter}
+                                                               : std::vector<int64_t>{H * D, Hkv * D, Hkv * D};
+        check_parts(L, p, rows, in, t, i);
+        continue;
+      }
+      check_weight(L[p.w], n_out, in, t, slot_name(i, p.w));
       check_copies(L[p.w], L[p.t], L[p.packed], n_out, in, slot_name(i, p.w));
+      for (Slot s : p.parts)
+        TORCH_CHECK(s == kSlots || L[s].numel() == 0, "pagedecode._cpu.Stack: ", slot_name(i, s),
+                    " must be empty beside a stacked ", kSlotNames[p.w]);
     }
   }
   return Stack{std::move(layers), embed, final_norm, lm_head, lm_head_t, lm_head_packed, cos, sin,

@@ -23,9 +23,9 @@
 // activations' rounding: at most half a step (the block's max |x| / 127 / 2) per input, times the
 // weight's |w| (tests/model/test_quant_types.py holds each type to that bound).
 //
-// The integer dots are AVX2 (vpmaddubsw: unsigned weights times signed activations; Q5_0's and
-// Q6_K's offsets, -16 and -32, come in as int32 terms made from the activations' sums, which
-// leaves the same exact integer totals), with AVX-512 VNNI's vpdpbusd for a block's plain sum
+// The integer dots are AVX2 (vpmaddubsw: unsigned weights times signed activations; Q5_0's
+// offset, -16, comes in as int32 terms made from the activations' sums, which leaves the same exact
+// integer totals; Q6_K's signed q - 32 through the sign trick), with AVX-512 VNNI's vpdpbusd for a block's plain sum
 // where the build has it, else a scalar loop. Every output (row n, token t) accumulates its
 // blocks in order into its own float registers, whatever the number of tokens, the token block or
 // the thread that computes its row: the GEMM's rows are the GEMV's bit for bit, at any thread count.
@@ -189,7 +189,6 @@ struct Acts {
   float* sx;       // blocks of 32 with a min (Q8_1's s): d * sum per block (T, K / 32), and the same
   float* sx_t;     // transposed (K / 32, T) for the GEMM's mins, 8 tokens to a register (T >= 2)
   int32_t* corr;   // Q5_0: -16 times each 4 inputs' sum of q (T, K / 32, 8): tile32's offset, in int32 lanes
-  int16_t* sum16;  // Q6_K: the sum of q of every 16 inputs (T, K / 16): row_dot's -32 offset
 };
 
 // llama.cpp's quantize_row_q8_K: the scale from the signed input of largest magnitude
@@ -224,12 +223,6 @@ inline void quantize_acts(Kind kind, const float* x, int64_t T, int64_t K, const
     for (int j = 0; j < kBlock; ++j) s += a.q[i * kBlock + j];
     a.sum[i] = s;
   }
-  if (kind == Kind::Q6_K)
-    for (int64_t i = 0; i < T * K / 16; ++i) {
-      int32_t s = 0;
-      for (int j = 0; j < 16; ++j) s += a.q[i * 16 + j];
-      a.sum16[i] = static_cast<int16_t>(s);                 // |s| <= 16 * 127
-    }
   if (kind == Kind::Q5_0)
     for (int64_t l = 0; l < T * K / 4; ++l)
       a.corr[l] = -16 * (int32_t(a.q[4 * l]) + a.q[4 * l + 1] + a.q[4 * l + 2] + a.q[4 * l + 3]);
@@ -271,8 +264,7 @@ inline __m256i block32_avx2(Kind kind, const uint8_t* b) {
   }
 }
 
-// sub-block s (32 inputs) of a K-quant super-block, unsigned (Q6_K's q before its -32: row_dot
-// subtracts 32 times the activations' sums instead)
+// sub-block s (32 inputs) of a K-quant super-block: Q4_K / Q5_K unsigned, Q6_K minus 32
 inline __m256i sub32_avx2(Kind kind, const uint8_t* b, int s) {
   const __m256i low = _mm256_set1_epi8(15);
   if (kind == Kind::Q6_K) {
@@ -281,7 +273,7 @@ inline __m256i sub32_avx2(Kind kind, const uint8_t* b, int s) {
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     const __m256i lo = (i >> 1) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), low) : _mm256_and_si256(ql, low);
     const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), _mm256_set1_epi8(3));
-    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
   }
   const uint8_t* qs = b + (kind == Kind::Q5_K ? 48 : 16) + 32 * (s / 2);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
@@ -311,22 +303,10 @@ inline __m256i dot32(__m256i w, __m256i x, bool sign) {
 }
 #endif
 
-#if defined(__AVX2__)
-struct alignas(32) Lanes {     // a register's worth of float accumulators (std::vector<__m256> drops its attributes)
-  __m256 v;
-};
-#endif
-
-// Per (row, token) accumulators of a tile of tokens (float lanes and a scalar for the mins)
+// Per token accumulators of a tile of tokens for the scalar row_dot (a scalar, and the mins)
 struct Accs {
-#if defined(__AVX2__)
-  std::vector<Lanes> lanes;
-#endif
   std::vector<float> scalar, mins;
   void reset(int64_t n) {
-#if defined(__AVX2__)
-    lanes.assign(n, Lanes{_mm256_setzero_ps()});
-#endif
     scalar.assign(n, 0.f);
     mins.assign(n, 0.f);
   }
@@ -423,64 +403,104 @@ inline void mins32(const uint8_t* row, const Acts& a, int64_t nb, int64_t T, int
   }
 }
 
+// The K-quants (Q4_K, Q5_K, Q6_K) in register tiles, as tile32 the blocks of 32: RM weight rows x
+// RN tokens, each (row, token) with its own integer lanes for a super-block's 8 sub-blocks and its
+// own float lanes and min across super-blocks. Each output's float operations are the scalar
+// row_dot's, in its order (per super-block: the exact integer dot fma'd with d * dx; the mins' fma
+// of dmin * dx and the exact sum_s m_s sum(qx_s); then hsum(lanes) - mins), so the gemv's rows are
+// the GEMM's bit for bit. Tiled for tile32's reasons: one row at a time kept one fma chain in
+// flight with its accumulators in memory, and the gemv's rows waited on memory (4 rows, their
+// lines prefetched 4 KB ahead: 576x1536, one thread, from L2 100 -> 62 us for Q4_K); the GEMM
+// decodes each sub-block once per RN tokens and loads each token's once per RM rows.
+template <Kind KIND>
+constexpr int64_t kBytesK = KIND == Kind::Q4_K ? 144 : KIND == Kind::Q5_K ? 176 : 210;
+// the GEMM's tile: Q6_K's signed weights (the sign trick: |w| and each token's x signed by w) hold a
+// register more per row, so one row x 8 tokens, else 2 rows x 4 tokens (kRowsGemm x kTokensGemm)
+// (576x1536 x 64 tokens, one thread: Q6_K 2 x 4 spilled, 0.8x the row-at-a-time kernel)
+template <Kind KIND>
+constexpr int kRowsGemmK = KIND == Kind::Q6_K ? 1 : kRowsGemm;
+template <Kind KIND>
+constexpr int kTokensGemmK = KIND == Kind::Q6_K ? 8 : kTokensGemm;
+
+// the sum of 8 int32 lanes
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// rows[0, RM) x tokens [t, t + RN) over nsb super-blocks: out[j * ld + r] for token t + j
+template <Kind KIND, int RM, int RN>
+inline void tile_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, int64_t t, float* out, int64_t ld) {
+  constexpr bool six = KIND == Kind::Q6_K;
+  const int64_t K = nsb * kSuper, per32 = nsb * 8;
+  __m256 acc[RM][RN];
+  float mins[RM][RN];
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < RN; ++j) {
+      acc[r][j] = _mm256_setzero_ps();
+      mins[r][j] = 0.f;
+    }
+  for (int64_t b = 0; b < nsb; ++b) {
+    if constexpr (RN == 1) prefetch_span(rows[0] + b * RM * kBytesK<KIND>, RM * kBytesK<KIND>);  // rows end to end
+    const uint8_t* blk[RM];
+    int32_t sc[RM][8], m[RM][8];
+    __m256i lanes[RM][RN];
+    for (int r = 0; r < RM; ++r) {
+      blk[r] = rows[r] + b * kBytesK<KIND>;
+      if constexpr (!six) k_scales(blk[r] + 4, sc[r], m[r]);
+      for (int j = 0; j < RN; ++j) lanes[r][j] = _mm256_setzero_si256();
+    }
+    for (int s = 0; s < 8; ++s) {
+      __m256i w[RM], scale[RM];
+      for (int r = 0; r < RM; ++r) {
+        w[r] = sub32_avx2(KIND, blk[r], s);
+        scale[r] = six ? _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s + 1])),
+                                          _mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s])))
+                       : _mm256_set1_epi16(static_cast<int16_t>(sc[r][s]));
+      }
+      for (int j = 0; j < RN; ++j) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t + j) * K + b * kSuper + 32 * s));
+        for (int r = 0; r < RM; ++r)
+          lanes[r][j] = _mm256_add_epi32(lanes[r][j], _mm256_madd_epi16(pair_products(w[r], x, six), scale[r]));
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      const float d = fp16_to_float(blk[r] + (six ? 208 : 0));
+      for (int j = 0; j < RN; ++j) {
+        const float dx = a.d[(t + j) * nsb + b];
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[r][j]), _mm256_set1_ps(d * dx), acc[r][j]);
+        if constexpr (!six) {
+          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum + (t + j) * per32 + b * 8));
+          const int32_t summ = hsum_epi32(_mm256_mullo_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m[r])), sums));
+          mins[r][j] = std::fma(fp16_to_float(blk[r] + 2) * dx, static_cast<float>(summ), mins[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int j = 0; j < RN; ++j) out[j * ld + r] = hsum(acc[r][j]) - mins[r][j];
+}
+
+// f(std::integral_constant<int, n>) for a runtime n in [1, N]
+template <int N, typename F>
+inline void by_count(int n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    by_count<N - 1>(n, f);
+  }
+}
 #endif
 
-// One weight row against tokens [t0, t1): out[(t - t0) * ld]
+// One weight row against tokens [t0, t1): out[(t - t0) * ld], in scalar code (builds without AVX2:
+// tile32 and tile_k otherwise)
 inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t K, int64_t t0, int64_t t1,
                     float* out, int64_t ld, Accs& acc) {
   const Kind kind = type.kind;
   const int64_t nblocks = K / type.block, n = t1 - t0, per32 = K / kBlock;
   acc.reset(n);
-#if defined(__AVX2__)
-  // (Q4_1 / Q5_0 / Q5_1 go through Job::rows32 with AVX2: the K-quants here.) Q6_K's weights go to
-  // vpmaddubsw unsigned (q, 0..63) and its -32 comes as 32 times the scaled sums of the activations'
-  // 16-input blocks (sum16), one vpmaddwd per token and block: the same exact int32 total as the
-  // sign trick's q - 32 without its two vpsignb per 32 inputs; the 16 scales widened once a block
-  // and each pair broadcast by two shuffles (one set1 per scale cost more than the products)
-  const bool six = kind == Kind::Q6_K;
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* blk = row + b * type.bytes;
-    __m256i w[8], scale[8], sc16 = _mm256_setzero_si256();
-    int32_t sc[8], m[8];
-    float d, dmin = 0.f;
-    if (six) {
-      sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      const __m256i halves = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                              2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-      for (int s = 0; s < 8; ++s)       // words 0-7: scale 2s (the first 16 inputs), 8-15: scale 2s + 1
-        scale[s] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), halves);
-      d = fp16_to_float(blk + 208);
-    } else {
-      k_scales(blk + 4, sc, m);
-      for (int s = 0; s < 8; ++s) scale[s] = _mm256_set1_epi16(static_cast<int16_t>(sc[s]));
-      d = fp16_to_float(blk);
-      dmin = fp16_to_float(blk + 2);
-    }
-    for (int s = 0; s < 8; ++s) w[s] = sub32_avx2(kind, blk, s);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t tok = t0 + t;
-      const int8_t* xq = a.q + tok * K + b * kSuper;
-      __m256i lanes = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
-        lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(pair_products(w[s], x, false), scale[s]));
-      }
-      if (six) {
-        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.sum16 + tok * (K / 16) + b * 16));
-        lanes = _mm256_sub_epi32(lanes, _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
-      }
-      const float dx = a.d[tok * nblocks + b];
-      acc.lanes[t].v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc.lanes[t].v);
-      if (!six) {
-        const int32_t* sums = a.sum + tok * per32 + b * 8;
-        int32_t summ = 0;
-        for (int s = 0; s < 8; ++s) summ += m[s] * sums[s];
-        acc.mins[t] = std::fma(dmin * dx, static_cast<float>(summ), acc.mins[t]);
-      }
-    }
-  }
-  for (int64_t t = 0; t < n; ++t) out[t * ld] = hsum(acc.lanes[t].v) - acc.mins[t];
-#else
   Block blk;
   for (int64_t b = 0; b < nblocks; ++b) {
     decode(kind, row + b * type.bytes, blk);
@@ -506,7 +526,6 @@ inline void row_dot(const Type& type, const uint8_t* row, const Acts& a, int64_t
     }
   }
   for (int64_t t = 0; t < n; ++t) out[t * ld] = is_k(kind) ? acc.scalar[t] - acc.mins[t] : acc.scalar[t] + acc.mins[t];
-#endif
 }
 
 // A chunk of rows of one call, as work::run runs it (quant_matmul.h's MatmulJob, for these types)
@@ -525,10 +544,13 @@ struct Job {
       case Kind::Q4_1: return rows32<Kind::Q4_1>(begin, end, o, ld, live);
       case Kind::Q5_0: return rows32<Kind::Q5_0>(begin, end, o, ld, live);
       case Kind::Q5_1: return rows32<Kind::Q5_1>(begin, end, o, ld, live);
-      default: break;
+      case Kind::Q4_K: return rows_k<Kind::Q4_K>(begin, end, o, ld, live);
+      case Kind::Q5_K: return rows_k<Kind::Q5_K>(begin, end, o, ld, live);
+      case Kind::Q6_K: return rows_k<Kind::Q6_K>(begin, end, o, ld, live);
     }
 #endif
-    thread_local Accs acc;
+    thread_local Accs acc;       // the scalar row_dot, without AVX2
+
     for (int64_t t0 = 0; t0 < T; t0 += kTokenTile) {
       const int64_t t1 = std::min(T, t0 + kTokenTile);
       for (int64_t n = begin; n < end; ++n) {
@@ -573,6 +595,38 @@ struct Job {
     }
     return true;
   }
+
+  // rows [begin, end) of a K-quant by tile_k, per tile of kTokenTile tokens: a lone token kRowsGemv
+  // rows at a time, more tokens kRowsGemmK x kTokensGemmK
+  template <Kind KIND>
+  bool rows_k(int64_t begin, int64_t end, float* o, int64_t ld, work::Live live) const {
+    const int64_t nsb = K / kSuper;
+    for (int64_t t0 = 0; t0 < T; t0 += kTokenTile) {
+      const int64_t t1 = std::min(T, t0 + kTokenTile);
+      const int64_t step = T == 1 ? kRowsGemv : kRowsGemmK<KIND>;
+      for (int64_t n = begin; n < end; n += step) {
+        if (!live()) return false;
+        const int rm = static_cast<int>(std::min(step, end - n));
+        const uint8_t* rows[kRowsGemv];
+        for (int r = 0; r < rm; ++r) rows[r] = w + (n + r) * row_bytes;
+        float* on = o + (n - begin);
+        if (T == 1) {
+          by_count<kRowsGemv>(rm, [&](auto RM) { tile_k<KIND, RM.value, 1>(rows, acts, nsb, 0, on, ld); });
+          continue;
+        }
+        by_count<kRowsGemmK<KIND>>(rm, [&](auto RM) {
+          int64_t t = t0;
+          for (; t + kTokensGemmK<KIND> <= t1; t += kTokensGemmK<KIND>)
+            tile_k<KIND, RM.value, kTokensGemmK<KIND>>(rows, acts, nsb, t, on + t * ld, ld);
+          if (t < t1)
+            by_count<kTokensGemmK<KIND> - 1>(static_cast<int>(t1 - t), [&](auto RN) {
+              tile_k<KIND, RM.value, RN.value>(rows, acts, nsb, t, on + t * ld, ld);
+            });
+        });
+      }
+    }
+    return true;
+  }
 #endif
 
   void commit(int64_t c, std::vector<float>* scratch) const {
@@ -590,12 +644,10 @@ inline void matmul(const Type& type, const float* x, const uint8_t* w, float* ou
   const int64_t n32 = T * K / kBlock;
   const int64_t o_d = work::lines(T * K), o_sum = o_d + work::lines(nd * 4), o_sx = o_sum + work::lines(n32 * 4);
   const int64_t o_sx_t = o_sx + work::lines(n32 * 4), o_corr = o_sx_t + work::lines(n32 * 4);
-  const int64_t o_sum16 = o_corr + (type.kind == Kind::Q5_0 ? work::lines(n32 * 32) : 0);
-  unsigned char* mem = work::owned(keep, type.kind == Kind::Q6_K ? o_sum16 + n32 * 4 : o_sum16);
+  unsigned char* mem = work::owned(keep, type.kind == Kind::Q5_0 ? o_corr + n32 * 32 : o_corr);
   const Acts acts{reinterpret_cast<int8_t*>(mem), reinterpret_cast<float*>(mem + o_d),
                   reinterpret_cast<int32_t*>(mem + o_sum), reinterpret_cast<float*>(mem + o_sx),
-                  reinterpret_cast<float*>(mem + o_sx_t), reinterpret_cast<int32_t*>(mem + o_corr),
-                  reinterpret_cast<int16_t*>(mem + o_sum16)};
+                  reinterpret_cast<float*>(mem + o_sx_t), reinterpret_cast<int32_t*>(mem + o_corr)};
   quantize_acts(type.kind, x, T, K, acts);
   const int64_t row_bytes = K / type.block * type.bytes;
   const int64_t reads = row_bytes * N * ((T + kTokenTile - 1) / kTokenTile);

@@ -13,7 +13,7 @@ from ..lora.adapter import PROJECTIONS
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .quant import QuantizedWeight, Weight, compiled_kinds
+from .quant import QuantizedWeight, RowStack, Weight, compiled_kinds
 
 _cpu_ext: types.ModuleType | None
 try:  # csrc/cpu_forward.cpp, built by setup.py when a compiler is present
@@ -26,7 +26,11 @@ except ImportError:  # pragma: no cover - depends on the install
 # another version of csrc/ (the install rebuilds it).
 LAYER_SLOTS = frozenset({"ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "down_w",
                          "qkv_t", "o_t", "gate_up_t", "down_t",
-                         "qkv_packed", "o_packed", "gate_up_packed", "down_packed"})
+                         "qkv_packed", "o_packed", "gate_up_packed", "down_packed",
+                         "q_w", "k_w", "v_w", "gate_w", "up_w"})
+# a stacked projection held as a RowStack (a K-quant mix: parts of different block types) goes to
+# the extension as its parts, its own slot empty
+PART_SLOTS = {"qkv_w": ("q_w", "k_w", "v_w"), "gate_up_w": ("gate_w", "up_w")}
 if _cpu_ext is not None and set(getattr(_cpu_ext, "layer_slots", lambda: ())()) != LAYER_SLOTS:
     raise ImportError(f"pagedecode._cpu at {_cpu_ext.__file__} is from another version of csrc/ (its layer "
                       "slots differ from model/cpu_forward.py's): rebuild it (make install, or "
@@ -73,11 +77,24 @@ def takes_lora() -> bool:
 
 
 def plain(w: Weight) -> torch.Tensor:
-    """What the compiled kernels take: a float weight, or a quantized one's blocks."""
+    """What the compiled kernels take: a float weight, or a quantized one's blocks (a RowStack goes
+    as its parts: parts())."""
     if isinstance(w, QuantizedWeight):
         return w.kernel_blocks()
-    assert isinstance(w, torch.Tensor), "a RowStack runs the torch path (model/quant.py)"
+    assert isinstance(w, torch.Tensor), "a RowStack goes to the compiled forward as its parts (parts())"
     return w
+
+
+def parts(slot: str, w: Weight, none: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked projection's slots: `slot` its blocks (or float weight) and its part slots empty, or
+    for a RowStack `slot` empty and each part's blocks in its part slot (the extension multiplies
+    each in its own type into its columns and checks each part's rows against the heads and sizes)."""
+    names = PART_SLOTS.get(slot, ())
+    if not isinstance(w, RowStack):
+        return {slot: plain(w), **{n: none for n in names}}
+    if len(w.parts) != len(names):
+        raise ValueError(f"{slot} is stacked from {len(w.parts)} parts; the compiled forward takes {names}")
+    return {slot: none, **{n: p.kernel_blocks() for n, p in zip(names, w.parts)}}
 
 
 def quant_kernel(device: torch.device, attention_backend: str) -> Any:
@@ -105,6 +122,8 @@ def pack_quantized(model: Any) -> None:
         return
 
     def packed(w: Any) -> Any:
+        if isinstance(w, RowStack):
+            return RowStack([p.pack() for p in w.parts])
         return w.pack() if isinstance(w, QuantizedWeight) else w
     tied = model.lm_head is model.embed
     model.embed = packed(model.embed)
@@ -119,7 +138,8 @@ class CompiledForward:
 
     layers: the model's layers (ln1, ln2, qkv_w, qkv_b, o_w, o_b, gate_up_w, down_w each). Each
     layer's slots (LAYER_SLOTS): those, the four weights transposed for small layers (gemv over
-    outputs), and the four packed copies of the running mode (empty tensors where absent)."""
+    outputs), the four packed copies of the running mode, and a RowStack's parts (parts()); empty
+    tensors where absent."""
 
     def __init__(self, config: ModelConfig, layers: Sequence[Any], embed: Weight, lm_head: Weight,
                  final_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
@@ -141,9 +161,9 @@ class CompiledForward:
             return w.t().contiguous() if w.numel() <= SMALL_LAYER else none
 
         self.layer_slots: list[dict[str, torch.Tensor]] = [{
-            "ln1": L.ln1, "qkv_w": plain(L.qkv_w), "qkv_b": none if L.qkv_b is None else L.qkv_b,
+            "ln1": L.ln1, **parts("qkv_w", L.qkv_w, none), "qkv_b": none if L.qkv_b is None else L.qkv_b,
             "o_w": plain(L.o_w), "o_b": none if L.o_b is None else L.o_b, "ln2": L.ln2,
-            "gate_up_w": plain(L.gate_up_w), "down_w": plain(L.down_w),
+            **parts("gate_up_w", L.gate_up_w, none), "down_w": plain(L.down_w),
             "qkv_t": small_t(L.qkv_w), "o_t": small_t(L.o_w), "gate_up_t": small_t(L.gate_up_w),
             "down_t": small_t(L.down_w),
             "qkv_packed": none, "o_packed": none, "gate_up_packed": none, "down_packed": none,   # _pack's

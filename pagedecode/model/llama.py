@@ -22,7 +22,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layer_ops import TorchOps, add_lora, choose_ops
-from .quant import BLOCK, QuantizedWeight, RowStack, Weight, cat_rows, embedding_rows, weight_bytes
+from .quant import BLOCK, QuantizedWeight, RowStack, Weight, block_kinds, cat_rows, embedding_rows, weight_bytes
 
 # read at call time (a test switches the compiled forward off by setting cpu_forward._cpu_ext)
 from . import cpu_forward as compiled
@@ -32,12 +32,11 @@ ROPE_FIRST_POSITIONS = 4096          # the RoPE tables' rows at construction; fo
 
 def _storage_key(w: Weight) -> int:
     """One key per block of memory: the tied LM head is the embedding, the compiled forward's
-    list holds the model's own tensors and quantized blocks; oneDNN's packed copies have no plain
-    storage (their own id)."""
+    list holds the model's own tensors and quantized blocks (a RowStack's parts' one by one:
+    _storages); oneDNN's packed copies have no plain storage (their own id)."""
+    assert not isinstance(w, RowStack), "a RowStack's parts each have their own storage (_storages)"
     if isinstance(w, QuantizedWeight):
         return int(w.blocks.data_ptr())
-    if isinstance(w, RowStack):
-        return id(w)
     if w.is_mkldnn:
         return id(w)
     return int(w.data_ptr()) or id(w)
@@ -144,7 +143,7 @@ class LlamaModel:
         # the one-call CPU forward (model/cpu_forward.py), not for a tensor-parallel shard (which
         # overrides _embed / _reduce / _logits)
         self._compiled: compiled.CompiledForward | None = None
-        kinds = {w.kind for w in self._weights() if isinstance(w, (QuantizedWeight, RowStack))}
+        kinds = {k for w in self._weights() for k in block_kinds(w)}
         if type(self) is LlamaModel and compiled.applies(c, self.device, dtype, kinds):
             if self.quantized and self._quant_kernel is not None:
                 compiled.pack_quantized(self)      # the compiled kernels multiply them (not "torch"'s reference)
@@ -196,6 +195,10 @@ class LlamaModel:
         return choose_ops(self.device, self.attention_backend, self.scale, self._quant_kernel, deterministic,
                           compiled.cpu_ext())
 
+    def _storages(self) -> list[torch.Tensor | QuantizedWeight]:
+        """The weights by block of memory: a RowStack as its parts."""
+        return [p for w in self._weights() for p in (w.parts if isinstance(w, RowStack) else [w])]
+
     def _weights(self) -> list[Weight]:
         out: list[Weight] = [self.embed, self.final_norm]
         if self.lm_head is not self.embed:
@@ -210,9 +213,9 @@ class LlamaModel:
         compiled forward's derived copies (transposed small layers, packed copies) as "copies";
         they add up to weight_bytes."""
         seen: dict[int, tuple[str, int]] = {}
-        own = self._weights()
+        own = self._storages()
         for w in own:
-            kind = w.kind if isinstance(w, (QuantizedWeight, RowStack)) else str(w.dtype).removeprefix("torch.")
+            kind = w.kind if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
             seen.setdefault(_storage_key(w), (kind, weight_bytes(w)))
         for w in self._compiled.tensors() if self._compiled is not None else []:
             seen.setdefault(_storage_key(w), ("copies", weight_bytes(w)))    # the model's own are seen already
@@ -228,7 +231,7 @@ class LlamaModel:
         size; the compiled CPU forward's transposed and packed copies included)."""
         seen: dict[int, int] = {}
         extra = self._compiled.tensors() if self._compiled is not None else []
-        for w in self._weights() + extra:
+        for w in self._storages() + extra:
             seen[_storage_key(w)] = weight_bytes(w)
         return sum(seen.values())
 

@@ -134,8 +134,9 @@ class QuantizedWeight:
 class RowStack:
     """Quantized weights of different block types stacked along the output rows, each kept in its
     own blocks and multiplied on its own: q, k, v of a K-quant mix (llama.cpp's Q4_K_M gives
-    attn_v more bits than attn_q and attn_k). The compiled one-call forward takes one tensor per
-    matmul, so a model holding one runs the torch path (its matmuls still the compiled kernels)."""
+    attn_v more bits than attn_q and attn_k). The compiled one-call forward takes it as its parts
+    (model/cpu_forward.py parts(): q_w, k_w, v_w or gate_w, up_w), each part's matmul the one the
+    torch path makes for it here (linear)."""
 
     kind = "mixed"
 
@@ -160,6 +161,13 @@ class RowStack:
 
 
 Weight = torch.Tensor | QuantizedWeight | RowStack
+
+
+def block_kinds(w: Weight) -> set[str]:
+    """The block types a weight is held in: a RowStack's parts', none for a float weight."""
+    if isinstance(w, RowStack):
+        return {p.kind for p in w.parts}
+    return {w.kind} if isinstance(w, QuantizedWeight) else set()
 
 
 def compiled_kinds() -> tuple[str, ...]:

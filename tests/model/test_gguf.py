@@ -260,8 +260,8 @@ def test_tensor_bytes_are_checked_against_shape_and_type(qtype):
 
 def test_a_mix_of_block_types_keeps_each_tensor_in_its_own(tiny):
     """A mix as llama.cpp's Q4_K_M writes one (attn_v above attn_q / attn_k): q, k and v of three
-    types are kept each in its blocks (a RowStack: no float copy), the model runs the torch path
-    with the compiled kernels per part, and holds exactly the file's bytes."""
+    types are kept each in its blocks (a RowStack: no float copy), the model runs the compiled
+    forward with a matmul per part (tests/model/test_compiled_mix.py), and holds exactly the file's bytes."""
     from pagedecode.model.quant import RowStack
     folder, cfg, weights, meta = tiny
     path = folder / "mix.gguf"
@@ -270,6 +270,7 @@ def test_a_mix_of_block_types_keeps_each_tensor_in_its_own(tiny):
     expected = write_gguf(path, cfg, weights, meta, qtypes=mix)
     engine = pd.Engine.from_pretrained(path)
     model = engine.model
+    assert model.uses_cpu_extension() == (model._compiled is not None)
     L = model.layers[0]
     assert isinstance(L.qkv_w, RowStack) and [p.kind for p in L.qkv_w.parts] == ["q5_0", "q4_k", "q8_0"]
     assert (L.gate_up_w.kind, L.down_w.kind, L.o_w.kind) == ("q4_k", "q6_k", "q5_1")
