@@ -342,6 +342,8 @@ class Speculator:
             most = self.config.num_tokens
             if req.prediction is not None:
                 most = max(most, PREDICTION_DRAFT)
-            first = most if self.config.min_acceptance == 0 else FIRST_DRAFT
-            gate = self._gates[req] = Gate(most, self.config.backoff_steps, length=first)
+            # a draft model that stops where it is unsure sizes its runs itself: they need not earn it
+            earns = not (self.draft is not None and self.config.min_draft_confidence > 0 and req.prediction is None)
+            first = most if self.config.min_acceptance == 0 or not earns else FIRST_DRAFT
+            gate = self._gates[req] = Gate(most, self.config.backoff_steps, length=first, earns=earns)
         return gate
