@@ -305,11 +305,15 @@ def bench(args: argparse.Namespace) -> dict:
     edit_plan = [label for label in sampling if "edit" in only]
     http_passes = len(sampling) if "http" in only else 0
     progress = Progress(2 * args.repeat * (len(plan) + len(edit_plan) + http_passes))
-    plain = pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16)
+    # no prefix cache: every pass computes the same prompts in the same chunks. A pass that hits the
+    # cache computes a prompt's K/V in other chunks than one that does not, and in bfloat16 that
+    # rounding flipped near-ties of the plain engine itself (its second pass differed from its first)
+    common = {"dtype": dtype, "max_batch_size": 16, "enable_prefix_caching": False}
+    plain = pd.Engine.from_pretrained(model, **common)
     engines = {
-        "grounded": pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16,
+        "grounded": pd.Engine.from_pretrained(model, **common,
                                               speculative=pd.SpeculativeConfig(method="ngram", num_tokens=args.k)),
-        "chat": pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16, speculative=pd.SpeculativeConfig(
+        "chat": pd.Engine.from_pretrained(model, **common, speculative=pd.SpeculativeConfig(
             method="draft", draft_quantization=args.draft_quantization, num_tokens=args.draft_k,
             min_draft_confidence=args.draft_confidence, max_batch=args.draft_max_batch)),
     }

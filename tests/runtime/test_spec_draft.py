@@ -127,3 +127,19 @@ def test_a_self_draft_drafts_on_the_target_cache_one_row_a_sequence(stories_engi
     assert shapes and all(rows == seqs for rows, seqs in shapes)
     assert sum(o.usage.accepted_draft_tokens for o in got) > 0
     assert sum(o.usage.draft_tokens - o.usage.accepted_draft_tokens for o in got) > 0     # rejections too
+
+
+def test_a_bfloat16_targets_self_draft_computes_in_float32_on_its_cache(stories_engine_factory):
+    """On CPU the quantized self-draft of a bfloat16 target is a float32 model (faster there) on
+    the target's bfloat16 cache; the tokens stay the plain bfloat16 engine's."""
+    prompts = ["Once upon a time", "Lily and Tom"]
+    params = pd.SamplingParams(max_tokens=24)
+    want = [o.token_ids for o in stories_engine_factory(dtype=torch.bfloat16).generate(prompts, params)]
+    spec = pd.SpeculativeConfig(method="draft", draft_quantization="q8_0", min_gain=0.0, min_acceptance=0.0)
+    eng = stories_engine_factory(dtype=torch.bfloat16, speculative=spec)
+    draft = eng.speculator.draft
+    assert draft is not None and draft.model.dtype == torch.float32
+    assert draft.kv is eng.kv and eng.kv.k.dtype == torch.bfloat16
+    got = eng.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.usage.accepted_draft_tokens for o in got) > 0
