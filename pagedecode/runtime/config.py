@@ -179,6 +179,9 @@ class SpeculativeConfig:
     draft_quantization: str | None = None    # "draft": load the draft quantized ("q8_0", "q4_0", ...); without
                                              # draft_model, the target's own checkpoint (a self-draft:
                                              # Engine.from_pretrained passes its path)
+    self_draft: bool = False                 # "draft": draft_model is the target's own checkpoint (set by
+                                             # Engine.from_pretrained for a self-draft): the draft then reads
+                                             # and writes the target's KV cache, no cache or prefill of its own
     min_draft_confidence: float = 0.0        # "draft": a run stops drafting once the draft's own probability
                                              # of its drafts so far (their probabilities multiplied) falls
                                              # below this: each further draft costs a draft step and a verify
@@ -205,7 +208,8 @@ class SpeculativeConfig:
         if self.method == "draft" and self.draft_model is None and self.draft_quantization is None:
             raise ValueError('method="draft" needs draft_model (a pd.Model or a model directory), or '
                              'draft_quantization for a self-draft through Engine.from_pretrained')
-        if self.method == "ngram" and (self.draft_model is not None or self.draft_quantization is not None):
+        if self.method == "ngram" and (self.draft_model is not None or self.draft_quantization is not None
+                                       or self.self_draft):
             raise ValueError('draft_model and draft_quantization are only for method="draft"')
         if self.draft_quantization is not None:
             if self.draft_quantization not in QUANTIZATIONS:

@@ -101,7 +101,7 @@ class Engine:
                                                     self.max_context)
         # always there: without config.speculative it drafts only for requests with a prediction
         self.speculator = Speculator(config.speculative, self.max_context, config.page_size, model,
-                                     num_pages * config.page_size, config.deterministic, kv_dtype)
+                                     num_pages * config.page_size, config.deterministic, kv_dtype, self.kv)
         identity = f"{self.model_name}|{mc.model_type}|{mc.vocab_size}|{mc.num_layers}|{model.dtype}|{id(model)}"
         self.intake = Intake(self.tokenizer, self.vocab_size, self.max_context, self.constraints, config.seed,
                              config.trace, identity)

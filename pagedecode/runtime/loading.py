@@ -31,7 +31,7 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
     path = resolve_model(path)                 # ORG/NAME[:FILE.gguf]: from the Hugging Face cache
     spec = config.speculative
     if spec is not None and spec.method == "draft" and spec.draft_model is None:
-        config.speculative = replace(spec, draft_model=path)        # a self-draft: this checkpoint
+        config.speculative = replace(spec, draft_model=path, self_draft=True)   # a self-draft: this checkpoint
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
     if tensor_parallel_size == 1:

@@ -148,6 +148,7 @@ def test_self_draft_quantized_keeps_the_plain_tokens(stories_engine_factory, qua
     spec = pd.SpeculativeConfig(method="draft", draft_quantization=quantization, min_gain=0.0)
     eng = stories_engine_factory(speculative=spec)
     assert eng.speculator.draft is not None and eng.speculator.draft.model.quantized
+    assert eng.speculator.draft.kv is eng.kv                  # it drafts on the target's own cache
     assert eng.speculator.draft.model.weight_bytes < 0.5 * eng.model.weight_bytes
     outs = eng.generate(prompts, params)
     assert [(o.token_ids, o.text, o.logprobs, o.top_logprobs, o.finish_reason, o.selected_token_ids)

@@ -90,3 +90,56 @@ def test_the_cost_gate_counts_drafting_in_the_step_that_drafts():
     got = eng.result(rid)
     assert got.usage.accepted_draft_tokens == got.usage.draft_tokens > 0    # right, and too slow to pay
     assert eng.speculator.counters.drafts < 30, eng.speculator.counters
+
+
+def test_a_self_draft_drafts_on_the_target_cache_one_row_a_sequence(stories_engine_factory):
+    """The quantized self-draft reads and writes the target's own cache: each draft forward is
+    one row per drafting sequence (no prompt prefill in the draft, no catch-up after a rejection);
+    and with every slot past each request's logical length and every free page poisoned with
+    NaN after every step, the tokens are still the plain engine's (its context is the target's
+    accepted K/V; what it writes past the length is overwritten by the verify before any read)."""
+    prompts = ["Once upon a time", "Lily and Tom"]
+    params = pd.SamplingParams(max_tokens=32)
+    want = [o.token_ids for o in stories_engine_factory().generate(prompts, params)]
+    spec = pd.SpeculativeConfig(method="draft", draft_quantization="q4_0", min_gain=0.0, min_acceptance=0.0)
+    eng = stories_engine_factory(speculative=spec, enable_prefix_caching=False)
+    draft = eng.speculator.draft
+    assert draft is not None and draft.kv is eng.kv
+    shapes = []                                    # (rows, sequences) of each draft forward
+    forward = draft.model.forward
+    draft.model.forward = lambda b, kv: shapes.append((b.input_ids.numel(), b.seq_lens.numel())) or forward(b, kv)
+    rids = [eng.add_request(p, params) for p in prompts]
+    ps = eng.config.page_size
+    while eng.has_unfinished():
+        eng.step()
+        held = set()
+        for req in eng.scheduler.running:
+            held.update(req.seq.pages)
+            for pos in range(req.seq.num_computed, len(req.seq.pages) * ps):
+                page, at = req.seq.pages[pos // ps], pos % ps
+                eng.kv.k[:, page, at] = float("nan")
+                eng.kv.v[:, page, at] = float("nan")
+        free = [p for p in range(eng.pool.num_pages) if p not in held]
+        eng.kv.k[:, free] = float("nan")
+        eng.kv.v[:, free] = float("nan")
+    got = [eng.result(r) for r in rids]
+    assert [o.token_ids for o in got] == want
+    assert shapes and all(rows == seqs for rows, seqs in shapes)
+    assert sum(o.usage.accepted_draft_tokens for o in got) > 0
+    assert sum(o.usage.draft_tokens - o.usage.accepted_draft_tokens for o in got) > 0     # rejections too
+
+
+def test_a_bfloat16_targets_self_draft_computes_in_float32_on_its_cache(stories_engine_factory):
+    """On CPU the quantized self-draft of a bfloat16 target is a float32 model (faster there) on
+    the target's bfloat16 cache; the tokens stay the plain bfloat16 engine's."""
+    prompts = ["Once upon a time", "Lily and Tom"]
+    params = pd.SamplingParams(max_tokens=24)
+    want = [o.token_ids for o in stories_engine_factory(dtype=torch.bfloat16).generate(prompts, params)]
+    spec = pd.SpeculativeConfig(method="draft", draft_quantization="q8_0", min_gain=0.0, min_acceptance=0.0)
+    eng = stories_engine_factory(dtype=torch.bfloat16, speculative=spec)
+    draft = eng.speculator.draft
+    assert draft is not None and draft.model.dtype == torch.float32
+    assert draft.kv is eng.kv and eng.kv.k.dtype == torch.bfloat16
+    got = eng.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.usage.accepted_draft_tokens for o in got) > 0

@@ -24,6 +24,20 @@ def test_a_request_earns_its_draft_length():
     assert not gate.record(3, 64, 1, 0.3, 8) and gate.length == 4        # a miss: one past what was kept
 
 
+def test_a_draft_that_sizes_its_own_runs_keeps_its_length_after_a_miss():
+    """earns=False (a draft model with min_draft_confidence, which stops where it is unsure): a
+    miss leaves the next run's length at k (the gate fell to 2 there, and a confident draft's runs
+    never grew back long enough to pay), while a low acceptance still turns proposals off; its
+    short runs weigh in the rolling rate by their drafts (four one-draft misses do not turn it off)."""
+    gate = Gate(most=6, backoff=8, length=6, earns=False)
+    assert not gate.record(1, 6, 0, 0.3, 8) and gate.length == 6
+    assert gate.record(0, 6, 1, 0.3, 8) and gate.off_until == 9 and gate.length == 6
+    short = Gate(most=6, backoff=8, length=6, earns=False)     # a run weighs by its drafts
+    assert not any(short.record(0, 1, step, 0.3, 8) for step in range(4)) and short.rate > 0.7
+    earning = Gate(most=6, backoff=8, length=6)
+    assert not earning.record(1, 6, 0, 0.3, 8) and earning.length == 2
+
+
 def test_a_failing_request_backs_off_and_each_retry_is_one_probe():
     gate = Gate(most=64, backoff=8)
     step, offs = 0, []

@@ -28,6 +28,9 @@ class Gate:
     rate: float = 1.0            # rolling acceptance (accepted / proposed, exponentially weighted)
     off_until: int = 0           # no proposals before this step
     length: int = FIRST_DRAFT    # drafts the next run may propose
+    earns: bool = True           # False: every run may propose `most` (a draft model that stops
+                                 # where it is unsure, min_draft_confidence, sizes its own runs),
+                                 # and weighs in the rolling rate by its drafts
 
     def __post_init__(self) -> None:
         self.length = min(self.length, self.most)
@@ -35,15 +38,22 @@ class Gate:
     def record(self, accepted: int, proposed: int, step: int, min_acceptance: float, first_backoff: int) -> bool:
         """A verify run's outcome; True when it turns the request's proposals off. With
         min_acceptance 0 the gate is off: every run proposes k."""
-        self.rate = 0.5 * self.rate + 0.5 * accepted / proposed
+        # a run weighs 1/2 in the rolling rate; a self-sized run (earns False) by its drafts, up
+        # to 1/2 for a run of k: its runs are mostly one or two drafts, and two short misses in a
+        # row (1 draft each) would have turned off a draft that keeps 80% of them
+        weight = 0.5 if self.earns else 0.5 * proposed / self.most
+        self.rate = (1 - weight) * self.rate + weight * accepted / proposed
         if min_acceptance == 0:
             self.length = self.most
             return False
+        if not self.earns:
+            self.length = self.most
         if accepted == proposed:
             self.backoff = first_backoff
             self.length = min(self.most, max(self.length, 2 * proposed))
             return False
-        self.length = min(self.most, accepted + 1)
+        if self.earns:
+            self.length = min(self.most, accepted + 1)
         if self.rate >= min_acceptance:
             return False
         self.off_until = step + self.backoff

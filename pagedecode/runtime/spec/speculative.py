@@ -20,7 +20,8 @@ seq_lens, which the next step sets from num_computed), the next step overwrites 
 holding only such K/V go back to the pool (Scheduler.trim).
 
 Proposals come from the request's own prompt and output only (ngram.py; nothing is
-shared between requests), or from a draft model on its own paged KV (draft_model.py): by its
+shared between requests), or from a draft model on its own paged KV, or a self-draft on the
+target's (draft_model.py): by its
 greedy decoding, verified as above, or, for a sampling request that needs nothing per position
 beyond temperature / top-k / top-p / min-p (spec_rejection.takes_rejection), sampled from a
 distribution q it records and verified by the rejection rule (rejection.py; those runs
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...model.kv_cache import KVCache
 from ...protocols import Model
 from ..config import SpeculativeConfig
 from ..lifecycle import RequestState
@@ -47,13 +49,23 @@ from ..output.events import Event
 from ..request import Request
 from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from ..selector import SampleRows, Selection, TokenSelector, uses_penalties
-from .draft_model import DraftModelProposer, Proposal, load_draft
+from .draft_model import DraftModelProposer, Proposal, kv_fits, load_draft
 from .gates import FIRST_DRAFT, PREDICTION_DRAFT, CostGate, Gate
 from .ngram import NgramProposer
 from .rejection import verify_sampled
 from .verify_run import Host, VerifyRun
 
 log = logging.getLogger("pagedecode")
+
+
+def pick_rows(logits: torch.Tensor, picks: list[int], index: torch.Tensor) -> torch.Tensor:
+    """logits' rows `picks` (`index` on its device): a view where they are consecutive (one run, or
+    every run of the step in order: the usual case), else a copy. index_select of a verify's rows
+    (k x a 49k vocabulary) goes to OpenMP's threads, whose join waits for a descheduled one: on a
+    loaded 2-core machine 39 ms a step, a third of a SmolLM2 step."""
+    if picks and picks == list(range(picks[0], picks[0] + len(picks))):
+        return logits[picks[0]:picks[0] + len(picks)]
+    return logits.index_select(0, index)
 
 
 @dataclass
@@ -69,9 +81,11 @@ class Speculator:
     first tokens are committed, verifies the drafts one depth at a time."""
 
     def __init__(self, config: SpeculativeConfig | None, max_context: int, page_size: int, target: Model,
-                 capacity_tokens: int, deterministic: bool = False, kv_dtype: torch.dtype | None = None) -> None:
+                 capacity_tokens: int, deterministic: bool = False, kv_dtype: torch.dtype | None = None,
+                 kv: KVCache | None = None) -> None:
         """config None: speculation is off, except for requests that bring a prediction
-        (Predicted Outputs), which draft from it with the default config's gates."""
+        (Predicted Outputs), which draft from it with the default config's gates. kv: the
+        target's cache, which a self-draft reads and writes (draft_model.py) where it fits."""
         self.general = config is not None        # every request proposes, not only predicted ones
         self.config = config = config if config is not None else SpeculativeConfig()
         self.max_context = max_context
@@ -82,17 +96,32 @@ class Speculator:
             if config.draft_model is None:
                 raise ValueError("a self-draft (draft_quantization without draft_model) loads the target's "
                                  "checkpoint: build the engine with Engine.from_pretrained")
-            model = load_draft(config.draft_model, torch.device(getattr(target, "device", "cpu")), target.dtype,
+            device = torch.device(getattr(target, "device", "cpu"))
+            model = load_draft(config.draft_model, device, self._draft_dtype(config, target, device),
                                config.draft_quantization)
+            # a self-draft on the target's own cache, where it runs in this process on its shape (a
+            # tensor-parallel target's cache holds this rank's heads only)
+            shared = kv if config.self_draft and kv is not None and kv_fits(kv, model) else None
             # deterministic mode keeps exact matching for every request: a seeded request's tokens
             # must not depend on the verify schedule, which other requests shape
             self.draft = DraftModelProposer(model, capacity_tokens, page_size, target.config.vocab_size,
                                             rejection=not deterministic, kv_dtype=kv_dtype,
-                                            min_confidence=config.min_draft_confidence)
+                                            min_confidence=config.min_draft_confidence, shared_kv=shared)
         self.counters = SpecCounters()
         self.cost = CostGate(config.min_gain, config.backoff_steps)
         self._gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
         self._step = 0
+
+    @staticmethod
+    def _draft_dtype(config: SpeculativeConfig, target: Model, device: torch.device) -> torch.dtype:
+        """The target's dtype, except for a quantized self-draft of a bfloat16 / float16 target on
+        CPU: it computes in float32 on the target's narrower cache (which a float32 model takes, as
+        kv_cache_dtype does). Its quantized matmuls run in float32 either way (csrc quant_linear);
+        computing in bfloat16 around them, a q4_0 SmolLM2-135M step took as long as the bfloat16
+        target's own (66.9 ms to 65.1, medians on a loaded 2-core AVX2 machine), in float32 38.6 ms."""
+        if config.self_draft and config.draft_quantization is not None and device.type == "cpu":
+            return torch.float32
+        return target.dtype
 
     # -- before the forward ---------------------------------------------------------------------
     def extend(self, plan: SchedulerOutput, scheduler: Scheduler, budget: int) -> None:
@@ -114,6 +143,9 @@ class Speculator:
         for s in plan.decode:
             k = min(budget, self._room(s.request))
             if k > 0 and self._open(s.request) and (self.general or s.request.prediction is not None):
+                # a draft on the target's cache writes the run's K/V into the request's own pages
+                if self._writes_pages(s.request) and not scheduler.try_extend(s.request, 1 + k):
+                    continue
                 wants.append((s, k))
                 budget -= k
         drafted = self._propose([(s.request, k) for s, k in wants])
@@ -124,6 +156,8 @@ class Speculator:
             if drafts and scheduler.try_extend(req, 1 + len(drafts)):
                 plan.decode.remove(s)
                 plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts), probs))
+            elif self._writes_pages(req):
+                scheduler.trim(req)              # pages reserved for drafts that did not come
         self.cost.start(now, self._step, batch, bool(plan.verify), batch, timed)
 
     @staticmethod
@@ -145,6 +179,11 @@ class Speculator:
         if n < len(drafts):
             req.trace.add("spec.cut", proposed=len(drafts), allowed=n)
         return drafts[:n]
+
+    def _writes_pages(self, req: Request) -> bool:
+        """Whether this request's proposal writes into its own pages (a self-draft on the target's
+        cache; a prediction drafts without a forward)."""
+        return self.draft is not None and self.draft.pages_needed() and req.prediction is None
 
     def _room(self, req: Request) -> int:
         """Drafts that can still matter: y_{t+1+j} must stay within max_tokens, and the positions
@@ -275,7 +314,7 @@ class Speculator:
             reqs.extend([req] * k)
         try:
             rows = torch.tensor([picks, slots, index], dtype=torch.int64).to(logits.device)
-            upfront = host.selector.select(logits.index_select(0, rows[0]), reqs, None, SampleRows(rows[1], rows[2]))
+            upfront = host.selector.select(pick_rows(logits, picks, rows[0]), reqs, None, SampleRows(rows[1], rows[2]))
         except Exception as exc:
             for run in at_once:
                 host.fail(run.request, exc, events)
@@ -316,6 +355,8 @@ class Speculator:
             most = self.config.num_tokens
             if req.prediction is not None:
                 most = max(most, PREDICTION_DRAFT)
-            first = most if self.config.min_acceptance == 0 else FIRST_DRAFT
-            gate = self._gates[req] = Gate(most, self.config.backoff_steps, length=first)
+            # a draft model that stops where it is unsure sizes its runs itself: they need not earn it
+            earns = not (self.draft is not None and self.config.min_draft_confidence > 0 and req.prediction is None)
+            first = most if self.config.min_acceptance == 0 or not earns else FIRST_DRAFT
+            gate = self._gates[req] = Gate(most, self.config.backoff_steps, length=first, earns=earns)
         return gate
