@@ -5,7 +5,9 @@ accuracy  8 chat prompts, each continued --tokens tokens greedily over a float32
           position's logits: each query attends over the K/V the cache holds, its own included, as
           a decode step would); mean KL(p_float32 cache || p_cache) over the continuation positions.
           Model: the Q4_1 file's weights dequantized to float32 (real_model.smollm2_f32_gguf).
-capacity  tokens a byte budget holds (the engine's pool for --budget-mb), per cache type.
+capacity  bytes a token costs and the tokens a byte budget holds (the engine's pool for
+          --budget-mb), per cache type, each as a multiple of float16's tokens (an 8-bit cache:
+          head_dim bytes and a bfloat16 scale per layer, KV head and K / V: 1.94x at head_dim 64).
 speed     decode tokens/s at --context tokens of context: one decode step (--batch rows, each over
           its own context) through model.forward, median of --steps; the cache's contents are
           random (attention's cost does not depend on them). Model: the Q4_1 file (float32
@@ -193,10 +195,11 @@ def main() -> None:
         s.set_title(f"decode tokens/s at {args.context} context (q4_1 weights)")
         s.legend()
     plot(path, draw, size=(15, 4), ncols=3)
-    print(f"{'cache':10} {'mean KL':>10} {'x fp16 tokens':>14} " + " ".join(f"{'tok/s b' + str(b):>12}" for b in args.batch))
+    print(f"{'cache':10} {'mean KL':>10} {'bytes/token':>12} {'x fp16 tokens':>14} "
+          + " ".join(f"{'tok/s b' + str(b):>12}" for b in args.batch))
     for c in CACHES:
         kl = accuracy[c]["mean_kl"] if c in accuracy else 0.0
-        print(f"{c:10} {kl:10.2e} {cap[c]['vs_float16']:14.2f} "
+        print(f"{c:10} {kl:10.2e} {cap[c]['bytes_per_token']:12d} {cap[c]['vs_float16']:14.3f} "
               + " ".join(f"{speed[c][str(b)]['tokens_per_s']:12.1f}" for b in args.batch))
     print(path)
 

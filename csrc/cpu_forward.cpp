@@ -225,6 +225,12 @@ template <typename C>
 constexpr bool kQuantCache = std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
 template <typename C>
 constexpr float kQuantMax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
+// an 8-bit cache's per-row scale as stored (kv_quant.SCALE_DTYPE)
+using KvScale = c10::BFloat16;
+
+// kv_quant.stored_scale: float s -> the bfloat16 value the cache stores for it (nearest even), as
+// float: the value a row is quantized against
+inline float stored_scale(float s) { return static_cast<float>(KvScale(s)); }
 
 // kv_quant.e4m3_round: float y, |y| <= 448 -> the nearest e4m3 value (ties to even), in float
 // arithmetic: the step 2^(e - 3) from y's exponent bits (at least 2^-9: the subnormals')
@@ -241,22 +247,23 @@ inline float e4m3_round(float y) {
 
 constexpr int kFp8Steps = 16;       // kv_quant.FP8_STEPS: the scales an fp8 row tries
 
-// One head's row x[0, D) -> q[0, D); returns its scale (kv_quant.quantize_rows, bit for bit: the
-// same float32 divisions, and half-to-even rounding by adding 1.5 * 2^23; fp8: of amax / 448
-// times 1 + j / 16, the scale whose row reads back with the least squared error, summed in double)
+// One head's row x[0, D) -> q[0, D); returns its scale, a bfloat16 value (kv_quant.quantize_rows,
+// bit for bit: the same float32 divisions, and half-to-even rounding by adding 1.5 * 2^23; fp8: of
+// bf16(amax / 448 times 1 + j / 16), the scale whose row reads back with the least squared error,
+// summed in double)
 template <typename C>
 inline float quantize_row(const float* x, int64_t D, C* q) {
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::fabs(x[d]) > amax ? std::fabs(x[d]) : amax;
   const float base = amax / kQuantMax<C>;
   if constexpr (std::is_same_v<C, int8_t>) {
-    const float safe = base > 0.f ? base : 1.f;
+    const float scale = stored_scale(base), safe = scale > 0.f ? scale : 1.f;
     for (int64_t d = 0; d < D; ++d) {
       float y = x[d] / safe;
       y = y < -127.f ? -127.f : (y > 127.f ? 127.f : y);
       q[d] = static_cast<int8_t>((y + 12582912.f) - 12582912.f);    // kv_quant.ROUNDER (no -ffast-math here)
     }
-    return base;
+    return scale;
   } else {
     thread_local std::vector<float> row, best;
     row.resize(D);
@@ -264,7 +271,7 @@ inline float quantize_row(const float* x, int64_t D, C* q) {
     float best_s = base;
     double best_e = std::numeric_limits<double>::infinity();
     for (int j = 0; j < kFp8Steps; ++j) {
-      const float s = base * (1.f + static_cast<float>(j) / kFp8Steps), safe = s > 0.f ? s : 1.f;
+      const float s = stored_scale(base * (1.f + static_cast<float>(j) / kFp8Steps)), safe = s > 0.f ? s : 1.f;
       double err = 0.0;
       for (int64_t d = 0; d < D; ++d) {
         float y = x[d] / safe;
@@ -290,7 +297,7 @@ inline float quantize_row(const float* x, int64_t D, C* q) {
 template <typename T, typename C>
 void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, const float* cos,
                     const float* sin, const int64_t* pos, const int64_t* slots, C* kc, C* vc,
-                    float* ks = nullptr, float* vs = nullptr) {
+                    KvScale* ks = nullptr, KvScale* vs = nullptr) {
   const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(D);
@@ -308,9 +315,9 @@ void rope_and_write(T* qkv, int64_t rows, int64_t H, int64_t Hkv, int64_t D, con
       if constexpr (kQuantCache<C>) {
         for (int64_t h = 0; h < Hkv; ++h) {
           for (int64_t d = 0; d < D; ++d) tmp[d] = f32(row[(H + h) * D + d]);
-          ks[slot * Hkv + h] = quantize_row(tmp.data(), D, kc + (slot * Hkv + h) * D);
+          ks[slot * Hkv + h] = KvScale(quantize_row(tmp.data(), D, kc + (slot * Hkv + h) * D));   // exact
           for (int64_t d = 0; d < D; ++d) tmp[d] = f32(row[(H + Hkv + h) * D + d]);
-          vs[slot * Hkv + h] = quantize_row(tmp.data(), D, vc + (slot * Hkv + h) * D);
+          vs[slot * Hkv + h] = KvScale(quantize_row(tmp.data(), D, vc + (slot * Hkv + h) * D));
         }
       } else if constexpr (std::is_same_v<T, C>) {
         std::copy(row + H * D, row + (H + Hkv) * D, kc + slot * Hkv * D);
@@ -832,8 +839,8 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
       add_lora<T>(qkv, x, *lora.stack, i, {{kLoraQ, 0}, {kLoraK, H * D}, {kLoraV, (H + Hkv) * D}}, lora.all, det);
     C* kc = k_cache.data_ptr<C>() + i * per_layer;
     C* vc = v_cache.data_ptr<C>() + i * per_layer;
-    float* ks = quant ? k_scale.data_ptr<float>() + i * scales_per_layer : nullptr;
-    float* vs = quant ? v_scale.data_ptr<float>() + i * scales_per_layer : nullptr;
+    KvScale* ks = quant ? k_scale.data_ptr<KvScale>() + i * scales_per_layer : nullptr;
+    KvScale* vs = quant ? v_scale.data_ptr<KvScale>() + i * scales_per_layer : nullptr;
     rope_and_write(qkv.data_ptr<T>(), T_, H, Hkv, D, m.cos.data_ptr<float>(), m.sin.data_ptr<float>(), pos,
                    slots, kc, vc, ks, vs);
     const int32_t* cu = cu_q.data_ptr<int32_t>();
@@ -891,7 +898,7 @@ auto by_cache_dtype(at::ScalarType t, at::ScalarType c, const char* what, F&& f)
 }
 
 // An 8-bit cache's scales: given exactly when the cache is 8-bit, shaped as its rows with a last
-// dimension of 1, float32 and contiguous
+// dimension of 1, bfloat16 (KvScale) and contiguous
 void check_scales(const Tensor& cache, const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                   const char* what) {
   const bool quant = cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
@@ -901,9 +908,9 @@ void check_scales(const Tensor& cache, const std::optional<Tensor>& k_scale, con
   std::vector<int64_t> shape(cache.sizes().begin(), cache.sizes().end());
   shape.back() = 1;
   for (const Tensor* t : {&*k_scale, &*v_scale})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef(shape),
-                "pagedecode._cpu.", what, ": scales must be float32, contiguous, ", at::IntArrayRef(shape), ", got ",
-                t->sizes());
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->sizes() == at::IntArrayRef(shape),
+                "pagedecode._cpu.", what, ": scales must be bfloat16, contiguous, ", at::IntArrayRef(shape), ", got ",
+                t->scalar_type(), " ", t->sizes());
 }
 
 // The batch (model/batch.py) through the model: every index checked against what it indexes first.
@@ -1020,8 +1027,8 @@ Tensor det_attention_op(const Tensor& q, const Tensor& k_layer, const Tensor& v_
   check_tables(page_table, lens, cu, q.size(0), k_layer.size(0), k_layer.size(1), "det_attention");
   check_scales(k_layer, k_scale, v_scale, "det_attention");
   work::Keep keep{k_layer, v_layer};
-  const float* ks = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
-  const float* vs = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
+  const KvScale* ks = k_scale.has_value() ? k_scale->data_ptr<KvScale>() : nullptr;
+  const KvScale* vs = v_scale.has_value() ? v_scale->data_ptr<KvScale>() : nullptr;
   if (ks != nullptr) {
     keep.push_back(*k_scale);
     keep.push_back(*v_scale);

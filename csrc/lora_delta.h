@@ -13,7 +13,8 @@ enum LoraProj : int { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraD
 const char* const kLoraProjNames[kLoraProjs] = {"q_proj", "k_proj", "v_proj", "o_proj",
                                                 "gate_proj", "up_proj", "down_proj"};
 
-// per layer and projection: A (S, R, K), B (S, N, R) of the model's dtype and scaling (S,) float32;
+// per layer and projection: A (S, R, K), B (S, N, R) of the model's dtype (or bfloat16, a quantized
+// base's: pagedecode/lora/stacks.py) and scaling (S,) float32;
 // all three empty where no resident adapter targets the projection (the forward skips it). ranks
 // (S,) int32: each slot's adapter's rank r <= R (A[s, r:] and B[s, :, r:] are zero: not read).
 struct LoraStack {
@@ -67,9 +68,10 @@ void check_lora_stack(const Stack& m, const LoraStack& l) {
       const Tensor& a = l.a[i][p];
       if (!a.defined()) continue;
       TORCH_CHECK(a.size(2) == n_in[p] && l.b[i][p].size(1) == n_out[p] &&
-                      a.scalar_type() == m.final_norm.scalar_type(),
+                      (a.scalar_type() == m.final_norm.scalar_type() || a.scalar_type() == at::kBFloat16),
                   "pagedecode._cpu.forward: layer ", i, " ", kLoraProjNames[p], " LoRA A ", a.sizes(), " / B ",
-                  l.b[i][p].sizes(), " do not fit the model's (", n_out[p], ", ", n_in[p], ") projection or dtype");
+                  l.b[i][p].sizes(), " do not fit the model's (", n_out[p], ", ", n_in[p],
+                  ") projection, or are neither of its dtype nor bfloat16");
     }
 }
 
@@ -136,10 +138,10 @@ struct LoraPlanSeg {
 // shrunk[row, t R + j] = scaling_t[slot] * x[row] . A_t[slot, j] (j < the slot's rank; 0 past it)
 // for the columns [c per, (c + 1) per) of P R, every planned row: A's row read once per segment,
 // each dot in one order (a simd reduction over K) whatever the rows around it.
-template <typename T>
+template <typename AB>
 struct LoraShrinkJob {
   const float* x;                          // (rows, K): the planned rows, packed, in float
-  const T* a[kLoraMaxTargets];             // (S, R, K)
+  const AB* a[kLoraMaxTargets];             // (S, R, K)
   const float* scaling[kLoraMaxTargets];   // (S,)
   const LoraPlanSeg* segs;
   float* shrunk;                           // (rows, P R)
@@ -153,7 +155,7 @@ struct LoraShrinkJob {
       const int64_t t = col / R, j = col % R;
       for (int64_t g = 0; g < nsegs; ++g) {
         const LoraPlanSeg& s = segs[g];
-        const T* aj = a[t] + (s.slot * R + j) * K;
+        const AB* aj = a[t] + (s.slot * R + j) * K;
         const float scale = scaling[t][s.slot];
         for (int64_t i = 0; i < s.hi - s.lo; ++i) {
           float acc = 0.f;
@@ -178,10 +180,11 @@ struct LoraShrinkJob {
 // for one chunk of `per` columns of one target: per segment, B's tile transposed once (rank,
 // columns) so that each row's sum is a run of vector multiply-adds along n. A chunk's deltas go
 // to a buffer (rows, columns) first: a worker's scratch (added by commit) or the caller's own.
-template <typename T>
+// T: the rows' type; AB: A's and B's.
+template <typename T, typename AB>
 struct LoraExpandJob {
   const float* shrunk;                     // (rows, P R)
-  const T* b[kLoraMaxTargets];             // (S, N_t, R)
+  const AB* b[kLoraMaxTargets];             // (S, N_t, R)
   int64_t n[kLoraMaxTargets], col[kLoraMaxTargets], first_chunk[kLoraMaxTargets + 1];
   const LoraPlanSeg* segs;
   T* out;
@@ -206,7 +209,7 @@ struct LoraExpandJob {
     for (int64_t g = 0; g < nsegs; ++g) {
       if (!live()) return false;
       const LoraPlanSeg& s = segs[g];
-      const T* bs = b[t] + (s.slot * n[t] + n0) * R;
+      const AB* bs = b[t] + (s.slot * n[t] + n0) * R;
       for (int64_t k = 0; k < cols; ++k)
         for (int64_t j = 0; j < s.rank; ++j) bt[j * cols + k] = f32(bs[k * R + j]);
       for (int64_t i = s.packed; i < s.packed + s.hi - s.lo; ++i) {
@@ -244,9 +247,10 @@ constexpr int64_t kLoraRowsLoop = 16;
 // out[:, col_t : col_t + N_t] += the delta of each target projection of `layer` for x's rows
 // (segments `segs`); x and out contiguous rows. The batched path: the planned segments' rows
 // copied once (float, memory this call owns: work_pool.h), every target's shrink in one pool call
-// (A read once per segment, not once per row), then every target's expand in one.
-template <typename T>
-void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
+// (A read once per segment, not once per row), then every target's expand in one. T: x's and
+// out's type; AB: the stack's (T, or bfloat16 under a quantized base: half the bytes a step reads).
+template <typename T, typename AB>
+void add_lora_as(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
               std::initializer_list<LoraTarget> targets, const std::vector<LoraSegment>& segs, bool det) {
   std::vector<LoraTarget> live;
   for (const LoraTarget& t : targets)
@@ -271,8 +275,9 @@ void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
     const Tensor xs = x.narrow(0, s.lo, rows);
     for (const LoraTarget& t : live) {
       const Tensor& b = l.b[layer][t.proj];
-      const Tensor shrunk = at::mm(xs, l.a[layer][t.proj][s.slot].narrow(0, 0, r).t());   // (rows, r)
-      const Tensor delta = at::mm(shrunk, b[s.slot].narrow(1, 0, r).t());                 // (rows, N)
+      const Tensor a = l.a[layer][t.proj][s.slot].narrow(0, 0, r).to(xs.scalar_type());
+      const Tensor shrunk = at::mm(xs, a.t());                                              // (rows, r)
+      const Tensor delta = at::mm(shrunk, b[s.slot].narrow(1, 0, r).to(xs.scalar_type()).t());   // (rows, N)
       out.narrow(0, s.lo, rows).narrow(1, t.col, b.size(1)).add_(delta, l.scaling[layer][t.proj].data_ptr<float>()[s.slot]);
     }
   }
@@ -296,18 +301,18 @@ void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
       for (int64_t k = 0; k < K; ++k) xf[(s.packed + i) * K + k] = f32(xp[(s.lo + i) * ldx + k]);
 
   const int64_t threads = work::Pool::get().threads();
-  LoraShrinkJob<T> shrink{xf, {}, {}, segp, shrunk, static_cast<int64_t>(plan.size()), rows, K, R, P, 1};
-  LoraExpandJob<T> expand{shrunk, {}, {}, {}, {}, segp, out.data_ptr<T>(), ldo, static_cast<int64_t>(plan.size()),
+  LoraShrinkJob<AB> shrink{xf, {}, {}, segp, shrunk, static_cast<int64_t>(plan.size()), rows, K, R, P, 1};
+  LoraExpandJob<T, AB> expand{shrunk, {}, {}, {}, {}, segp, out.data_ptr<T>(), ldo, static_cast<int64_t>(plan.size()),
                           rows, R, P, 64};
   int64_t reads = 0;
   for (int64_t t = 0; t < P; ++t) {
     const int p = live[t].proj;
-    shrink.a[t] = l.a[layer][p].data_ptr<T>();
+    shrink.a[t] = l.a[layer][p].data_ptr<AB>();
     shrink.scaling[t] = l.scaling[layer][p].data_ptr<float>();
-    expand.b[t] = l.b[layer][p].data_ptr<T>();
+    expand.b[t] = l.b[layer][p].data_ptr<AB>();
     expand.n[t] = l.b[layer][p].size(1);
     expand.col[t] = live[t].col;
-    reads += (K + expand.n[t]) * R * static_cast<int64_t>(plan.size()) * static_cast<int64_t>(sizeof(T));
+    reads += (K + expand.n[t]) * R * static_cast<int64_t>(plan.size()) * static_cast<int64_t>(sizeof(AB));
   }
   // expand chunks of 64 columns, wider where a model's widths would make more than ~128
   int64_t n_all = 0;
@@ -329,4 +334,16 @@ void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
   shrink.per_chunk = std::max<int64_t>(1, (W + 4 * threads - 1) / (4 * threads));
   work::Pool::get().run((W + shrink.per_chunk - 1) / shrink.per_chunk, shrink, keep);
   work::Pool::get().run(expand.first_chunk[P], expand, std::move(keep));
+}
+
+template <typename T>
+void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
+              std::initializer_list<LoraTarget> targets, const std::vector<LoraSegment>& segs, bool det) {
+  for (const LoraTarget& t : targets) {
+    const Tensor& a = l.a[layer][t.proj];
+    if (!a.defined()) continue;                    // the stack's projections share one dtype
+    if constexpr (!std::is_same_v<T, c10::BFloat16>)
+      if (a.scalar_type() == at::kBFloat16) return add_lora_as<T, c10::BFloat16>(out, x, l, layer, targets, segs, det);
+    return add_lora_as<T, T>(out, x, l, layer, targets, segs, det);
+  }
 }

@@ -312,8 +312,8 @@ struct AttendArgs {
   bool det;
   bool pool;      // on the spinning pool: the step's matmuls run there or on the caller, never on OpenMP
   // an 8-bit cache's scales, one per (slot, kv head) at slot * Hkv + head; nullptr for a float cache
-  const float* ks = nullptr;
-  const float* vs = nullptr;
+  const KvScale* ks = nullptr;
+  const KvScale* vs = nullptr;
 };
 
 // scores[j * width + p] *= scale of position p's row (kv head kvh(j)), p < vis[j]: an 8-bit cache's
@@ -321,13 +321,13 @@ struct AttendArgs {
 // (sum p_o s_o v_o), so no page is ever dequantized element by element
 template <typename KvHead>
 inline void scale_scores(float* scores, int64_t width, int64_t nq, const int64_t* vis, const int32_t* pages,
-                         int64_t page_size, int64_t Hkv, const float* sc, KvHead kvh) {
+                         int64_t page_size, int64_t Hkv, const KvScale* sc, KvHead kvh) {
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = scores + j * width;
     for (int64_t p0 = 0; p0 < vis[j]; p0 += page_size) {        // page by page: its scales Hkv apart
-      const float* page = sc + static_cast<int64_t>(pages[p0 / page_size]) * page_size * Hkv + kvh(j);
+      const KvScale* page = sc + static_cast<int64_t>(pages[p0 / page_size]) * page_size * Hkv + kvh(j);
       const int64_t n = std::min(page_size, vis[j] - p0);
-      for (int64_t o = 0; o < n; ++o) sj[p0 + o] *= page[o * Hkv];
+      for (int64_t o = 0; o < n; ++o) sj[p0 + o] *= static_cast<float>(page[o * Hkv]);
     }
   }
 }
@@ -601,7 +601,7 @@ template <typename T, typename C>
 void attention(const T* qkv, int64_t q_stride, const C* kc, const C* vc, int64_t num_pages, const int32_t* pt,
                int64_t pt_stride, const int32_t* lens, const int32_t* cu, int64_t S, int64_t page_size, int64_t H,
                int64_t Hkv, int64_t D, float scale, T* out, bool det, bool pool, const work::Keep& caches,
-               const float* ks = nullptr, const float* vs = nullptr) {
+               const KvScale* ks = nullptr, const KvScale* vs = nullptr) {
   const AttendArgs<T, C> a{qkv, q_stride, kc, vc, pt, pt_stride, lens, cu, S, S > 0 ? cu[S] : 0, num_pages,
                         page_size, H, Hkv, D, scale, det, pool, ks, vs};
   auto run = [&](auto fixed) { paged_attention<T, C, decltype(fixed)::value>(a, out, caches); };
@@ -648,7 +648,7 @@ std::vector<Chunk> matmul_chunks(const int32_t* pt, int64_t pt_stride, const int
 inline Tensor rows_as_float(const Tensor& flat, const Tensor& scale, const Tensor& rows) {
   if (!scale.defined()) return flat.index_select(0, rows).to(at::kFloat);
   const Tensor bytes = flat.view(at::kByte).index_select(0, rows).view(flat.scalar_type());
-  return bytes.to(at::kFloat) * scale.index_select(0, rows);
+  return bytes.to(at::kFloat) * scale.index_select(0, rows).to(at::kFloat);
 }
 
 void prefill_attention(const std::vector<Chunk>& chunks, const Tensor& qkv, const Tensor& k_layer,

@@ -10,7 +10,7 @@ Shapes:
 Query head h reads KV head h // (q_heads // kv_heads) (grouped-query attention).
 
 An 8-bit cache (kernels/kv_quant.py) comes with k_scale, v_scale (num_pages, page_size, kv_heads, 1)
-float32; every path widens each row to float32 times its scale and attends in float32, as it
+bfloat16; every path widens each row to float32 times its scale and attends in float32, as it
 widens a float16 cache.
 """
 from __future__ import annotations
@@ -173,8 +173,8 @@ if HAS_TRITON:
         k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
         v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
         if QUANT:
-            k = k * tl.load(ks_ptr + row // HEAD_DIM, mask=pos_ok, other=0.0)[:, None]
-            v = v * tl.load(vs_ptr + row // HEAD_DIM, mask=pos_ok, other=0.0)[:, None]
+            k = k * tl.load(ks_ptr + row // HEAD_DIM, mask=pos_ok, other=0.0).to(tl.float32)[:, None]
+            v = v * tl.load(vs_ptr + row // HEAD_DIM, mask=pos_ok, other=0.0).to(tl.float32)[:, None]
         return k, v
 
     @triton.jit

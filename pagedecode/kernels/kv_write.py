@@ -4,7 +4,7 @@ Layout: k_cache, v_cache are (num_pages, page_size, kv_heads, head_dim); a slot 
 page * page_size + offset within the page. A slot of -1 means "padding: write nothing".
 
 An 8-bit cache (kernels/kv_quant.py) comes with k_scale, v_scale (num_pages, page_size, kv_heads, 1)
-float32: each row is quantized as it is written, its scale stored at the same slot.
+bfloat16: each row is quantized as it is written, its scale stored at the same slot.
 """
 from __future__ import annotations
 
@@ -66,6 +66,16 @@ if HAS_TRITON:
         return ((y * up + 12582912.0) - 12582912.0) * step
 
     @triton.jit
+    def _stored_scale(s):
+        """kv_quant.stored_scale: float32 s >= 0 -> the bfloat16 value stored for it (nearest even),
+        as float32. In integer arithmetic on the bits, not a conversion, so that the interpreter
+        (whose float conversions /work/shared/KERNELS.md distrusts) rounds as torch does; the
+        store's conversion then meets an exact value."""
+        b = s.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _quantize_store(x, c_ptr, s_ptr, dst, srow, m, h_ok, QLIMIT: tl.constexpr, IS_INT: tl.constexpr,
                         FP8_STEPS: tl.constexpr):
         """x (BLOCK_H, BLOCK_D) float32 rows -> 8-bit values at c_ptr + dst, each row's scale at
@@ -74,19 +84,20 @@ if HAS_TRITON:
         amax = tl.max(tl.where(m, tl.abs(x), 0.0), 1)                      # (BLOCK_H,)
         base = tl.math.div_rn(amax, tl.full(amax.shape, QLIMIT, tl.float32))
         if IS_INT:
-            safe = tl.where(base > 0, base, 1.0)
+            scale = _stored_scale(base)
+            safe = tl.where(scale > 0, scale, 1.0)
             y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape))
             y = tl.minimum(tl.maximum(y, -QLIMIT), QLIMIT)
             y = (y + 12582912.0) - 12582912.0               # kv_quant.ROUNDER: half to even, then exact
             tl.store(c_ptr + dst, y.to(c_ptr.dtype.element_ty), mask=m)
-            tl.store(s_ptr + srow, base, mask=h_ok)
+            tl.store(s_ptr + srow, scale.to(s_ptr.dtype.element_ty), mask=h_ok)
         else:
             x64 = x.to(tl.float64)
             best_q = tl.zeros(x.shape, tl.float32)
             best_s = base
             best_e = tl.full(amax.shape, float("inf"), tl.float64)
             for j in tl.static_range(FP8_STEPS):
-                s = base * (1.0 + j / FP8_STEPS)
+                s = _stored_scale(base * (1.0 + j / FP8_STEPS))
                 safe = tl.where(s > 0, s, 1.0)
                 q = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], x.shape))
                 q = _e4m3_round(tl.minimum(tl.maximum(q, -QLIMIT), QLIMIT))
@@ -97,7 +108,7 @@ if HAS_TRITON:
                 best_s = tl.where(better, s, best_s)
                 best_e = tl.where(better, err, best_e)
             tl.store(c_ptr + dst, best_q.to(c_ptr.dtype.element_ty), mask=m)
-            tl.store(s_ptr + srow, best_s, mask=h_ok)
+            tl.store(s_ptr + srow, best_s.to(s_ptr.dtype.element_ty), mask=h_ok)
 
     @triton.jit
     def _write_kv_quant_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,

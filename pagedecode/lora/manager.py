@@ -18,7 +18,7 @@ from ..errors import AdapterError, UnknownAdapterError
 from .adapter import LoRAAdapter, load_adapter
 from .request import LoRARequest
 from .residency import AdapterResidency
-from .stacks import LoRAStacks
+from .stacks import LoRAStacks, stack_dtype
 
 
 def refusal(model: Any) -> str | None:
@@ -42,7 +42,7 @@ class LoRAManager:
 
     def _make_stacks(self) -> LoRAStacks:
         if self.stacks is None:
-            self.stacks = LoRAStacks(self.model.config, self.max_loras, self.max_rank, self.model.dtype,
+            self.stacks = LoRAStacks(self.model.config, self.max_loras, self.max_rank, stack_dtype(self.model),
                                      torch.device(getattr(self.model, "device", "cpu")))
         return self.stacks
 

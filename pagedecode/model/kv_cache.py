@@ -1,6 +1,6 @@
 """The KV cache tensors: one pool of pages per layer, addressed by slot (see kernels.kv_write).
 
-An 8-bit cache (int8 / float8_e4m3fn: kernels/kv_quant.py) keeps a float32 scale per token and KV
+An 8-bit cache (int8 / float8_e4m3fn: kernels/kv_quant.py) keeps a bfloat16 scale per token and KV
 head beside the pages, k_scale / v_scale, in the same paged layout (slot-addressed like the rows)."""
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class KVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x (head_dim x element size, plus an 8-bit cache's
-        float32 scale)."""
+        bfloat16 scale)."""
         row = head_dim * torch.empty((), dtype=dtype).element_size()
         if is_quantized(dtype):
             row += torch.empty((), dtype=SCALE_DTYPE).element_size()

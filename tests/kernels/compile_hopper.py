@@ -84,7 +84,7 @@ def cases():
     # 8-bit KV caches (kernels/kv_quant.py) under a float32 model: the attention kernels' scaled
     # loads and the quantizing write, int8 and fp8 e4m3 (sm_90 converts e4m3 in hardware)
     for cdt, qmax in (("i8", 127.0), ("fp8e4nv", 448.0)):
-        kv = {"q_ptr": "*fp32", "kc_ptr": f"*{cdt}", "vc_ptr": f"*{cdt}", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+        kv = {"q_ptr": "*fp32", "kc_ptr": f"*{cdt}", "vc_ptr": f"*{cdt}", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
               "pt_ptr": "*i32", "lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
               "sm_scale_log2": "fp32", "cu_ptr": "*i32", "out_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32",
               "slot_ptr": "*i64"}

@@ -6,7 +6,7 @@ import torch
 
 from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
-from pagedecode.kernels.kv_quant import FP8_STEPS, QMAX, dequantize, e4m3_round, quantize_rows
+from pagedecode.kernels.kv_quant import FP8_STEPS, QMAX, SCALE_DTYPE, dequantize, e4m3_round, quantize_rows, stored_scale
 from pagedecode.kernels.kv_write import write_kv, write_kv_ref
 
 from .conftest import DEVICE, TOL, needs_triton, random_page_tables, rel_err
@@ -18,14 +18,15 @@ QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn]
 def test_a_row_reads_back_within_its_quantization_step(dtype):
     """int8: every value within half a step (scale / 2) of the original, the largest value of each
     row exactly 127 steps; fp8 e4m3 (3 mantissa bits): within 1/16 of the value, or of the
-    smallest normal step, the scale amax / 448 times 1 + j / 16 for some j; an all-zero row a
-    scale of 0 and zeros, never NaN."""
+    smallest normal step, the scale amax / 448 times 1 + j / 16 for some j, as bfloat16 stores
+    it; an all-zero row a scale of 0 and zeros, never NaN. Scales are bfloat16 (2 bytes a row)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(7, 3, 64, generator=g) * torch.tensor([0.01, 1.0, 300.0])[None, :, None]
     x[2, 1] = 0.0
     q, scale = quantize_rows(x, dtype)
-    assert q.dtype == dtype and scale.shape == (7, 3, 1) and scale.dtype == torch.float32
+    assert q.dtype == dtype and scale.shape == (7, 3, 1) and scale.dtype == torch.bfloat16
     back = dequantize(q, scale)
+    scale = scale.float()
     assert scale[2, 1].item() == 0.0 and torch.equal(back[2, 1], torch.zeros(64))
     assert torch.isfinite(back).all()
     err = (back - x).abs()
@@ -35,7 +36,7 @@ def test_a_row_reads_back_within_its_quantization_step(dtype):
     else:
         assert (err <= x.abs() / 16 + scale * 2.0 ** -9).all()
         base = x.abs().amax(-1, keepdim=True) / QMAX[dtype]
-        steps = torch.stack([base * (1 + j / FP8_STEPS) for j in range(FP8_STEPS)])
+        steps = torch.stack([stored_scale(base * (1 + j / FP8_STEPS)) for j in range(FP8_STEPS)])
         assert (steps == scale).any(0).all()
         assert len(torch.unique(scale / base)) > 3                    # the search picks varied scales
 
@@ -51,14 +52,14 @@ def test_e4m3_rounding_is_torchs_conversion():
 
 
 def test_the_fp8_scale_search_beats_the_largest_value_at_448():
-    """The searched scale's rows read back with less squared error than amax / 448's on every row
-    (it is one of the candidates) and clearly less over many."""
+    """The searched scale's rows read back with less squared error than amax / 448's (as bfloat16
+    stores it) on every row (it is one of the candidates) and clearly less over many."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(512, 64, generator=g) * torch.linspace(0.1, 5.0, 64)
     q, s = quantize_rows(x, torch.float8_e4m3fn)
-    plain = x.abs().amax(-1, keepdim=True) / 448
+    plain = stored_scale(x.abs().amax(-1, keepdim=True) / 448)
     err = ((dequantize(q, s) - x) ** 2).sum(-1)
-    err_plain = (((x / plain).to(torch.float8_e4m3fn).float() * plain - x) ** 2).sum(-1)
+    err_plain = (((x / plain).clamp(-448, 448).to(torch.float8_e4m3fn).float() * plain - x) ** 2).sum(-1)
     assert (err <= err_plain * (1 + 1e-6)).all() and err.sum() < 0.8 * err_plain.sum()
 
 
@@ -80,7 +81,7 @@ def test_kv_write_quantizes_as_the_reference(dtype, page, heads, d):
     k[5, 0] = 0.0                                                     # an all-zero row
     kc = torch.zeros(num_pages, page, heads, d, dtype=dtype, device=DEVICE)
     vc, kr, vr = kc.clone(), kc.clone(), kc.clone()
-    ks = torch.full((num_pages, page, heads, 1), float("nan"), device=DEVICE)
+    ks = torch.full((num_pages, page, heads, 1), float("nan"), dtype=SCALE_DTYPE, device=DEVICE)
     vs, ksr, vsr = ks.clone(), ks.clone(), ks.clone()
     write_kv(kc, vc, k, v, slots.to(DEVICE), backend="triton", k_scale=ks, v_scale=vs)
     write_kv_ref(kr, vr, k, v, slots.to(DEVICE), ksr, vsr)
@@ -125,3 +126,26 @@ def test_attention_over_an_8_bit_cache_is_attention_over_the_values_it_holds(dty
     for backend in ("torch", "triton"):
         out = paged_extend_attention(q, kc, vc, table, cu, seq_lens, backend=backend, k_scale=ks, v_scale=vs)
         assert out.dtype == torch.float32 and rel_err(out.cpu(), ref) < TOL[torch.float32], backend
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_a_scale_is_the_bfloat16_value_its_row_was_quantized_against(dtype):
+    """The stored bfloat16 scale is the one the row was divided by: rows whose float32 scale
+    amax / qmax is not a bfloat16 value read back within their step of the stored value (int8's
+    largest value still 127 steps), over magnitudes from 1e-30 to 1e30 (float32's range: no scale
+    overflows or flushes to zero)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(61, 2, 32, generator=g) * torch.logspace(-30, 30, 61)[:, None, None]
+    q, scale = quantize_rows(x, dtype)
+    assert scale.dtype == SCALE_DTYPE == torch.bfloat16 and (scale > 0).all() and torch.isfinite(scale).all()
+    s = scale.float()
+    raw = x.abs().amax(-1, keepdim=True) / QMAX[dtype]
+    err = (dequantize(q, scale) - x).abs()
+    if dtype == torch.int8:
+        assert (s != raw).float().mean() > 0.9                        # rounded nearly all
+        assert ((s - raw).abs() <= raw * 2.0 ** -8).all()             # to nearest (8 significant bits)
+        assert (err <= s / 2 * (1 + 1e-5)).all() and (q.abs().amax(-1) == 127).all()
+    else:
+        candidates = torch.stack([stored_scale(raw * (1 + j / FP8_STEPS)) for j in range(FP8_STEPS)])
+        assert (candidates == s).any(0).all()
+        assert (err <= x.abs() / 16 + s * 2.0 ** -9).all()
