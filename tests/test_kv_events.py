@@ -4,6 +4,7 @@ the kept batches in bytes, and a peer that does not read has its answers cut, no
 mode (issue 38): a subscriber bound before the publisher connects gets every batch from seq 0,
 and the replay socket is there when named."""
 import hashlib
+import socket
 import time
 
 import pytest
@@ -167,8 +168,9 @@ def test_connect_mode_without_a_subscriber_publishes_after_the_wait_and_replays(
     """Nobody listens where the publisher connects: after connect_wait_s the batches flow anyway
     (no unbounded queue), and the replay socket, named in connect mode, holds them from seq 0."""
     ctx = zmq.Context()
-    sub, port = sub_bound(ctx)
-    sub.close(0)                             # a port nobody listens on now
+    with socket.socket() as free:            # a port nobody listens on: a plain socket's, closed at once
+        free.bind(("127.0.0.1", 0))          # (a zmq SUB's close is asynchronous: its I/O thread could
+        port = free.getsockname()[1]         # still take the connection and send its subscription)
     pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:*", block_size=16, topic="kv",
                            connect_wait_s=0.3).attach(Engine())
     try:

@@ -75,3 +75,21 @@ def commit(plan):
             s.request.output_ids.append(101)
             if s.request.state == RequestState.PREFILLING:
                 s.request.transition(RequestState.DECODING)
+
+
+def poison_past_lengths(eng, caches) -> int:
+    """NaN in every slot past each running request's logical length (a draft's K/V, rejected ones
+    among them) and in every free page, in each of `caches` (the engine's K and V, or their
+    scales: layers x pages x slots ...); returns how many slots past the lengths it poisoned.
+    Called after every step, a read of any of them ends in NaN logits."""
+    ps, held, poisoned = eng.config.page_size, set(), 0
+    for r in eng.scheduler.running:
+        held.update(r.seq.pages)
+        for pos in range(r.seq.num_computed, len(r.seq.pages) * ps):
+            for cache in caches:
+                cache[:, r.seq.pages[pos // ps], pos % ps] = float("nan")
+            poisoned += 1
+    free = [p for p in range(eng.pool.num_pages) if p not in held]
+    for cache in caches:
+        cache[:, free] = float("nan")
+    return poisoned

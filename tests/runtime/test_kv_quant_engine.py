@@ -9,6 +9,8 @@ import pagedecode as pd
 from pagedecode.model.kv_cache import KVCache
 from pagedecode.runtime.config import DEFAULT_KV_BUDGET_BYTES, EngineConfig
 
+from .helpers import poison_past_lengths
+
 QUANT = ["int8", "fp8_e4m3"]
 NGRAM = pd.SpeculativeConfig(method="ngram", num_tokens=4, min_ngram=2, max_ngram=4)
 PARAMS = [pd.SamplingParams(max_tokens=24, logprobs=2), pd.SamplingParams(max_tokens=24, temperature=0.8, seed=4)]
@@ -103,20 +105,10 @@ def test_rejected_kv_is_never_read_nan_scale_poison(stories_engine_factory, grou
         eng = stories_engine_factory(kv_cache_dtype=kv, speculative=NGRAM, enable_prefix_caching=False,
                                      attention_backend=backend)
         rids = [eng.add_request(p, q) for p, q in zip(prompts, PARAMS)]
-        ps, poisoned = eng.config.page_size, 0
+        poisoned = 0
         while eng.has_unfinished():
             eng.step()
-            held = set()
-            for req in eng.scheduler.running:
-                held.update(req.seq.pages)
-                for pos in range(req.seq.num_computed, len(req.seq.pages) * ps):
-                    page = req.seq.pages[pos // ps]
-                    eng.kv.k_scale[:, page, pos % ps] = float("nan")
-                    eng.kv.v_scale[:, page, pos % ps] = float("nan")
-                    poisoned += 1
-            free = [p for p in range(eng.pool.num_pages) if p not in held]
-            eng.kv.k_scale[:, free] = float("nan")
-            eng.kv.v_scale[:, free] = float("nan")
+            poisoned += poison_past_lengths(eng, (eng.kv.k_scale, eng.kv.v_scale))
         got = [(o.token_ids, o.text, o.logprobs, o.top_logprobs, o.finish_reason) for o in map(eng.result, rids)]
         if backend == "auto":
             assert got == want

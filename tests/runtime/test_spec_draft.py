@@ -11,7 +11,7 @@ import torch
 import pagedecode as pd
 from pagedecode.testing import ScriptedModel
 
-from .helpers import EOS, engine, run
+from .helpers import EOS, engine, poison_past_lengths, run
 
 CYCLE = [5, 6, 101, 102, 103]
 
@@ -109,19 +109,9 @@ def test_a_self_draft_drafts_on_the_target_cache_one_row_a_sequence(stories_engi
     forward = draft.model.forward
     draft.model.forward = lambda b, kv: shapes.append((b.input_ids.numel(), b.seq_lens.numel())) or forward(b, kv)
     rids = [eng.add_request(p, params) for p in prompts]
-    ps = eng.config.page_size
     while eng.has_unfinished():
         eng.step()
-        held = set()
-        for req in eng.scheduler.running:
-            held.update(req.seq.pages)
-            for pos in range(req.seq.num_computed, len(req.seq.pages) * ps):
-                page, at = req.seq.pages[pos // ps], pos % ps
-                eng.kv.k[:, page, at] = float("nan")
-                eng.kv.v[:, page, at] = float("nan")
-        free = [p for p in range(eng.pool.num_pages) if p not in held]
-        eng.kv.k[:, free] = float("nan")
-        eng.kv.v[:, free] = float("nan")
+        poison_past_lengths(eng, (eng.kv.k, eng.kv.v))
     got = [eng.result(r) for r in rids]
     assert [o.token_ids for o in got] == want
     assert shapes and all(rows == seqs for rows, seqs in shapes)

@@ -9,7 +9,7 @@ import torch
 import pagedecode as pd
 from pagedecode.runtime.spec.speculative import NgramProposer
 
-from .helpers import EOS, engine, of, run
+from .helpers import EOS, engine, of, poison_past_lengths, run
 
 S, R = pd.RequestState, pd.FinishReason
 NGRAM = pd.SpeculativeConfig(method="ngram", num_tokens=4, min_ngram=2, max_ngram=4)
@@ -167,20 +167,10 @@ def test_rejected_kv_is_never_read_nan_poison(stories_engine_factory, grounded_p
     for backend in ("auto", "torch"):
         eng = stories_engine_factory(speculative=NGRAM, enable_prefix_caching=False, attention_backend=backend)
         rids = [eng.add_request(p, q) for p, q in zip(prompts, params)]
-        ps, poisoned = eng.config.page_size, 0
+        poisoned = 0
         while eng.has_unfinished():
             eng.step()
-            held = set()
-            for req in eng.scheduler.running:
-                held.update(req.seq.pages)
-                for pos in range(req.seq.num_computed, len(req.seq.pages) * ps):
-                    slot = req.seq.pages[pos // ps] * ps + pos % ps
-                    eng.kv.k[:, slot // ps, slot % ps] = float("nan")
-                    eng.kv.v[:, slot // ps, slot % ps] = float("nan")
-                    poisoned += 1
-            free = [p for p in range(eng.pool.num_pages) if p not in held]
-            eng.kv.k[:, free] = float("nan")
-            eng.kv.v[:, free] = float("nan")
+            poisoned += poison_past_lengths(eng, (eng.kv.k, eng.kv.v))
         got = [eng.result(r) for r in rids]
         assert [(o.token_ids, o.text, o.logprobs, o.top_logprobs, o.finish_reason, o.selected_token_ids)
                 for o in got] == want
