@@ -40,6 +40,7 @@
 
 #include "philox.h"
 #include "quant_lanes.h"
+#include "float_gemv.h"
 
 namespace {
 
@@ -372,12 +373,25 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "pagedecode._cpu.forward
 // float32 up to 2, while at 4 rows oneDNN took 14.1 ms to the gemv's 19.7.
 template <typename T>
 constexpr int64_t kGemvRows = std::is_same_v<T, float> ? 2 : 4;
+// The gemv's dot products come from float_gemv.h's tiles (AVX2 with FMA; bfloat16 on AVX-512-BF16
+// machines keeps vdpbf16ps, one row at a time, below).
+template <typename T>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512BF16__)
+constexpr bool kTiledGemv = std::is_same_v<T, float>;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr bool kTiledGemv = true;
+#else
+constexpr bool kTiledGemv = false;
+#endif
 // Without the packed copy (EngineConfig.cpu_pack_weights off, the default) oneDNN re-blocks the
 // weight on every call, and the gemv wins further: each weight row is read from memory once and
 // stays in L1 for the step's other rows, so a few more rows cost their arithmetic only. Measured
-// on SmolLM2-135M float32 with AVX2 (2 threads), tokens/s of a decode batch, oneDNN -> gemv:
-// 4 rows 77 -> 147, 8 rows 134 -> 193, 12 rows 176 -> 181, 16 rows 196 -> 181.
-constexpr int64_t kGemvRowsUnpacked = 12;
+// on SmolLM2-135M float32 with AVX2 (2 threads), tokens/s of a decode batch, oneDNN -> gemv one
+// row at a time: 4 rows 77 -> 147, 8 rows 134 -> 193, 12 rows 176 -> 181, 16 rows 196 -> 181.
+// The tiles take each weight vector once for 4 rows: on one thread, SmolLM2-135M's layers (float32,
+// random weights), at::mm -> tiles: 17 rows 94 -> 79 ms, 24 rows 108 -> 105, 32 rows 128 -> 137.
+template <typename T>
+constexpr int64_t kGemvRowsUnpacked = kTiledGemv<T> ? 24 : 12;
 // A small layer (its weight also transposed: SMALL_LAYER in model/llama.py) goes through
 // gemv_transposed up to this many rows: oneDNN's call costs more than the whole product there
 // (stories260k, float32: a 3-row forward 334 us to a 1-row one's 106, a speculative verify of 5
@@ -396,61 +410,11 @@ inline void prefetch_ahead(const void* p) {       // the 4 lines at p + kPrefetc
 }
 #endif
 
-// sum x[k] * w[k], k < n, in float, bf16 weights widened in registers. With AVX-512: four vector
-// accumulators over consecutive 64-element blocks, so the FMAs do not wait on each other's latency
-// (a single accumulator held a decode step's gemv at ~30 GB/s, below what the memory gives).
+// sum x[k] * w[k], k < n, in float, in order: builds without AVX2 (float_gemv.h's tiles otherwise)
 template <typename T>
 inline float dot_row(const float* x, const T* w, int64_t n) {
-  int64_t k = 0;
   float d = 0.f;
-#if defined(__AVX512F__)
-  auto load_w = [&](int64_t i) {
-    if constexpr (std::is_same_v<T, float>) {
-      return _mm512_loadu_ps(w + i);
-    } else {                                  // bfloat16: the high half of a float
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-  };
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-  for (; k + 64 <= n; k += 64) {
-    if constexpr (std::is_same_v<T, float>) prefetch_ahead(w + k);          // 256 bytes a step
-    else if (k % 128 == 0) prefetch_ahead(w + k);
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load_w(k), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), load_w(k + 16), a1);
-    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 32), load_w(k + 32), a2);
-    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 48), load_w(k + 48), a3);
-  }
-  for (; k + 16 <= n; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load_w(k), a0);
-  d = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#elif defined(__AVX2__) && defined(__FMA__)
-  // AVX2 (most AMD Zen and pre-2017 Intel cores, no AVX-512): the same four accumulators, 8 lanes
-  // each. Without them the loop below stays scalar (GCC does not reorder a float sum) and a 135M
-  // model's float32 decode step was bound by the adds' latency, not by memory (13.7 tok/s).
-  auto load_w = [&](int64_t i) {
-    if constexpr (std::is_same_v<T, float>) {
-      return _mm256_loadu_ps(w + i);
-    } else {                                  // bfloat16: the high half of a float
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-  };
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-  for (; k + 32 <= n; k += 32) {
-    if constexpr (std::is_same_v<T, float>) { if (k % 64 == 0) prefetch_ahead(w + k); }   // 256 bytes
-    else if (k % 128 == 0) prefetch_ahead(w + k);
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load_w(k), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load_w(k + 8), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load_w(k + 16), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load_w(k + 24), a3);
-  }
-  for (; k + 8 <= n; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load_w(k), a0);
-  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  d = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-#endif
-  for (; k < n; ++k) d += x[k] * f32(w[k]);
+  for (int64_t k = 0; k < n; ++k) d += x[k] * f32(w[k]);
   return d;
 }
 
@@ -500,15 +464,17 @@ struct GemvJob {
   bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
     const int64_t begin = c * per_chunk, end = std::min(n_out, begin + per_chunk), cols = end - begin;
     if (scratch != nullptr) scratch->resize(rows * cols);
+    auto put = [&](int64_t r, int64_t j, float d) {
+      const float v = b != nullptr ? d + f32(b[j]) : d;
+      if (scratch != nullptr) (*scratch)[r * cols + (j - begin)] = v;
+      else out[r * n_out + j] = to<T>(v);
+    };
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (kTiledGemv<T>) return fgemv::dots(xf, w, rows, in, begin, end, live, put);
+#endif
     for (int64_t j = begin; j < end; ++j) {
       if (!live()) return false;
-      const T* wj = w + j * in;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float d = dot(r, wj);
-        const float v = b != nullptr ? d + f32(b[j]) : d;
-        if (scratch != nullptr) (*scratch)[r * cols + (j - begin)] = v;
-        else out[r * n_out + j] = to<T>(v);
-      }
+      for (int64_t r = 0; r < rows; ++r) put(r, j, dot(r, w + j * in));
     }
     return true;
   }
@@ -648,7 +614,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& w
   }
   const int64_t rows = x.size(0), n_out = w.size(0);
   const bool small = wt.numel() > 0 && rows <= kSmallGemvRows;
-  const int64_t gemv_rows = packed.defined() && packed.is_mkldnn() ? kGemvRows<T> : kGemvRowsUnpacked;
+  const int64_t gemv_rows = packed.defined() && packed.is_mkldnn() ? kGemvRows<T> : kGemvRowsUnpacked<T>;
   if ((rows <= gemv_rows || small) && x.is_contiguous()) {
     if (!buf.defined()) buf = at::empty({rows, n_out}, x.options());
     T* out = buf.data_ptr<T>();
@@ -764,7 +730,7 @@ bool off_openmp(const std::vector<Tensor>& L, int64_t rows, bool det) {
     if (det) return false;
     if (L[p.t].numel() > 0 && rows <= kSmallGemvRows) continue;
     const bool packed = L[p.packed].defined() && L[p.packed].is_mkldnn();
-    if (rows > (packed ? kGemvRows<T> : kGemvRowsUnpacked) || rows >= work::kOpenMPRows) return false;
+    if (rows > (packed ? kGemvRows<T> : kGemvRowsUnpacked<T>) || rows >= work::kOpenMPRows) return false;
   }
   return true;
 }
@@ -983,6 +949,21 @@ Tensor det_linear_op(const Tensor& x, const Tensor& w, const std::optional<Tenso
   return by_dtype(x, "det_linear", [&](auto tag) { return det_linear<decltype(tag)>(x, w, bias, pk); });
 }
 
+// The forward's float gemv alone (tests: a row's outputs are its 1-row call's bits at any row count)
+Tensor gemv_op(const Tensor& x, const Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.scalar_type() == x.scalar_type(),
+              "pagedecode._cpu.gemv: x (T, K), w (N, K), one dtype");
+  const Tensor xc = x.contiguous(), wc = w.contiguous();
+  Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  by_dtype(x, "gemv", [&](auto tag) {
+    using T = decltype(tag);
+    gemv(xc.data_ptr<T>(), wc.data_ptr<T>(), static_cast<const T*>(nullptr), out.data_ptr<T>(), x.size(0), x.size(1),
+         w.size(0), work::Keep{wc});
+    return out;
+  });
+  return out;
+}
+
 Tensor det_rms_norm_op(const Tensor& x, const Tensor& w, double eps) {
   const int64_t n = w.numel();
   TORCH_CHECK(x.size(-1) == n && w.scalar_type() == x.scalar_type(), "pagedecode._cpu.det_rms_norm: x (..., n), w (n,)");
@@ -1084,6 +1065,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("det_linear", &det_linear_op, "x @ w^T (+ b), each output in one fixed order whatever the rows (deterministic mode)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none(),
         pybind11::arg("packed") = pybind11::none());
+  m.def("gemv", &gemv_op, "x (T, K) @ w (N, K)^T by the forward's float gemv (float32 / bfloat16, under "
+        "work::kOpenMPRows rows on the pool), each row's outputs the bits of its 1-row call");
   m.def("det_pack", &det_pack_op, "w (N, K) in det_linear's packed layout (csrc/det_matmul.h), made once at load");
   m.def("det_rms_norm", &det_rms_norm_op, "RMSNorm over the last dim, each row's sum in one fixed order");
   m.def("silu_mul", &silu_mul_op, "silu(gate) * up of (T, 2 I) gate_up rows");
