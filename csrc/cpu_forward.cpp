@@ -347,9 +347,11 @@ void add_then_norm(T* h, const T* x, const T* w, T* out, int64_t rows, int64_t n
   if (w != nullptr) rms_norm_rows(h, w, out, rows, n, eps, det);
 }
 
+// A chunk of ~64K outputs: a verify's rows (up to kGemvRowsUnpacked of a 1536-wide layer) stay on
+// the caller, off OpenMP, when the step's matmuls run on the pool (off_openmp).
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, grain_rows(I), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_rows(I, 1 << 16), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gate_up + r * 2 * I;
       const T* u = g + I;
@@ -508,7 +510,10 @@ void gemv(const T* x, const T* w, const T* b, T* out, int64_t rows, int64_t in, 
   const int64_t chunks = std::max<int64_t>(
       1, std::min({reads / kGemvInlineBytes, pool.threads() * kGemvChunksPerThread, n_out, work::Pool::kMaxChunks}));
   GemvJob<T> job{xc, xf, w, b, out, rows, in, n_out, (n_out + chunks - 1) / chunks};
-  work::run((n_out + job.per_chunk - 1) / job.per_chunk, job, rows, std::move(keep));
+  // On the pool at every row count it takes (up to kGemvRowsUnpacked): a speculative verify's 8-24
+  // rows on OpenMP's threads waited at each join for a thread a busy neighbour had descheduled
+  // (SmolLM2 float32 beside another 2-thread process: a 17-row forward 1.2 s, a 7-row one 75 ms).
+  pool.run((n_out + job.per_chunk - 1) / job.per_chunk, job, std::move(keep));
 }
 
 // Larger matmuls: oneDNN's linear (mkldnn::_linear_pointwise, the op torch.compile's CPU backend
@@ -714,7 +719,7 @@ bool last_rows_only(const Tensor& logits_indices, const int32_t* cu, int64_t S, 
 #include "model_stack.h"
 
 // Whether every matmul of a layer over `rows` rows stays off OpenMP's threads: on the caller
-// (a small layer's gemv_transposed) or on work::Pool (the float gemv and the quantized matmuls
+// (a small layer's gemv_transposed) or on work::Pool (the float gemv, and the quantized matmuls
 // under work::kOpenMPRows rows). Then the step's attention runs on the pool too (paged_attention):
 // OpenMP's threads, woken for it alone, spin at the join for a thread the OS has descheduled and
 // after it, burning the time slice that thread needs (stories260k's 64-request decode steps beside
@@ -730,7 +735,7 @@ bool off_openmp(const std::vector<Tensor>& L, int64_t rows, bool det) {
     if (det) return false;
     if (L[p.t].numel() > 0 && rows <= kSmallGemvRows) continue;
     const bool packed = L[p.packed].defined() && L[p.packed].is_mkldnn();
-    if (rows > (packed ? kGemvRows<T> : kGemvRowsUnpacked<T>) || rows >= work::kOpenMPRows) return false;
+    if (rows > (packed ? kGemvRows<T> : kGemvRowsUnpacked<T>)) return false;   // the gemv: on the pool
   }
   return true;
 }
@@ -1065,8 +1070,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("det_linear", &det_linear_op, "x @ w^T (+ b), each output in one fixed order whatever the rows (deterministic mode)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none(),
         pybind11::arg("packed") = pybind11::none());
-  m.def("gemv", &gemv_op, "x (T, K) @ w (N, K)^T by the forward's float gemv (float32 / bfloat16, under "
-        "work::kOpenMPRows rows on the pool), each row's outputs the bits of its 1-row call");
+  m.def("gemv", &gemv_op, "x (T, K) @ w (N, K)^T by the forward's float gemv (float32 / bfloat16, on the pool), each row's "
+        "outputs the bits of its 1-row call");
   m.def("det_pack", &det_pack_op, "w (N, K) in det_linear's packed layout (csrc/det_matmul.h), made once at load");
   m.def("det_rms_norm", &det_rms_norm_op, "RMSNorm over the last dim, each row's sum in one fixed order");
   m.def("silu_mul", &silu_mul_op, "silu(gate) * up of (T, 2 I) gate_up rows");
