@@ -338,6 +338,7 @@ template <Kind KIND, int RM, int RN, bool MINS_HERE>
 inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_t t, float* out, int64_t ld) {
   constexpr bool sign = KIND == Kind::Q5_0;
   const int64_t K = nb * kBlock;
+  [[maybe_unused]] const float* f16 = fp16_table();
   __m256 acc[RM][RN];
   float mins[RM];
   for (int r = 0; r < RM; ++r) {
@@ -352,7 +353,7 @@ inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_
       const uint8_t* blk = rows[r] + b * kBytes32<KIND>;
       w[r] = block32_avx2(KIND, blk);
       if constexpr (KIND == Kind::Q5_0) {
-        dw[r] = _mm256_set1_ps(fp16_to_float(blk));
+        dw[r] = _mm256_broadcast_ss(fp16_at(f16, blk));      // (quant_matmul.h's table)
       } else {                 // d and m side by side: one conversion for both
         const __m128 dm = fp16_pair(blk);
         dw[r] = _mm256_broadcastss_ps(dm);
