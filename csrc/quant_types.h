@@ -25,7 +25,7 @@
 //
 // The integer dots are AVX2 (vpmaddubsw: unsigned weights times signed activations; Q5_0's
 // offset, -16, comes in as int32 terms made from the activations' sums, which leaves the same exact
-// integer totals; Q6_K's signed q - 32 through the sign trick), with AVX-512 VNNI's vpdpbusd for a block's plain sum
+// integer totals; Q6_K's q - 32 as q times x less 32 times x's int16 pair sums), with AVX-512 VNNI's vpdpbusd for a block's plain sum
 // where the build has it, else a scalar loop. Every output (row n, token t) accumulates its
 // blocks in order into its own float registers, whatever the number of tokens, the token block or
 // the thread that computes its row: the GEMM's rows are the GEMV's bit for bit, at any thread count.
@@ -264,7 +264,8 @@ inline __m256i block32_avx2(Kind kind, const uint8_t* b) {
   }
 }
 
-// sub-block s (32 inputs) of a K-quant super-block: Q4_K / Q5_K unsigned, Q6_K minus 32
+// sub-block s (32 inputs) of a K-quant super-block, unsigned: Q4_K / Q5_K's q, Q6_K's q (0..63,
+// not q - 32: tile_k takes the offset off the activations' pair sums)
 inline __m256i sub32_avx2(Kind kind, const uint8_t* b, int s) {
   const __m256i low = _mm256_set1_epi8(15);
   if (kind == Kind::Q6_K) {
@@ -273,7 +274,7 @@ inline __m256i sub32_avx2(Kind kind, const uint8_t* b, int s) {
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
     const __m256i lo = (i >> 1) ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), low) : _mm256_and_si256(ql, low);
     const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), _mm256_set1_epi8(3));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
   }
   const uint8_t* qs = b + (kind == Kind::Q5_K ? 48 : 16) + 32 * (s / 2);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
@@ -337,6 +338,7 @@ template <Kind KIND, int RM, int RN, bool MINS_HERE>
 inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_t t, float* out, int64_t ld) {
   constexpr bool sign = KIND == Kind::Q5_0;
   const int64_t K = nb * kBlock;
+  [[maybe_unused]] const float* f16 = fp16_table();
   __m256 acc[RM][RN];
   float mins[RM];
   for (int r = 0; r < RM; ++r) {
@@ -351,7 +353,7 @@ inline void tile32(const uint8_t* const* rows, const Acts& a, int64_t nb, int64_
       const uint8_t* blk = rows[r] + b * kBytes32<KIND>;
       w[r] = block32_avx2(KIND, blk);
       if constexpr (KIND == Kind::Q5_0) {
-        dw[r] = _mm256_set1_ps(fp16_to_float(blk));
+        dw[r] = _mm256_broadcast_ss(fp16_at(f16, blk));      // (quant_matmul.h's table)
       } else {                 // d and m side by side: one conversion for both
         const __m128 dm = fp16_pair(blk);
         dw[r] = _mm256_broadcastss_ps(dm);
@@ -414,9 +416,9 @@ inline void mins32(const uint8_t* row, const Acts& a, int64_t nb, int64_t T, int
 // decodes each sub-block once per RN tokens and loads each token's once per RM rows.
 template <Kind KIND>
 constexpr int64_t kBytesK = KIND == Kind::Q4_K ? 144 : KIND == Kind::Q5_K ? 176 : 210;
-// the GEMM's tile: Q6_K's signed weights (the sign trick: |w| and each token's x signed by w) hold a
-// register more per row, so one row x 8 tokens, else 2 rows x 4 tokens (kRowsGemm x kTokensGemm)
-// (576x1536 x 64 tokens, one thread: Q6_K 2 x 4 spilled, 0.8x the row-at-a-time kernel)
+// the GEMM's tile: Q6_K one row x 8 tokens, else 2 rows x 4 tokens (kRowsGemm x kTokensGemm)
+// (576x1536 x 64 tokens, one thread: Q6_K 2 x 4 0.8x the 1 x 8 tile, with the sign trick and with
+// tile_k's pair sums alike)
 template <Kind KIND>
 constexpr int kRowsGemmK = KIND == Kind::Q6_K ? 1 : kRowsGemm;
 template <Kind KIND>
@@ -456,14 +458,30 @@ inline void tile_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, int64
       __m256i w[RM], scale[RM];
       for (int r = 0; r < RM; ++r) {
         w[r] = sub32_avx2(KIND, blk[r], s);
+        if constexpr (six && RN > 1) w[r] = _mm256_sub_epi8(w[r], _mm256_set1_epi8(32));    // the sign trick's q - 32
         scale[r] = six ? _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s + 1])),
                                           _mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s])))
                        : _mm256_set1_epi16(static_cast<int16_t>(sc[r][s]));
       }
       for (int j = 0; j < RN; ++j) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t + j) * K + b * kSuper + 32 * s));
-        for (int r = 0; r < RM; ++r)
-          lanes[r][j] = _mm256_add_epi32(lanes[r][j], _mm256_madd_epi16(pair_products(w[r], x, six), scale[r]));
+        // Q6_K's gemv: the pair sums of (q - 32) x as those of q x less 32 times x's pair sums, an
+        // operation per token for all RM rows against the sign trick's |w| and x signed by w per
+        // row (and the decode's - 32). Each is exact in int16 (|q x pair| <= 63 * 128 * 2, |32 x
+        // pair| <= 8192) and so is the difference (|(q - 32) x pair| <= 8192, the wrapping
+        // subtraction lands on it): the int16 pairs, and so the int32 lanes and every float after
+        // them, are the sign trick's (exact too: Q8_K's q is never -128, which vpsignb cannot
+        // negate; quantize_q8k rounds into -127 .. 127). The GEMM's tile (one row, 8 tokens) keeps the sign trick,
+        // whose |w| serves its 8 tokens (there x32 per token cost more: 576x1536 x 64, 0.9x).
+        if constexpr (six && RN == 1) {
+          const __m256i x32 = _mm256_maddubs_epi16(_mm256_set1_epi8(32), x);
+          for (int r = 0; r < RM; ++r)
+            lanes[r][j] = _mm256_add_epi32(
+                lanes[r][j], _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(w[r], x), x32), scale[r]));
+        } else {
+          for (int r = 0; r < RM; ++r)
+            lanes[r][j] = _mm256_add_epi32(lanes[r][j], _mm256_madd_epi16(pair_products(w[r], x, six), scale[r]));
+        }
       }
     }
     for (int r = 0; r < RM; ++r) {

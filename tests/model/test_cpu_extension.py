@@ -266,6 +266,41 @@ def test_quantized_few_rows_give_the_same_bits_at_every_thread_count(kind):
 
 
 @needs_ext
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_a_lone_row_over_a_16_bit_cache_gives_the_same_bits_at_every_thread_count(kv_dtype):
+    """A lone decode row's query heads split into an item per thread, and each item widens only
+    the kv heads its query heads read from the 16-bit pages (6 heads on 2 kv heads: at 4 threads
+    the items hold heads 0 / 1-2 / 3 / 4-5, some reading one kv head of the page, some both): the
+    logits and the KV written are the same bits at 1 (one item, the whole page widened), 2, 3 and
+    4 threads, step after step."""
+    shape = dict(heads=6, kv_heads=2, head_dim=16)
+    model = random_model(torch.float32, **shape)
+    c, page_size, num_pages = model.config, 16, 12
+    rng = random.Random(10)
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    specs = [(45, 1)]
+    seq_pages = [[free.pop() for _ in range(-(-(45 + 6) // page_size))]]
+    prefix = mixed_batch(rng, page_size, seq_pages, [(0, 45)])
+    base = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, kv_dtype)
+    run(model, prefix, base, "auto")
+    steps = [mixed_batch(random.Random(11 + i), page_size, seq_pages, [(45 + i, 1)]) for i in range(5)]
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            kv = KVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, kv_dtype)
+            kv.k.copy_(base.k)
+            kv.v.copy_(base.v)
+            outs.append([run(model, b, kv, "auto") for b in steps] + [kv.k.clone(), kv.v.clone()])
+    finally:
+        torch.set_num_threads(before)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
+
+
+@needs_ext
 def test_a_small_float_models_64_row_decode_attends_on_the_pool_the_same_bits():
     """64 sequences decoding one row each under a float32 model of small layers (gemv_transposed on
     the caller up to 64 rows): its attention runs on the spinning pool too (off_openmp), a
