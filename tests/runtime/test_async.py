@@ -156,7 +156,7 @@ def test_cancelling_the_reading_task_ends_the_request_at_once(where):
                 async for e in stream:
                     got.append(e)
                     if where == "in_body":
-                        await asyncio.sleep(3600)
+                        await asyncio.Event().wait()     # held in the loop's body until cancelled
             task = asyncio.create_task(read(stream))
             del stream
             for _ in range(1000):

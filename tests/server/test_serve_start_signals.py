@@ -13,15 +13,16 @@ import pytest
 
 GONE_WITHIN_S = 3.0
 
-# A grammar warm-up that outlasts any test: the parse worker busy for a minute when serve stops
-# (the real one imports xgrammar and transformers: 2 s quiet, over 10 s on a loaded machine).
+# A grammar warm-up that outlasts any test: the parse worker blocked on an event nobody sets when
+# serve stops (the real one imports xgrammar and transformers: 2 s quiet, over 10 s on a loaded
+# machine). The test never waits on it: serve must exit without it.
 SLOW_WARMUP = """
-import time
+import threading
 from pagedecode.runtime import grammar_compiler as g
 _backend = g.GrammarCompiler._backend
 def slow_backend(self):
     print("slow warm-up running", flush=True)
-    time.sleep(60)
+    threading.Event().wait()
     _backend(self)
 g.GrammarCompiler._backend = slow_backend
 """
