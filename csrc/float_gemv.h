@@ -32,9 +32,10 @@ inline __m256 load8(const T* p) {
 }
 
 // RW weight rows w[0..RW) (each `in` long) against RT rows of x (stride `in`): d[t * RW + r].
-// Asks for the next tile's lines (`ahead` bytes on) as this one's are read: with 8 rows of ~20 lines
-// each the hardware prefetcher keeps too few in flight. float32 by row, bfloat16 in address order
-// (whichever measured faster for a SmolLM2 decode step, one thread: ~10% either way).
+// With `ahead` > 0 asks for the next tile's lines (`ahead` bytes on) as this one's are read: with
+// 8 rows of ~20 lines each the hardware prefetcher keeps too few in flight. float32 by row,
+// bfloat16 in address order (whichever measured faster for a SmolLM2 decode step, one thread:
+// ~10% either way). The tiles of further rows over the same weights pass 0: the lines are asked for.
 template <int RW, int RT, typename T>
 inline void tile(const float* x, const T* const* w, int64_t in, int64_t ahead, float* d) {
   __m256 acc[RT][RW];
@@ -42,13 +43,15 @@ inline void tile(const float* x, const T* const* w, int64_t in, int64_t ahead, f
     for (int r = 0; r < RW; ++r) acc[t][r] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= in; k += 8) {
-    if constexpr (std::is_same_v<T, float>) {       // each weight row's next tile row, a line a row
-      if (k % 16 == 0)
-        for (int r = 0; r < RW; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + ahead, _MM_HINT_T0);
-    } else {                                        // the next tile's bytes in order, as they are used
-      constexpr int64_t lines = (RW * 16 + 63) / 64;  // a k step reads RW x 16 bytes
-      const char* next = reinterpret_cast<const char*>(w[0]) + ahead + k / 8 * lines * 64;
-      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(next + l * 64, _MM_HINT_T0);
+    if (ahead > 0) {
+      if constexpr (std::is_same_v<T, float>) {     // each weight row's next tile row, a line a row
+        if (k % 16 == 0)
+          for (int r = 0; r < RW; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + ahead, _MM_HINT_T0);
+      } else {                                      // the next tile's bytes in order, as they are used
+        constexpr int64_t lines = (RW * 16 + 63) / 64;  // a k step reads RW x 16 bytes
+        const char* next = reinterpret_cast<const char*>(w[0]) + ahead + k / 8 * lines * 64;
+        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(next + l * 64, _MM_HINT_T0);
+      }
     }
     if constexpr (RT == 1) {                // each weight used once: widened into the fma, no array
       const __m256 xv = _mm256_loadu_ps(x + k);
@@ -90,7 +93,9 @@ bool dots(const float* x, const T* w, int64_t rows, int64_t in, int64_t begin, i
     quant::types::by_count<kTileW>(rw, [&](auto RW) {
       for (int64_t t = 0; t < rows; t += kTileT) {
         const int rt = static_cast<int>(std::min<int64_t>(kTileT, rows - t));
-        quant::types::by_count<kTileT>(rt, [&](auto RT) { tile<RW.value, RT.value>(x + t * in, wr, in, ahead, d); });
+        quant::types::by_count<kTileT>(rt, [&](auto RT) {
+          tile<RW.value, RT.value>(x + t * in, wr, in, t == 0 ? ahead : 0, d);
+        });
         for (int u = 0; u < rt; ++u)
           for (int r = 0; r < RW.value; ++r) put(t + u, j + r, d[u * RW.value + r]);
       }
