@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from .kernels.decode_attention import gather_pages
+from .kernels.attention_ref import gather_pages
 from .kernels.kv_write import write_kv_ref
 from .model.batch import ForwardBatch
 

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import HAS_TRITON, dot_dtype, interpreting, use_triton
-from .decode_attention import SPLIT_TOKENS, gather_pages, paged_decode_attention
+from .attention_ref import gather_pages
+from .decode_attention import SPLIT_TOKENS, paged_decode_attention
 
 if HAS_TRITON:
     from .decode_attention import _kv_tile, _online_softmax_step

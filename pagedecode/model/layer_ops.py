@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._backend import use_triton
-from ..kernels.decode_attention import attend_gathered, context_slots, flat_scales, paged_decode_attention
+from ..kernels.attention_ref import attend_gathered, context_slots, flat_scales
+from ..kernels.decode_attention import paged_decode_attention
 from ..kernels.extend_attention import paged_extend_attention
 from ..kernels.kv_write import write_kv
 from ..kernels.lora import lora_delta

@@ -4,7 +4,8 @@ import zlib
 import pytest
 import torch
 
-from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pagedecode.kernels.attention_ref import paged_decode_attention_ref
+from pagedecode.kernels.decode_attention import paged_decode_attention
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
 
 from .conftest import DEVICE, TOL, needs_triton, random_page_tables, rel_err

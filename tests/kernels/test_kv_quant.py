@@ -4,7 +4,8 @@ values the cache holds."""
 import pytest
 import torch
 
-from pagedecode.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pagedecode.kernels.attention_ref import paged_decode_attention_ref
+from pagedecode.kernels.decode_attention import paged_decode_attention
 from pagedecode.kernels.extend_attention import paged_extend_attention, paged_extend_attention_ref
 from pagedecode.kernels.kv_quant import FP8_STEPS, QMAX, SCALE_DTYPE, dequantize, e4m3_round, quantize_rows, stored_scale
 from pagedecode.kernels.kv_write import write_kv, write_kv_ref

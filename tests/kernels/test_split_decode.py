@@ -6,10 +6,10 @@ issue's 32k is timed on the GPU by benchmarks/kernel_sweep.py)."""
 import pytest
 import torch
 
+from pagedecode.kernels.attention_ref import merge_partials_ref, paged_decode_attention_ref
 from pagedecode.kernels.decode_attention import (MAX_SPLITS, MIN_SPLIT_TOKENS, SPLIT_TOKENS, _launch,
-                                                 decode_partials, merge_partials_ref, paged_decode_attention,
-                                                 paged_decode_attention_ref, paged_decode_attention_triton,
-                                                 split_tokens_for)
+                                                 decode_partials, paged_decode_attention,
+                                                 paged_decode_attention_triton, split_tokens_for)
 
 from .conftest import DEVICE, TOL, needs_triton, random_page_tables, rel_err
 from .test_attention import stable_seed

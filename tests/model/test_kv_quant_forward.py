@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from pagedecode.kernels.decode_attention import paged_decode_attention_ref
+from pagedecode.kernels.attention_ref import paged_decode_attention_ref
 from pagedecode.kernels.kv_quant import dequantize, quantize_rows
 from pagedecode.model.cpu_forward import cpu_ext, cpu_extension_available
 from pagedecode.model.kv_cache import KVCache
