@@ -9,12 +9,13 @@ repeat, so the machine's other load falls on all alike; `uptime`'s load is print
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import busy_neighbours, run_in_tree  # noqa: E402
 
 MEASURE = """
 import json, sys, time, torch
@@ -31,16 +32,11 @@ print(json.dumps({{"tokens_per_s": len(out.token_ids) / dt, "cpu_ext": eng.model
 
 
 def load() -> str:
-    return open("/proc/loadavg").read().split()[0]
+    return f"{os.getloadavg()[0]:.2f}"
 
 
 def run(tree: Path, model: str, threads: int, tokens: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    code = MEASURE.format(threads=threads, model=model, tokens=tokens)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tree, timeout=600)
-    if p.returncode:
-        raise SystemExit(f"{tree}: {p.stderr[-2000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_in_tree(tree, MEASURE.format(threads=threads, model=model, tokens=tokens), timeout=600)
 
 
 def main() -> None:
@@ -54,17 +50,12 @@ def main() -> None:
     results: dict[tuple[str, str], list[float]] = {}
     for rep in range(args.repeats):
         for condition in ("idle", "neighbour"):
-            busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"]) if condition == "neighbour" else None
-            try:
+            with busy_neighbours(1 if condition == "neighbour" else 0):
                 for tree in args.trees:
                     r = run(tree.resolve(), args.model, args.threads, args.tokens)
                     results.setdefault((str(tree), condition), []).append(r["tokens_per_s"])
                     print(f"repeat {rep} {condition:9s} {str(tree):24s} {r['tokens_per_s']:8.1f} tok/s "
                           f"(compiled forward: {r['cpu_ext']}; load {load()})", flush=True)
-            finally:
-                if busy is not None:
-                    busy.kill()
-                    busy.wait()
     print(f"\nmedian tokens/s, stories260k single stream, {args.threads} threads, {args.tokens} tokens:")
     for tree in args.trees:
         idle = statistics.median(results[(str(tree), "idle")])

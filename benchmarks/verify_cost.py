@@ -14,14 +14,12 @@ alternating within each repeat so the machine's other load falls on all alike. M
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import plot, result_path, write_json  # noqa: E402
+from common import busy_neighbours, plot, result_path, run_in_tree, write_json  # noqa: E402
 from real_model import smollm2_f32_gguf  # noqa: E402
 
 MEASURE = """
@@ -53,16 +51,12 @@ print(json.dumps({{str(r): 1e3 * s for r, s in best.items()}}))
 
 
 def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def measure(tree: str, args: argparse.Namespace) -> dict[str, float]:
-    code = MEASURE.format(model=str(smollm2_f32_gguf()), dtype=args.dtype, threads=args.threads,
-                          context=args.context, repeat=args.repeat, rows=args.rows)
-    env = dict(os.environ, PYTHONPATH=tree)
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True, timeout=1800,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_tree(tree, MEASURE.format(model=str(smollm2_f32_gguf()), dtype=args.dtype, threads=args.threads,
+                                            context=args.context, repeat=args.repeat, rows=args.rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,11 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"dtype": args.dtype, "threads": args.threads, "context": args.context, "rows": args.rows,
                     "trees": args.trees, "ms": {}, "load": {}}
     for mode in modes:
-        busy = []
-        if mode == "neighbour":
-            busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"])
-                    for _ in range(max(1, (os.cpu_count() or 2) - 1))]
-        try:
+        with busy_neighbours(max(1, (os.cpu_count() or 2) - 1) if mode == "neighbour" else 0):
             for _ in range(args.rounds):
                 for tree in args.trees:
                     key = f"{mode} {tree}"
@@ -95,9 +85,6 @@ def main(argv: list[str] | None = None) -> int:
                     old = result["ms"].get(key, {})
                     result["ms"][key] = {r: min(v, old.get(r, v)) for r, v in ms.items()}
                     result["load"].setdefault(key, []).append(load())
-        finally:
-            for p in busy:
-                p.kill()
     write_json(path, result)
 
     def draw(ax):
