@@ -11,7 +11,7 @@ Workloads, each a chat rendered through the model's own template:
   chat       20 free chat prompts with the quantized self-draft (the model's own weights in
              q4_0 on the target's KV cache, SpeculativeConfig(method="draft", draft_quantization="q4_0",
              num_tokens=--draft-k, min_draft_confidence=0.5, max_batch=1)) against none
-  code-edit  an 80-line file and a small change asked (3 prompts), the file given as the
+  code-edit  a 106-line file and a small change asked (5 prompts), the file given as the
              prediction (Predicted Outputs) against no prediction, single stream
 each greedy and seeded sampling (temperature 0.7), single stream and batches (--concurrency).
 Outputs must be identical on and off, except the chat set's seeded runs: the draft model's
@@ -133,6 +133,37 @@ class Stack:
     def is_empty(self):
         return not self.values
 
+class Queue:
+    def __init__(self):
+        self.values = []
+
+    def put(self, value):
+        self.values.append(value)
+
+    def get(self):
+        return self.values.pop(0)
+
+    def size(self):
+        return len(self.values)
+
+def celsius_to_fahrenheit(celsius):
+    return celsius * 9 / 5 + 32
+
+def fahrenheit_to_celsius(fahrenheit):
+    return (fahrenheit - 32) * 5 / 9
+
+def average(numbers):
+    if not numbers:
+        return 0
+    return sum(numbers) / len(numbers)
+
+def largest(numbers):
+    best = numbers[0]
+    for number in numbers:
+        if number > best:
+            best = number
+    return best
+
 def main():
     config = load_config("config.json")
     print(area(config["width"], config["height"]))
@@ -140,7 +171,8 @@ def main():
 if __name__ == "__main__":
     main()
 """
-EDITS = [("method", "total", "count_all"), ("function", "area", "rectangle_area"), ("method", "peek", "top")]
+EDITS = [("method", "total", "count_all"), ("function", "area", "rectangle_area"), ("method", "peek", "top"),
+         ("class", "Queue", "FifoQueue"), ("function", "average", "mean")]
 CHAT = ["What is the capital of France?", "Give me three tips for sleeping better.",
         "Explain what a rainbow is to a child.", "Write a short poem about the sea.",
         "What are the benefits of drinking water?", "How do I boil an egg?",
@@ -375,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     # under the 8 rows from which the float gemv leaves the spinning pool for OpenMP's threads
     ap.add_argument("--draft-k", type=int, default=6, help="self-draft tokens per run (the chat set)")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--edit-tokens", type=int, default=700)
+    ap.add_argument("--edit-tokens", type=int, default=1200)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--draft-quantization", default="q4_0")
     # on CPU a q4_0 draft's rows are compute-bound (4 rows cost ~2.4x one on SmolLM2), and every

@@ -103,6 +103,21 @@ def test_the_exact_prediction_is_accepted_whole_and_saves_steps(stories_engine_f
     assert eng.steps <= 8
 
 
+def test_off_the_prediction_a_request_drafts_from_its_own_tokens(stories_engine_factory):
+    """Past the prediction's end (and after an edit, until it re-synchronises) the request drafts
+    from its own tokens, as prompt lookup does; the usage counts only the prediction's drafts."""
+    plain = stories_engine_factory().generate("Once upon a time", pd.SamplingParams(max_tokens=96))[0]
+    half = plain.text[:len(plain.text) // 3]
+    for deterministic in (False, True):
+        eng = stories_engine_factory(deterministic=deterministic)
+        out = eng.generate("Once upon a time", pd.SamplingParams(max_tokens=96, prediction=half))[0]
+        assert (out.token_ids, out.text, out.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+        u = out.usage
+        from_prediction = u.accepted_prediction_tokens + u.rejected_prediction_tokens
+        assert u.accepted_prediction_tokens >= 16               # the third the prediction holds
+        assert u.draft_tokens > from_prediction                 # and drafts of its own after it
+
+
 def test_a_request_without_prediction_is_not_speculated_on(stories_engine_factory, plain_story):
     """Speculation off: only the predicted request drafts; the other in the same batch decodes."""
     text, _ = plain_story

@@ -89,8 +89,8 @@ def test_predicted_outputs_over_chat_completions(stories_path):
                                                  stream)
                 assert text == plain
                 details = usage["completion_tokens_details"]
-                assert details["accepted_prediction_tokens"] == usage["accepted_draft_tokens"] > 10
-                assert details["rejected_prediction_tokens"] == usage["draft_tokens"] - usage["accepted_draft_tokens"]
+                assert usage["accepted_draft_tokens"] >= details["accepted_prediction_tokens"] > 10
+                assert details["rejected_prediction_tokens"] <= usage["draft_tokens"] - usage["accepted_draft_tokens"]
                 assert headers["x-pagedecode-request-id"] == headers["x-request-id"]
         for bad, field in (({"type": "text", "content": "x"}, "prediction"), ({"type": "content"}, "prediction.content"),
                            ({"type": "content", "content": [{"type": "image"}]}, "prediction.content"), ("x", "prediction")):

@@ -75,9 +75,9 @@ def usage(req: Request) -> Usage:
     return Usage(prompt_tokens=len(req.prompt_ids), selected_tokens=len(req.output_ids),
                  processed_tokens=req.seq.processed_tokens, cached_tokens=req.seq.cached_tokens,
                  draft_tokens=req.draft_tokens, accepted_draft_tokens=req.accepted_draft_tokens,
-                 # a request with a prediction drafts from it alone (speculative.py's _propose)
-                 accepted_prediction_tokens=req.accepted_draft_tokens if req.prediction else 0,
-                 rejected_prediction_tokens=req.draft_tokens - req.accepted_draft_tokens if req.prediction else 0,
+                 # the prediction's own drafts (off it, a request drafts from its own tokens too)
+                 accepted_prediction_tokens=req.prediction.accepted if req.prediction else 0,
+                 rejected_prediction_tokens=req.prediction.drafted - req.prediction.accepted if req.prediction else 0,
                  returned_tokens=sum(len(d.token_ids) for d in deltas),
                  returned_bytes=sum(len(d.text.encode()) for d in deltas))
 

@@ -11,7 +11,10 @@ The cursor keeps where in the prediction the output stands:
                             least MIN_ANCHOR, at or after the cursor first) and drafting resumes
 
 While the output follows the prediction token for token, the cursor only moves forward; after a
-divergence it proposes nothing until the output's suffix re-appears in the prediction.
+divergence it proposes nothing until the output's suffix re-appears in the prediction. Meanwhile
+(and past the prediction's end) the request drafts from its own tokens, as n-gram speculation
+does (speculative.py): what a small model adds after an edited file, a list or a loop, repeats
+itself. The cursor counts only its own drafts, which the usage reports as the prediction's.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ class PredictionCursor:
         self.pos: int | None = 0          # the prediction index the next output token should equal
         self.floor = 0                     # where the output last followed it (re-sync looks on from here first)
         self.seen = 0                      # output tokens taken into account so far
+        self.live = False                  # the request's current draft run came from the prediction
+        self.drafted = 0                   # the prediction's tokens drafted and verified ...
+        self.accepted = 0                  # ... and of them, selected
 
     def propose(self, output: list[int], k: int) -> list[int]:
         """Up to k drafts: the prediction's tokens after where the output stands."""
@@ -42,9 +48,9 @@ class PredictionCursor:
         self.seen = len(output)
         if self.pos is None:
             self.pos = self._resync(output)
-        if self.pos is None or k < 1:
-            return []
-        return self.tokens[self.pos:self.pos + k]
+        drafts = [] if self.pos is None or k < 1 else self.tokens[self.pos:self.pos + k]
+        self.live = bool(drafts)
+        return drafts
 
     def _resync(self, output: list[int]) -> int | None:
         """Just past the output's longest suffix found in the prediction: its first occurrence

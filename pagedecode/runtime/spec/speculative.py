@@ -101,6 +101,7 @@ class Speculator:
         self.counters = SpecCounters()
         self.cost = CostGate(config.min_gain, config.backoff_steps)
         self._gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
+        self._own_gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
         self._step = 0
 
     @staticmethod
@@ -133,7 +134,7 @@ class Speculator:
         wants: list[tuple[ScheduledSeq, int]] = []
         for s in plan.decode:
             k = min(budget, self._room(s.request))
-            if k > 0 and self._open(s.request) and (self.general or s.request.prediction is not None):
+            if k > 0 and s.request.state == RequestState.DECODING and (self.general or s.request.prediction is not None):
                 # a draft on the target's cache writes the run's K/V into the request's own pages
                 if self._writes_pages(s.request) and not scheduler.try_extend(s.request, 1 + k):
                     continue
@@ -180,19 +181,25 @@ class Speculator:
         """Drafts that can still matter: y_{t+1+j} must stay within max_tokens, and the positions
         written within the context (the context-limit ending then fires where it would anyway)."""
         t = len(req.output_ids)
-        return min(self._gate(req).length, req.params.max_tokens - t - 1, self.max_context - req.num_tokens - 1)
+        gates = [self._gate(req)] + ([self._gate(req, own=True)] if req.prediction is not None else [])
+        length = max(self._length(g) for g in gates)
+        return min(length, req.params.max_tokens - t - 1, self.max_context - req.num_tokens - 1)
 
-    def _open(self, req: Request) -> bool:
-        """Decoding, and not turned off by its acceptance gate."""
-        return req.state == RequestState.DECODING and self._gate(req).off_until <= self._step
+    def _length(self, gate: Gate) -> int:
+        """The drafts a gate lets its source propose now: none while it is turned off."""
+        return gate.length if gate.off_until <= self._step else 0
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
-        """A request with a prediction drafts from it; the others from the n-gram or the draft model."""
+        """A request with a prediction drafts from it, or from its own tokens (prompt lookup) where
+        the output has left it; the others from the n-gram or the draft model."""
         out: dict[int, Proposal] = {}
         others = []
         for i, (req, k) in enumerate(wants):
-            if req.prediction is not None:
-                out[i] = Proposal(req.prediction.propose(req.output_ids, k), None)
+            if req.prediction is not None:               # each source earns its own run length
+                drafts = req.prediction.propose(req.output_ids, min(k, self._length(self._gate(req))))
+                if not drafts:
+                    drafts = self.ngram.propose_for(req, min(k, self._length(self._gate(req, own=True))))
+                out[i] = Proposal(drafts, None)
             else:
                 others.append(i)
         for i, proposal in zip(others, self._propose_general([wants[i] for i in others])):
@@ -223,6 +230,8 @@ class Speculator:
         for s in planned:                            # runs keep the plan's order (commit.seqs)
             if nxt is not None and nxt[0] is s:
                 s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
+                if s.request.prediction is not None and s.request.prediction.live:
+                    s.request.prediction.drafted += len(s.drafts)
                 verify_runs.append(VerifyRun(s, nxt[1], offset, self._trace(s)))
                 nxt = next(left, None)
             offset += len(s.drafts)
@@ -252,12 +261,16 @@ class Speculator:
         c.draft_tokens += k
         c.accepted_tokens += accepted
         self.cost.add_tokens(accepted)
-        if self._gate(req).record(accepted, k, self._step, self.config.min_acceptance, self.config.backoff_steps):
+        gate = self._gate(req, own=req.prediction is not None and not req.prediction.live)
+        if gate.record(accepted, k, self._step, self.config.min_acceptance, self.config.backoff_steps):
             c.gated += 1
-            req.trace.add("spec.gated", steps=self._gate(req).off_until - self._step)
+            req.trace.add("spec.gated", steps=gate.off_until - self._step)
 
-    def _gate(self, req: Request) -> Gate:
-        gate = self._gates.get(req)
+    def _gate(self, req: Request, own: bool = False) -> Gate:
+        """The request's gate; own: a predicted request's gate for the drafts it takes from its own
+        tokens off the prediction (an n-gram's misses there must not shorten the prediction's runs)."""
+        table = self._own_gates if own else self._gates
+        gate = table.get(req)
         if gate is None:
             most = self.config.num_tokens
             if req.prediction is not None:
@@ -265,5 +278,5 @@ class Speculator:
             # a draft model that stops where it is unsure sizes its runs itself: they need not earn it
             earns = not (self.draft is not None and self.config.min_draft_confidence > 0 and req.prediction is None)
             first = most if self.config.min_acceptance == 0 or not earns else FIRST_DRAFT
-            gate = self._gates[req] = Gate(most, self.config.backoff_steps, length=first, earns=earns)
+            gate = table[req] = Gate(most, self.config.backoff_steps, length=first, earns=earns)
         return gate

@@ -52,7 +52,10 @@ class VerifyRun:
 
     def keep_draft(self) -> None:
         """Its next draft was selected."""
-        self.request.accepted_draft_tokens += 1
+        req = self.request
+        req.accepted_draft_tokens += 1
+        if req.prediction is not None and req.prediction.live:
+            req.prediction.accepted += 1
         self.accepted += 1
         if self.record is not None:
             self.record["accepted"] += 1
