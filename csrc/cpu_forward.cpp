@@ -808,7 +808,8 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
     const std::vector<Tensor>& L = m.layers[i];
     Tensor qkv = mm(x, kQkv, L, buf_qkv).contiguous();                           // (T, (H + 2 Hkv) D)
     if (lora.stack != nullptr)                         // LoRA on q | k | v, before RoPE (all T rows)
-      add_lora<T>(qkv, x, *lora.stack, i, {{kLoraQ, 0}, {kLoraK, H * D}, {kLoraV, (H + Hkv) * D}}, lora.all, det);
+      add_lora<T>(qkv, x, *lora.stack, i, {{kLoraQ, 0}, {kLoraK, H * D}, {kLoraV, (H + Hkv) * D}}, lora.all, det,
+                  off_openmp<T>(L, T_, det));
     C* kc = k_cache.data_ptr<C>() + i * per_layer;
     C* vc = v_cache.data_ptr<C>() + i * per_layer;
     KvScale* ks = quant ? k_scale.data_ptr<KvScale>() + i * scales_per_layer : nullptr;
@@ -826,21 +827,22 @@ Tensor forward_impl(const Stack& m, const Tensor& ids, const Tensor& positions, 
       act = act.narrow(0, 0, rows);
       cu = cu_last.data();
     }
+    const bool pool = off_openmp<T>(L, rows, det);     // the layer's matmuls over its kept rows: on work::Pool
     attention(qkv.data_ptr<T>(), qkv.size(1), kc, vc, k_cache.size(1), page_table.data_ptr<int32_t>(), page_table.size(1),
-              seq_lens.data_ptr<int32_t>(), cu, S, page_size, H, Hkv, D, scale, attn.data_ptr<T>(), det,
-              /*pool=*/off_openmp<T>(L, rows, det), caches, ks, vs);
+              seq_lens.data_ptr<int32_t>(), cu, S, page_size, H, Hkv, D, scale, attn.data_ptr<T>(), det, pool, caches,
+              ks, vs);
     if (!chunks.empty() && rows == T_)
       prefill_attention(chunks, qkv, k_cache[i], v_cache[i], H, Hkv, D, m.scale, attn,
                         quant ? k_scale[i] : Tensor(), quant ? v_scale[i] : Tensor());
     const std::vector<LoraSegment>& segs = rows < T_ ? lora.last : lora.all;      // the rows kept from here on
     Tensor o = mm(attn, kO, L, buf_o);
-    if (lora.stack != nullptr) add_lora<T>(o, attn, *lora.stack, i, {{kLoraO, 0}}, segs, det);
+    if (lora.stack != nullptr) add_lora<T>(o, attn, *lora.stack, i, {{kLoraO, 0}}, segs, det, pool);
     add_then_norm(hp, o.data_ptr<T>(), L[kLn2].data_ptr<T>(), x.data_ptr<T>(), rows, hidden, eps, det);
     Tensor gate_up = mm(x, kGateUp, L, buf_gate_up);                             // (rows, 2 I)
-    if (lora.stack != nullptr) add_lora<T>(gate_up, x, *lora.stack, i, {{kLoraGate, 0}, {kLoraUp, I}}, segs, det);
+    if (lora.stack != nullptr) add_lora<T>(gate_up, x, *lora.stack, i, {{kLoraGate, 0}, {kLoraUp, I}}, segs, det, pool);
     silu_mul(gate_up.data_ptr<T>(), act.data_ptr<T>(), rows, I);
     Tensor down = mm(act, kDown, L, buf_down);
-    if (lora.stack != nullptr) add_lora<T>(down, act, *lora.stack, i, {{kLoraDown, 0}}, segs, det);
+    if (lora.stack != nullptr) add_lora<T>(down, act, *lora.stack, i, {{kLoraDown, 0}}, segs, det, pool);
     const T* next_ln = i + 1 < n_layers ? m.layers[i + 1][kLn1].data_ptr<T>() : nullptr;
     add_then_norm(hp, down.data_ptr<T>(), next_ln, x.data_ptr<T>(), rows, hidden, eps, det);
   }

@@ -13,12 +13,15 @@ enum LoraProj : int { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraD
 const char* const kLoraProjNames[kLoraProjs] = {"q_proj", "k_proj", "v_proj", "o_proj",
                                                 "gate_proj", "up_proj", "down_proj"};
 
-// per layer and projection: A (S, R, K), B (S, N, R) of the model's dtype (or bfloat16, a quantized
-// base's: pagedecode/lora/stacks.py) and scaling (S,) float32;
+// per layer and projection: A (S, R, K), B^T (S, R, N) of the model's dtype (or bfloat16, a
+// quantized base's: pagedecode/lora/stacks.py) and scaling (S,) float32;
 // all three empty where no resident adapter targets the projection (the forward skips it). ranks
-// (S,) int32: each slot's adapter's rank r <= R (A[s, r:] and B[s, :, r:] are zero: not read).
+// (S,) int32: each slot's adapter's rank r <= R (A[s, r:] and B^T[s, r:] are zero: not read).
+// B is held transposed so that the expand reads each of a rank's N values along the output's
+// columns: held as (S, N, R), every call transposed its tiles first, which cost ~5x the expand's
+// own arithmetic for a decode step's few rows.
 struct LoraStack {
-  std::vector<std::vector<Tensor>> a, b, scaling;   // [layer][LoraProj]
+  std::vector<std::vector<Tensor>> a, b, scaling;   // [layer][LoraProj]; b: B^T
   Tensor ranks;
   int64_t slots = 0;
 };
@@ -37,11 +40,11 @@ LoraStack make_lora_stack(const std::vector<std::vector<Tensor>>& layers, const 
     for (int p = 0; p < kLoraProjs; ++p) {
       const Tensor &a = L[3 * p], &b = L[3 * p + 1], &s = L[3 * p + 2];
       if (a.numel() == 0) continue;
-      TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(1) == b.size(2) &&
+      TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(1) == b.size(1) &&
                       a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type() &&
                       s.dim() == 1 && s.size(0) == a.size(0) && s.scalar_type() == at::kFloat && s.is_contiguous(),
                   "pagedecode._cpu.LoraStack: layer ", i, " ", kLoraProjNames[p],
-                  ": A (S, R, K), B (S, N, R) contiguous of one dtype, scaling (S,) float32; got ", a.sizes(), " ",
+                  ": A (S, R, K), B^T (S, R, N) contiguous of one dtype, scaling (S,) float32; got ", a.sizes(), " ",
                   b.sizes(), " ", s.sizes());
       TORCH_CHECK(out.slots == 0 || out.slots == a.size(0), "pagedecode._cpu.LoraStack: slot counts differ");
       out.slots = a.size(0);
@@ -67,9 +70,9 @@ void check_lora_stack(const Stack& m, const LoraStack& l) {
     for (int p = 0; p < kLoraProjs; ++p) {
       const Tensor& a = l.a[i][p];
       if (!a.defined()) continue;
-      TORCH_CHECK(a.size(2) == n_in[p] && l.b[i][p].size(1) == n_out[p] &&
+      TORCH_CHECK(a.size(2) == n_in[p] && l.b[i][p].size(2) == n_out[p] &&
                       (a.scalar_type() == m.final_norm.scalar_type() || a.scalar_type() == at::kBFloat16),
-                  "pagedecode._cpu.forward: layer ", i, " ", kLoraProjNames[p], " LoRA A ", a.sizes(), " / B ",
+                  "pagedecode._cpu.forward: layer ", i, " ", kLoraProjNames[p], " LoRA A ", a.sizes(), " / B^T ",
                   l.b[i][p].sizes(), " do not fit the model's (", n_out[p], ", ", n_in[p],
                   ") projection, or are neither of its dtype nor bfloat16");
     }
@@ -135,9 +138,30 @@ struct LoraPlanSeg {
   int32_t slot, rank;
 };
 
+// The dot products x[i] . w[j] of `rows` rows of x and the weight rows [begin, end) (each `in`
+// long): float_gemv.h's tiles where built with AVX2 (each output one accumulator in one order,
+// whatever the rows beside it), else in order. put(row, j, value).
+template <typename AB, typename Put>
+bool lora_dots(const float* x, const AB* w, int64_t rows, int64_t in, int64_t begin, int64_t end, work::Live live,
+               Put put) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return fgemv::dots(x, w, rows, in, begin, end, live, put);
+#else
+  for (int64_t j = begin; j < end; ++j) {
+    if (!live()) return false;
+    for (int64_t i = 0; i < rows; ++i) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < in; ++k) acc += x[i * in + k] * f32(w[j * in + k]);
+      put(i, j, acc);
+    }
+  }
+  return true;
+#endif
+}
+
 // shrunk[row, t R + j] = scaling_t[slot] * x[row] . A_t[slot, j] (j < the slot's rank; 0 past it)
-// for the columns [c per, (c + 1) per) of P R, every planned row: A's row read once per segment,
-// each dot in one order (a simd reduction over K) whatever the rows around it.
+// for the columns [c per, (c + 1) per) of P R, every planned row: per segment, its rows against
+// A's rows as a gemv's (lora_dots: A read once per segment).
 template <typename AB>
 struct LoraShrinkJob {
   const float* x;                          // (rows, K): the planned rows, packed, in float
@@ -150,22 +174,19 @@ struct LoraShrinkJob {
   bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
     const int64_t W = P * R, begin = c * per_chunk, end = std::min(W, begin + per_chunk);
     const auto [o, ld] = work::destination(shrunk, W, rows, begin, end - begin, scratch);
-    for (int64_t col = begin; col < end; ++col) {
-      if (!live()) return false;
-      const int64_t t = col / R, j = col % R;
-      for (int64_t g = 0; g < nsegs; ++g) {
-        const LoraPlanSeg& s = segs[g];
-        const AB* aj = a[t] + (s.slot * R + j) * K;
+    for (int64_t g = 0; g < nsegs; ++g) {
+      const LoraPlanSeg& s = segs[g];
+      const int64_t n = s.hi - s.lo;
+      for (int64_t t = begin / R; t * R < end; ++t) {
+        const int64_t j0 = std::max(begin, t * R) - t * R, j1 = std::min(end, (t + 1) * R) - t * R;
+        const int64_t jr = std::min<int64_t>(j1, std::max<int64_t>(j0, s.rank));    // [jr, j1): past the rank
+        auto at = [&](int64_t i, int64_t j) -> float& { return o[(s.packed + i) * ld + (t * R + j - begin)]; };
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = jr; j < j1; ++j) at(i, j) = 0.f;
         const float scale = scaling[t][s.slot];
-        for (int64_t i = 0; i < s.hi - s.lo; ++i) {
-          float acc = 0.f;
-          if (j < s.rank) {
-            const float* xr = x + (s.packed + i) * K;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t k = 0; k < K; ++k) acc += xr[k] * f32(aj[k]);
-          }
-          o[(s.packed + i) * ld + (col - begin)] = scale * acc;
-        }
+        if (jr > j0 && !lora_dots(x + s.packed * K, a[t] + s.slot * R * K, n, K, j0, jr, live,
+                                  [&](int64_t i, int64_t j, float d) { at(i, j) = scale * d; }))
+          return false;
       }
     }
     return true;
@@ -176,15 +197,14 @@ struct LoraShrinkJob {
   }
 };
 
-// out[row, col_t + n] += sum_j shrunk[row, t R + j] B_t[slot, n, j] (j < rank, in order from 0)
-// for one chunk of `per` columns of one target: per segment, B's tile transposed once (rank,
-// columns) so that each row's sum is a run of vector multiply-adds along n. A chunk's deltas go
-// to a buffer (rows, columns) first: a worker's scratch (added by commit) or the caller's own.
-// T: the rows' type; AB: A's and B's.
+// out[row, col_t + n] += sum_j shrunk[row, t R + j] B^T_t[slot, j, n] (j < rank, in order from 0)
+// for one chunk of `per` columns of one target: per row, 8 columns at a time in a register, a
+// multiply-add per rank along B^T's rows. A chunk's deltas go to a buffer (rows, columns) first:
+// a worker's scratch (added by commit) or the caller's own. T: the rows' type; AB: A's and B's.
 template <typename T, typename AB>
 struct LoraExpandJob {
   const float* shrunk;                     // (rows, P R)
-  const AB* b[kLoraMaxTargets];             // (S, N_t, R)
+  const AB* b[kLoraMaxTargets];             // B^T (S, R, N_t)
   int64_t n[kLoraMaxTargets], col[kLoraMaxTargets], first_chunk[kLoraMaxTargets + 1];
   const LoraPlanSeg* segs;
   T* out;
@@ -200,27 +220,31 @@ struct LoraExpandJob {
     return {n0, std::min(n[t], n0 + per) - n0};
   }
   bool compute(int64_t c, std::vector<float>* scratch, work::Live live) const {
-    thread_local std::vector<float> own, bt;
+    thread_local std::vector<float> own;
     std::vector<float>& d = scratch != nullptr ? *scratch : own;
     const int t = target(c);
     const auto [n0, cols] = columns(t, c);
     d.resize(rows * cols);
-    bt.resize(R * cols);
     for (int64_t g = 0; g < nsegs; ++g) {
       if (!live()) return false;
       const LoraPlanSeg& s = segs[g];
-      const AB* bs = b[t] + (s.slot * n[t] + n0) * R;
-      for (int64_t k = 0; k < cols; ++k)
-        for (int64_t j = 0; j < s.rank; ++j) bt[j * cols + k] = f32(bs[k * R + j]);
+      const AB* bs = b[t] + s.slot * R * n[t] + n0;          // rank j's columns: bs + j n_t
       for (int64_t i = s.packed; i < s.packed + s.hi - s.lo; ++i) {
         const float* sr = shrunk + i * P * R + t * R;
         float* di = d.data() + i * cols;
-        for (int64_t k = 0; k < cols; ++k) di[k] = 0.f;
-        for (int64_t j = 0; j < s.rank; ++j) {
-          const float sj = sr[j];
-          const float* bj = bt.data() + j * cols;
-#pragma omp simd
-          for (int64_t k = 0; k < cols; ++k) di[k] += sj * bj[k];
+        int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; k + 8 <= cols; k += 8) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t j = 0; j < s.rank; ++j)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(sr[j]), fgemv::load8(bs + j * n[t] + k), acc);
+          _mm256_storeu_ps(di + k, acc);
+        }
+#endif
+        for (; k < cols; ++k) {
+          float acc = 0.f;
+          for (int64_t j = 0; j < s.rank; ++j) acc = std::fma(sr[j], f32(bs[j * n[t] + k]), acc);
+          di[k] = acc;
         }
       }
     }
@@ -251,7 +275,7 @@ constexpr int64_t kLoraRowsLoop = 16;
 // out's type; AB: the stack's (T, or bfloat16 under a quantized base: half the bytes a step reads).
 template <typename T, typename AB>
 void add_lora_as(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
-              std::initializer_list<LoraTarget> targets, const std::vector<LoraSegment>& segs, bool det) {
+              std::initializer_list<LoraTarget> targets, const std::vector<LoraSegment>& segs, bool det, bool pool) {
   std::vector<LoraTarget> live;
   for (const LoraTarget& t : targets)
     if (l.a[layer][t.proj].defined()) live.push_back(t);
@@ -274,11 +298,11 @@ void add_lora_as(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer
     }
     const Tensor xs = x.narrow(0, s.lo, rows);
     for (const LoraTarget& t : live) {
-      const Tensor& b = l.b[layer][t.proj];
+      const Tensor& bt = l.b[layer][t.proj];                                                // B^T (S, R, N)
       const Tensor a = l.a[layer][t.proj][s.slot].narrow(0, 0, r).to(xs.scalar_type());
       const Tensor shrunk = at::mm(xs, a.t());                                              // (rows, r)
-      const Tensor delta = at::mm(shrunk, b[s.slot].narrow(1, 0, r).to(xs.scalar_type()).t());   // (rows, N)
-      out.narrow(0, s.lo, rows).narrow(1, t.col, b.size(1)).add_(delta, l.scaling[layer][t.proj].data_ptr<float>()[s.slot]);
+      const Tensor delta = at::mm(shrunk, bt[s.slot].narrow(0, 0, r).to(xs.scalar_type()));     // (rows, N)
+      out.narrow(0, s.lo, rows).narrow(1, t.col, bt.size(2)).add_(delta, l.scaling[layer][t.proj].data_ptr<float>()[s.slot]);
     }
   }
   if (plan.empty()) return;
@@ -310,7 +334,7 @@ void add_lora_as(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer
     shrink.a[t] = l.a[layer][p].data_ptr<AB>();
     shrink.scaling[t] = l.scaling[layer][p].data_ptr<float>();
     expand.b[t] = l.b[layer][p].data_ptr<AB>();
-    expand.n[t] = l.b[layer][p].size(1);
+    expand.n[t] = l.b[layer][p].size(2);
     expand.col[t] = live[t].col;
     reads += (K + expand.n[t]) * R * static_cast<int64_t>(plan.size()) * static_cast<int64_t>(sizeof(AB));
   }
@@ -320,13 +344,15 @@ void add_lora_as(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer
   expand.per = 64 * ((n_all + 127) / 128);
   for (int64_t t = 0; t < P; ++t)
     expand.first_chunk[t + 1] = expand.first_chunk[t] + (expand.n[t] + expand.per - 1) / expand.per;
-  // On the Pool (work_pool.h: the caller never waits on a descheduled worker) for a gemv's few
-  // rows, ~4 chunks a thread; on the caller alone for a call of few bytes (the hand-off costs
-  // more) and from work::kOpenMPRows rows, where the base matmuls run on OpenMP's threads: these
-  // calls are tens of microseconds, 2 per add_lora, and a fork-join each would wait on any
-  // descheduled thread (or a second pool would spin beside OpenMP's: work_pool.h). Measured on 2
-  // loaded cores (load ~15), 16 requests over 4 adapters, one run: 2.6x the base's time with OpenMP here.
-  if (reads < (32 << 10) || rows >= work::kOpenMPRows) {
+  // On the Pool (work_pool.h: the caller never waits on a descheduled worker) where the layer's
+  // matmuls run there (pool: a gemv's few rows, a float model's up to kGemvRowsUnpacked), ~4
+  // chunks a thread; on the caller alone for a call of few bytes (the hand-off costs more) and
+  // where the base matmuls run on OpenMP's threads (from work::kOpenMPRows rows): these calls are
+  // tens of microseconds, 2 per add_lora, and a fork-join each would wait on any descheduled
+  // thread (or a second pool would spin beside OpenMP's: work_pool.h). Measured on 2 loaded cores
+  // (load ~15), 16 requests over 4 adapters, one run: 2.6x the base's time with OpenMP here. On
+  // the caller alone beside a float model's pooled matmuls, the same batch cost +28% over the base.
+  if (reads < (32 << 10) || (rows >= work::kOpenMPRows && !pool)) {
     for (int64_t c = 0; c < W; ++c) shrink.compute(c, nullptr, work::Live{nullptr, 0});
     for (int64_t c = 0; c < expand.first_chunk[P]; ++c) expand.compute(c, nullptr, work::Live{nullptr, 0});
     return;
@@ -338,12 +364,13 @@ void add_lora_as(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer
 
 template <typename T>
 void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
-              std::initializer_list<LoraTarget> targets, const std::vector<LoraSegment>& segs, bool det) {
+              std::initializer_list<LoraTarget> targets, const std::vector<LoraSegment>& segs, bool det,
+              bool pool) {
   for (const LoraTarget& t : targets) {
     const Tensor& a = l.a[layer][t.proj];
     if (!a.defined()) continue;                    // the stack's projections share one dtype
     if constexpr (!std::is_same_v<T, c10::BFloat16>)
-      if (a.scalar_type() == at::kBFloat16) return add_lora_as<T, c10::BFloat16>(out, x, l, layer, targets, segs, det);
-    return add_lora_as<T, T>(out, x, l, layer, targets, segs, det);
+      if (a.scalar_type() == at::kBFloat16) return add_lora_as<T, c10::BFloat16>(out, x, l, layer, targets, segs, det, pool);
+    return add_lora_as<T, T>(out, x, l, layer, targets, segs, det, pool);
   }
 }

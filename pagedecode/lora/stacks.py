@@ -38,8 +38,12 @@ class LoRAStacks:
         S, R = max_loras, max_rank
         self.a = [{p: torch.zeros(S, R, shapes[p][1], dtype=dtype, device=device) for p in PROJECTIONS}
                   for _ in range(config.num_layers)]                              # (S, R, K)
-        self.b = [{p: torch.zeros(S, shapes[p][0], R, dtype=dtype, device=device) for p in PROJECTIONS}
-                  for _ in range(config.num_layers)]                              # (S, N, R)
+        # B (S, N, R); on the host a view of B^T (S, R, N) stored contiguous: the compiled forward's
+        # expand reads each rank's row of N along the output's columns (csrc/lora_delta.h)
+        host = torch.device(device).type == "cpu"
+        self.b = [{p: (torch.zeros(S, R, shapes[p][0], dtype=dtype, device=device).transpose(1, 2) if host else
+                       torch.zeros(S, shapes[p][0], R, dtype=dtype, device=device)) for p in PROJECTIONS}
+                  for _ in range(config.num_layers)]
         self.scaling = [{p: torch.zeros(S, dtype=torch.float32, device=device) for p in PROJECTIONS}
                         for _ in range(config.num_layers)]
         self.targets: list[frozenset[str]] = [frozenset()] * S     # each slot's adapter's projections
@@ -72,13 +76,14 @@ class LoRAStacks:
         self.active = frozenset().union(*self.targets)
 
     def compiled_view(self, make: Callable[[list[list[torch.Tensor]], torch.Tensor], Any]) -> Any:
-        """The compiled forward's LoraStack (made by `make` from each layer's [A, B, scaling] per
+        """The compiled forward's LoraStack (made by `make` from each layer's [A, B^T, scaling] per
         projection in PROJECTIONS' order, empty tensors for projections no resident adapter
         targets, and the slots' ranks), remade only when that set changes."""
         active = self.active
         if self._compiled is None or self._compiled[0] != active:
             none = torch.empty(0)
-            layers = [[t for p in PROJECTIONS for t in ((a[p], b[p], s[p]) if p in active else (none, none, none))]
+            layers = [[t for p in PROJECTIONS
+                       for t in ((a[p], b[p].transpose(1, 2), s[p]) if p in active else (none, none, none))]
                       for a, b, s in zip(self.a, self.b, self.scaling)]
             self._compiled = (active, make(layers, self.ranks))
         return self._compiled[1]

@@ -62,7 +62,7 @@ def onednn_bf16_supported() -> bool:
 
 
 def lora_stack(layers: list[list[torch.Tensor]], ranks: torch.Tensor) -> Any:
-    """The extension's LoraStack over lora/stacks.py's buffers: each layer's [A, B, scaling] per
+    """The extension's LoraStack over lora/stacks.py's buffers: each layer's [A, B^T, scaling] per
     projection, in the order the extension names them (lora_projections()), and each slot's rank."""
     assert _cpu_ext is not None
     if tuple(_cpu_ext.lora_projections()) != PROJECTIONS:

@@ -155,7 +155,8 @@ def segment_by_segment(x: torch.Tensor, seg_starts: torch.Tensor, seg_slots: tor
         lo, hi = starts[g], starts[g + 1]
         if slot >= 0 and hi > lo:
             shrunk = matmul(x[lo:hi].contiguous(), a[slot])                     # (rows, R)
-            out[lo:hi] = matmul(shrunk, b[slot]) * scaling[slot].to(x.dtype)     # (rows, N)
+            # b[slot]: on the host a view of B^T's rows (lora/stacks.py), made contiguous here
+            out[lo:hi] = matmul(shrunk, b[slot].contiguous()) * scaling[slot].to(x.dtype)     # (rows, N)
     return out
 
 
