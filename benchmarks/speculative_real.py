@@ -6,7 +6,8 @@ off and on interleaved, outputs checked identical.
 
 Workloads, each a chat rendered through the model's own template:
   grounded   20 input-grounded prompts (repeat, fix typos, extend a list, extract, reformat,
-             quote, edit code) with n-gram speculation (prompt lookup, k = --k) against none;
+             quote, edit code) with n-gram speculation (prompt lookup, k = --k), or with
+             --grounded lookup+draft the chat set's self-draft backed by prompt lookup, against none;
              with --http also over HTTP (two servers, the openai client streaming), single stream
   chat       20 free chat prompts with the quantized self-draft (the model's own weights in
              q4_0 on the target's KV cache, SpeculativeConfig(method="draft", draft_quantization="q4_0",
@@ -340,13 +341,13 @@ def bench(args: argparse.Namespace) -> dict:
     progress = Progress(2 * args.repeat * (len(plan) + len(edit_plan) + http_passes))
     common = {"dtype": dtype, "max_batch_size": 16}
     plain = pd.Engine.from_pretrained(model, **common)
-    engines = {
-        "grounded": pd.Engine.from_pretrained(model, **common,
-                                              speculative=pd.SpeculativeConfig(method="ngram", num_tokens=args.k)),
-        "chat": pd.Engine.from_pretrained(model, **common, speculative=pd.SpeculativeConfig(
-            method="draft", draft_quantization=args.draft_quantization, num_tokens=args.draft_k,
-            min_draft_confidence=args.draft_confidence, max_batch=args.draft_max_batch)),
-    }
+    self_draft = pd.SpeculativeConfig(method="draft", draft_quantization=args.draft_quantization,
+                                      num_tokens=args.draft_k, min_draft_confidence=args.draft_confidence,
+                                      max_batch=args.draft_max_batch)
+    grounded = (pd.SpeculativeConfig(method="ngram", num_tokens=args.k) if args.grounded == "ngram" else
+                replace(self_draft, prompt_lookup=True))
+    engines = {"grounded": pd.Engine.from_pretrained(model, **common, speculative=grounded),
+               "chat": pd.Engine.from_pretrained(model, **common, speculative=self_draft)}
     # first-call costs out of the timing, the step-cost gates' first measurements among them (at
     # its start a speculating engine takes a few plain steps to measure against: a server pays
     # that once, not per pass)
@@ -379,7 +380,8 @@ def bench(args: argparse.Namespace) -> dict:
         cases += http_case(str(model), grounded_prompts()[:n], args.k, sampling, args.repeat, progress)
     progress.bar.close()
     return {"benchmark": "speculative-real", "date": time.strftime("%Y-%m-%d %H:%M"), "model": "SmolLM2-135M-Instruct",
-            "dtype": args.dtype, "k": args.k, "draft_k": args.draft_k, "draft_quantization": args.draft_quantization,
+            "dtype": args.dtype, "k": args.k, "grounded": args.grounded, "draft_k": args.draft_k,
+            "draft_quantization": args.draft_quantization,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "torch_threads": torch.get_num_threads()}, "cases": cases}
 
@@ -408,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-k", type=int, default=6, help="self-draft tokens per run (the chat set)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--edit-tokens", type=int, default=1200)
+    ap.add_argument("--grounded", choices=["ngram", "lookup+draft"], default="ngram",
+                    help="the grounded set's speculation: n-gram (k = --k), or the self-draft backed by prompt "
+                         "lookup (SpeculativeConfig(prompt_lookup=True), k = --draft-k)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--draft-quantization", default="q4_0")
     # on CPU a q4_0 draft's rows are compute-bound (4 rows cost ~2.4x one on SmolLM2), and every

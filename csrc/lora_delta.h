@@ -302,7 +302,8 @@ void add_lora_as(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer
       const Tensor a = l.a[layer][t.proj][s.slot].narrow(0, 0, r).to(xs.scalar_type());
       const Tensor shrunk = at::mm(xs, a.t());                                              // (rows, r)
       const Tensor delta = at::mm(shrunk, bt[s.slot].narrow(0, 0, r).to(xs.scalar_type()));     // (rows, N)
-      out.narrow(0, s.lo, rows).narrow(1, t.col, bt.size(2)).add_(delta, l.scaling[layer][t.proj].data_ptr<float>()[s.slot]);
+      const float scale = l.scaling[layer][t.proj].data_ptr<float>()[s.slot];
+      out.narrow(0, s.lo, rows).narrow(1, t.col, bt.size(2)).add_(delta, scale);
     }
   }
   if (plan.empty()) return;
@@ -370,7 +371,8 @@ void add_lora(Tensor& out, const Tensor& x, const LoraStack& l, int64_t layer,
     const Tensor& a = l.a[layer][t.proj];
     if (!a.defined()) continue;                    // the stack's projections share one dtype
     if constexpr (!std::is_same_v<T, c10::BFloat16>)
-      if (a.scalar_type() == at::kBFloat16) return add_lora_as<T, c10::BFloat16>(out, x, l, layer, targets, segs, det, pool);
+      if (a.scalar_type() == at::kBFloat16)
+        return add_lora_as<T, c10::BFloat16>(out, x, l, layer, targets, segs, det, pool);
     return add_lora_as<T, T>(out, x, l, layer, targets, segs, det, pool);
   }
 }

@@ -182,6 +182,9 @@ class SpeculativeConfig:
     self_draft: bool = False                 # "draft": draft_model is the target's own checkpoint (set by
                                              # Engine.from_pretrained for a self-draft): the draft then reads
                                              # and writes the target's KV cache, no cache or prefill of its own
+    prompt_lookup: bool = False              # "draft": a request whose own tokens hold an n-gram match drafts
+                                             # from it (min_ngram .. max_ngram), the draft model for the
+                                             # others: input-grounded text copies whole runs at no draft cost
     min_draft_confidence: float = 0.0        # "draft": a run stops drafting once the draft's own probability
                                              # of its drafts so far (their probabilities multiplied) falls
                                              # below this: each further draft costs a draft step and a verify
@@ -209,8 +212,9 @@ class SpeculativeConfig:
             raise ValueError('method="draft" needs draft_model (a pd.Model or a model directory), or '
                              'draft_quantization for a self-draft through Engine.from_pretrained')
         if self.method == "ngram" and (self.draft_model is not None or self.draft_quantization is not None
-                                       or self.self_draft):
-            raise ValueError('draft_model and draft_quantization are only for method="draft"')
+                                       or self.self_draft or self.prompt_lookup):
+            raise ValueError('draft_model, draft_quantization and prompt_lookup are only for method="draft" '
+                             '(method="ngram" is prompt lookup alone)')
         if self.draft_quantization is not None:
             if self.draft_quantization not in QUANTIZATIONS:
                 raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "

@@ -37,6 +37,8 @@ class ScheduledSeq:
     drafts: tuple[int, ...] = ()   # speculation: proposed tokens computed after the last known one
     draft_probs: "torch.Tensor | None" = None   # (len(drafts), V): the distribution each draft was
                                    # sampled from (rejection rule, spec/rejection.py); None: exact match
+    lookup: bool = False           # the drafts came from prompt lookup, not the request's own source
+                                   # (its prediction, the draft model): spec/speculative.py's gates
 
 
 @dataclass

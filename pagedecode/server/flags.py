@@ -195,8 +195,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int, temperat
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    """--speculative-method, --num-speculative-tokens, --draft-model, --speculative-draft-quantization
-    (generate, demo and serve)."""
+    """--speculative-method, --num-speculative-tokens, --draft-model, --speculative-draft-quantization,
+    --speculative-prompt-lookup (generate, demo and serve)."""
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: ngram (prompt lookup in each request's own tokens) or "
                         "draft (a smaller model, --draft-model); off by default")
@@ -205,17 +205,23 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-draft-quantization", default=None,
                    help="--speculative-method draft: load the draft quantized (q8_0, q4_0, ...); without "
                         "--draft-model the model's own weights so (a self-draft)")
+    p.add_argument("--speculative-prompt-lookup", action="store_true",
+                   help="--speculative-method draft: a request whose own tokens hold an n-gram match drafts "
+                        "from it, the draft model for the others")
 
 
 def speculative_config(args: argparse.Namespace) -> Any:
     """The SpeculativeConfig the flags ask for, or None; bad values raise ValueError."""
     from ..runtime.config import SpeculativeConfig
     if args.speculative_method is None:
-        if args.draft_model is not None or args.speculative_draft_quantization is not None:
-            raise ValueError("--draft-model and --speculative-draft-quantization need --speculative-method draft")
+        if args.draft_model is not None or args.speculative_draft_quantization is not None or \
+                args.speculative_prompt_lookup:
+            raise ValueError("--draft-model, --speculative-draft-quantization and --speculative-prompt-lookup "
+                             "need --speculative-method draft")
         return None
     return SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
-                             draft_model=args.draft_model, draft_quantization=args.speculative_draft_quantization)
+                             draft_model=args.draft_model, draft_quantization=args.speculative_draft_quantization,
+                             prompt_lookup=args.speculative_prompt_lookup)
 
 
 def _bool(text: str) -> bool:

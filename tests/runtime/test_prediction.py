@@ -171,6 +171,29 @@ def test_self_draft_quantized_keeps_the_plain_tokens(stories_engine_factory, qua
     assert sum(o.usage.accepted_draft_tokens for o in outs) > 0.5 * sum(o.usage.draft_tokens for o in outs) > 0
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_self_draft_with_prompt_lookup_keeps_the_plain_tokens(stories_engine_factory, deterministic):
+    """prompt_lookup: a request whose own tokens hold an n-gram match drafts from it, the draft
+    model for the others, each source under its own gate; the tokens are the plain engine's."""
+    prompts = ["Once upon a time", "Lily and Tom",          # the third copies its prompt: lookup finds it
+               "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+               "Once upon a time, there"]
+    params = [pd.SamplingParams(max_tokens=40), pd.SamplingParams(max_tokens=40, repetition_penalty=1.2),
+              pd.SamplingParams(max_tokens=40, logprobs=1)]
+    want = outputs(stories_engine_factory(deterministic=deterministic), prompts, params)
+    spec = pd.SpeculativeConfig(method="draft", draft_quantization="q8_0", prompt_lookup=True, min_gain=0.0)
+    eng = stories_engine_factory(speculative=spec, deterministic=deterministic)
+    got = outputs(eng, prompts, params)
+    if deterministic:
+        assert got == want
+    else:
+        assert [(g[0], g[1], g[4], g[5]) for g in got] == [(w[0], w[1], w[4], w[5]) for w in want]
+    c = eng.speculator.counters
+    assert 0 < c.lookup_tokens < c.draft_tokens                # both sources drafted
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        pd.SpeculativeConfig(method="ngram", prompt_lookup=True)
+
+
 def test_self_draft_needs_a_checkpoint(stories_engine_factory):
     eng = stories_engine_factory()
     spec = pd.SpeculativeConfig(method="draft", draft_quantization="q4_0")

@@ -56,6 +56,8 @@ class Proposal(NamedTuple):
     tokens: list[int]                  # the drafts, in order
     probs: torch.Tensor | None         # (len(tokens), V): the q each was sampled from; None: greedy /
                                        # n-gram drafts, verified by exact match
+    lookup: bool = False               # prompt lookup in the request's own tokens where its source is
+                                       # another (a prediction, a draft model): scheduler.ScheduledSeq
 
 
 @dataclass

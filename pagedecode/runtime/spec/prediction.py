@@ -33,7 +33,6 @@ class PredictionCursor:
         self.pos: int | None = 0          # the prediction index the next output token should equal
         self.floor = 0                     # where the output last followed it (re-sync looks on from here first)
         self.seen = 0                      # output tokens taken into account so far
-        self.live = False                  # the request's current draft run came from the prediction
         self.drafted = 0                   # the prediction's tokens drafted and verified ...
         self.accepted = 0                  # ... and of them, selected
 
@@ -48,9 +47,9 @@ class PredictionCursor:
         self.seen = len(output)
         if self.pos is None:
             self.pos = self._resync(output)
-        drafts = [] if self.pos is None or k < 1 else self.tokens[self.pos:self.pos + k]
-        self.live = bool(drafts)
-        return drafts
+        if self.pos is None or k < 1:
+            return []
+        return self.tokens[self.pos:self.pos + k]
 
     def _resync(self, output: list[int]) -> int | None:
         """Just past the output's longest suffix found in the prediction: its first occurrence

@@ -65,6 +65,7 @@ class SpecCounters:
     draft_tokens: int = 0        # tokens proposed and verified
     accepted_tokens: int = 0     # ... and of them selected
     gated: int = 0               # times a request's acceptance gate turned its proposals off
+    lookup_tokens: int = 0       # of draft_tokens, those prompt lookup proposed backing another source
 
 
 class Speculator:
@@ -101,7 +102,7 @@ class Speculator:
         self.counters = SpecCounters()
         self.cost = CostGate(config.min_gain, config.backoff_steps)
         self._gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
-        self._own_gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
+        self._own_gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()   # _lookup's
         self._step = 0
 
     @staticmethod
@@ -133,21 +134,22 @@ class Speculator:
             return
         wants: list[tuple[ScheduledSeq, int]] = []
         for s in plan.decode:
-            k = min(budget, self._room(s.request))
-            if k > 0 and s.request.state == RequestState.DECODING and (self.general or s.request.prediction is not None):
+            req = s.request
+            k = min(budget, self._room(req))
+            if k > 0 and req.state == RequestState.DECODING and (self.general or req.prediction is not None):
                 # a draft on the target's cache writes the run's K/V into the request's own pages
-                if self._writes_pages(s.request) and not scheduler.try_extend(s.request, 1 + k):
+                if self._writes_pages(req) and not scheduler.try_extend(req, 1 + k):
                     continue
                 wants.append((s, k))
                 budget -= k
         drafted = self._propose([(s.request, k) for s, k in wants])
-        for (s, _), (drafts, probs) in zip(wants, drafted):
+        for (s, _), (drafts, probs, lookup) in zip(wants, drafted):
             req = s.request
             if req.grammar is not None:          # never sampled drafts (spec_rejection.takes_rejection)
                 drafts = self._grammar_allows(req, drafts)
             if drafts and scheduler.try_extend(req, 1 + len(drafts)):
                 plan.decode.remove(s)
-                plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts), probs))
+                plan.verify.append(ScheduledSeq(req, 1 + len(drafts), True, tuple(drafts), probs, lookup))
             elif self._writes_pages(req):
                 scheduler.trim(req)              # pages reserved for drafts that did not come
         self.cost.start(now, self._step, batch, bool(plan.verify), batch, timed)
@@ -181,13 +183,23 @@ class Speculator:
         """Drafts that can still matter: y_{t+1+j} must stay within max_tokens, and the positions
         written within the context (the context-limit ending then fires where it would anyway)."""
         t = len(req.output_ids)
-        gates = [self._gate(req)] + ([self._gate(req, own=True)] if req.prediction is not None else [])
+        gates = [self._gate(req)] + ([self._gate(req, own=True)] if self._looks_up(req) else [])
         length = max(self._length(g) for g in gates)
         return min(length, req.params.max_tokens - t - 1, self.max_context - req.num_tokens - 1)
 
     def _length(self, gate: Gate) -> int:
         """The drafts a gate lets its source propose now: none while it is turned off."""
         return gate.length if gate.off_until <= self._step else 0
+
+    def _looks_up(self, req: Request) -> bool:
+        """Whether prompt lookup backs the request's own draft source: a prediction's (where the
+        output has left it), a draft model's with SpeculativeConfig.prompt_lookup."""
+        return req.prediction is not None or (self.draft is not None and self.config.prompt_lookup)
+
+    def _lookup(self, req: Request, k: int) -> Proposal:
+        """Prompt lookup's drafts for a request whose own source is another, under their own gate
+        (a lookup's misses must not shorten the other source's runs, nor its misses the lookup's)."""
+        return Proposal(self.ngram.propose_for(req, min(k, self._length(self._gate(req, own=True)))), None, True)
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
         """A request with a prediction drafts from it, or from its own tokens (prompt lookup) where
@@ -197,9 +209,7 @@ class Speculator:
         for i, (req, k) in enumerate(wants):
             if req.prediction is not None:               # each source earns its own run length
                 drafts = req.prediction.propose(req.output_ids, min(k, self._length(self._gate(req))))
-                if not drafts:
-                    drafts = self.ngram.propose_for(req, min(k, self._length(self._gate(req, own=True))))
-                out[i] = Proposal(drafts, None)
+                out[i] = Proposal(drafts, None) if drafts else self._lookup(req, k)
             else:
                 others.append(i)
         for i, proposal in zip(others, self._propose_general([wants[i] for i in others])):
@@ -209,13 +219,21 @@ class Speculator:
     def _propose_general(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
         if self.draft is None:
             return [Proposal(self.ngram.propose_for(req, k), None) for req, k in wants]
-        if not wants:
-            return []
-        try:
-            return self.draft.propose(wants)
-        except Exception:                            # a draft fault costs speculation, never a request
-            log.exception("the draft model failed: this step runs without drafts")
-            return [Proposal([], None) for _ in wants]
+        out: dict[int, Proposal] = {}
+        if self.config.prompt_lookup:                # a match in the request's own tokens first
+            out = {i: p for i, p in enumerate(self._lookup(req, k) for req, k in wants) if p.tokens}
+        rest = [i for i in range(len(wants)) if i not in out]
+        if rest:
+            drafting = [(req, min(k, self._length(self._gate(req)))) for req, k in (wants[i] for i in rest)]
+            try:
+                proposals = self.draft.propose([(req, k) for req, k in drafting if k > 0])
+            except Exception:                        # a draft fault costs speculation, never a request
+                log.exception("the draft model failed: this step runs without drafts")
+                proposals = []
+            got = iter(proposals)
+            for i, (_, k) in zip(rest, drafting):
+                out[i] = next(got, Proposal([], None)) if k > 0 else Proposal([], None)
+        return [out[i] for i in range(len(wants))]
 
     # -- at the commit ------------------------------------------------------------------------------
     def verify(self, planned: list[ScheduledSeq], runs: list[tuple[ScheduledSeq, int]], first: Selection,
@@ -230,7 +248,7 @@ class Speculator:
         for s in planned:                            # runs keep the plan's order (commit.seqs)
             if nxt is not None and nxt[0] is s:
                 s.request.draft_tokens += len(s.drafts)      # before any ending sends the usage out
-                if s.request.prediction is not None and s.request.prediction.live:
+                if s.request.prediction is not None and not s.lookup:
                     s.request.prediction.drafted += len(s.drafts)
                 verify_runs.append(VerifyRun(s, nxt[1], offset, self._trace(s)))
                 nxt = next(left, None)
@@ -260,23 +278,24 @@ class Speculator:
         c.drafts += 1
         c.draft_tokens += k
         c.accepted_tokens += accepted
+        c.lookup_tokens += k if s.lookup else 0
         self.cost.add_tokens(accepted)
-        gate = self._gate(req, own=req.prediction is not None and not req.prediction.live)
+        gate = self._gate(req, own=s.lookup)
         if gate.record(accepted, k, self._step, self.config.min_acceptance, self.config.backoff_steps):
             c.gated += 1
             req.trace.add("spec.gated", steps=gate.off_until - self._step)
 
     def _gate(self, req: Request, own: bool = False) -> Gate:
-        """The request's gate; own: a predicted request's gate for the drafts it takes from its own
-        tokens off the prediction (an n-gram's misses there must not shorten the prediction's runs)."""
+        """The request's gate; own: its prompt lookup's, where that backs another source (_looks_up)."""
         table = self._own_gates if own else self._gates
         gate = table.get(req)
         if gate is None:
             most = self.config.num_tokens
-            if req.prediction is not None:
+            if req.prediction is not None or own:
                 most = max(most, PREDICTION_DRAFT)
             # a draft model that stops where it is unsure sizes its runs itself: they need not earn it
-            earns = not (self.draft is not None and self.config.min_draft_confidence > 0 and req.prediction is None)
+            earns = own or not (self.draft is not None and self.config.min_draft_confidence > 0
+                                and req.prediction is None)
             first = most if self.config.min_acceptance == 0 or not earns else FIRST_DRAFT
             gate = table[req] = Gate(most, self.config.backoff_steps, length=first, earns=earns)
         return gate

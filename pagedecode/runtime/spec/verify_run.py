@@ -54,7 +54,7 @@ class VerifyRun:
         """Its next draft was selected."""
         req = self.request
         req.accepted_draft_tokens += 1
-        if req.prediction is not None and req.prediction.live:
+        if req.prediction is not None and not self.seq.lookup:
             req.prediction.accepted += 1
         self.accepted += 1
         if self.record is not None:
