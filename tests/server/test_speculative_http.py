@@ -52,6 +52,13 @@ def test_flags_on_generate_demo_and_serve(stories_path, capsys):
     assert "num_tokens" in capsys.readouterr().err
     assert cli.main(argv + ["--draft-model", str(stories_path)]) == 2
     assert "--speculative-method draft" in capsys.readouterr().err
+    assert cli.main(argv + ["--speculative-prompt-lookup"]) == 2
+    assert "--speculative-method draft" in capsys.readouterr().err
+    assert cli.main(argv + ["--speculative-method", "ngram", "--speculative-prompt-lookup"]) == 2
+    assert "prompt_lookup" in capsys.readouterr().err
+    assert cli.main(argv + ["--speculative-method", "draft", "--speculative-draft-quantization", "q8_0",
+                            "--speculative-prompt-lookup"]) == 0
+    assert capsys.readouterr().out == plain
 
 
 def chat_text(url, extra, stream=False):
