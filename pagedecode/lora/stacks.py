@@ -1,6 +1,7 @@
 """The resident adapters' weights as the forward reads them: per layer and projection, A stacked
 (S, R, K) and B stacked (S, N, R) over the S = max_loras slots, zero padded to R = max_lora_rank
-(kernels/lora.py's layout), and each slot's scaling (S,) float32. A slot is written when an
+(kernels/lora.py's layout; on the host B is a view of a contiguous B^T (S, R, N), the compiled
+forward's), and each slot's scaling (S,) float32. A slot is written when an
 adapter takes it and zeroed when another replaces it; the buffers never move, so the compiled
 CPU forward's view of them (compiled_view) is made once per set of targeted projections.
 
