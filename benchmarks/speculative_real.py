@@ -8,7 +8,8 @@ Workloads, each a chat rendered through the model's own template:
   grounded   20 input-grounded prompts (repeat, fix typos, extend a list, extract, reformat,
              quote, edit code) with n-gram speculation (prompt lookup, k = --k), or with
              --grounded lookup+draft the chat set's self-draft backed by prompt lookup, against none;
-             with --http also over HTTP (two servers, the openai client streaming), single stream
+             with --http also over HTTP (two servers, the openai client streaming), single stream,
+             with the same speculation as the in-process runs (--grounded)
   chat       20 free chat prompts with the quantized self-draft (the model's own weights in
              q4_0 on the target's KV cache, SpeculativeConfig(method="draft", draft_quantization="q4_0",
              num_tokens=--draft-k, min_draft_confidence=0.5, max_batch=1)) against none
@@ -272,11 +273,12 @@ def case(name: str, engines: dict[str, pd.Engine], prompts: list[str], params: d
     return {"case": name, "concurrent": concurrent, "identical_expected": exact, **c}
 
 
-def http_case(model: str, prompts: list[str], k: int, sampling: dict[str, pd.SamplingParams], repeat: int,
-              progress: Progress) -> list[dict]:
+def http_case(model: str, prompts: list[str], flags: list[str], sampling: dict[str, pd.SamplingParams], repeat: int,
+              progress: Progress, exact_sampled: bool) -> list[dict]:
     """The input-grounded set over HTTP, single stream, as a client sees it: two servers on loopback
-    ports (plain and n-gram speculation), the official openai client streaming chat completions;
-    tokens/s from the usage chunk over the wall time of each request. One case per sampling."""
+    ports (plain, and speculation by `flags`), the official openai client streaming chat completions;
+    tokens/s from the usage chunk over the wall time of each request. One case per sampling;
+    exact_sampled: seeded outputs are expected token for token (not under a draft model's rejection rule)."""
     import tempfile
 
     import openai
@@ -284,8 +286,7 @@ def http_case(model: str, prompts: list[str], k: int, sampling: dict[str, pd.Sam
 
     tmp = Path(tempfile.mkdtemp())
     servers = {"off": start_server(model, 16, tmp / "off.log"),
-               "on": start_server(model, 16, tmp / "on.log", ["--speculative-method", "ngram",
-                                                               "--num-speculative-tokens", str(k)])}
+               "on": start_server(model, 16, tmp / "on.log", flags)}
     cases = []
     try:
         clients = {m: openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) for m, (_, url) in servers.items()}
@@ -314,7 +315,8 @@ def http_case(model: str, prompts: list[str], k: int, sampling: dict[str, pd.Sam
         for label, p in sampling.items():
             name = f"grounded-{label}-http"
             c = interleaved(f"{name} x1", lambda mode: one_run(mode, p), repeat, progress)
-            cases.append({"case": name, "concurrent": 1, "identical_expected": True, **c})
+            cases.append({"case": name, "concurrent": 1, "identical_expected": exact_sampled or p.temperature == 0,
+                          **c})
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -378,7 +380,12 @@ def bench(args: argparse.Namespace) -> dict:
                           {"off": [p] * len(edit), "on": [replace(p, prediction=EDIT_FILE)] * len(edit)}, 1,
                           args.repeat, progress))
     if http_passes:
-        cases += http_case(str(model), grounded_prompts()[:n], args.k, sampling, args.repeat, progress)
+        flags = (["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)] if args.grounded == "ngram"
+                 else ["--speculative-method", "draft", "--speculative-draft-quantization", args.draft_quantization,
+                       "--num-speculative-tokens", str(args.draft_k), "--speculative-prompt-lookup",
+                       "--speculative-min-draft-confidence", str(args.draft_confidence)])
+        cases += http_case(str(model), grounded_prompts()[:n], flags, sampling, args.repeat, progress,
+                           exact_sampled=args.grounded == "ngram")
     progress.bar.close()
     return {"benchmark": "speculative-real", "date": time.strftime("%Y-%m-%d %H:%M"), "model": "SmolLM2-135M-Instruct",
             "dtype": args.dtype, "k": args.k, "grounded": args.grounded, "draft_k": args.draft_k,

@@ -196,7 +196,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int, temperat
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     """--speculative-method, --num-speculative-tokens, --draft-model, --speculative-draft-quantization,
-    --speculative-prompt-lookup (generate, demo and serve)."""
+    --speculative-prompt-lookup, --speculative-min-draft-confidence (generate, demo and serve)."""
     p.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: ngram (prompt lookup in each request's own tokens) or "
                         "draft (a smaller model, --draft-model); off by default")
@@ -208,6 +208,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-prompt-lookup", action="store_true",
                    help="--speculative-method draft: a request whose own tokens hold an n-gram match drafts "
                         "from it, the draft model for the others")
+    p.add_argument("--speculative-min-draft-confidence", type=float, default=None,
+                   help="--speculative-method draft: a run stops drafting once the draft's own probability of its "
+                        "drafts so far falls below this (0: always --num-speculative-tokens)")
 
 
 def speculative_config(args: argparse.Namespace) -> Any:
@@ -215,13 +218,16 @@ def speculative_config(args: argparse.Namespace) -> Any:
     from ..runtime.config import SpeculativeConfig
     if args.speculative_method is None:
         if args.draft_model is not None or args.speculative_draft_quantization is not None or \
-                args.speculative_prompt_lookup:
-            raise ValueError("--draft-model, --speculative-draft-quantization and --speculative-prompt-lookup "
-                             "need --speculative-method draft")
+                args.speculative_prompt_lookup or args.speculative_min_draft_confidence is not None:
+            raise ValueError("--draft-model, --speculative-draft-quantization, --speculative-prompt-lookup and "
+                             "--speculative-min-draft-confidence need --speculative-method draft")
         return None
+    if args.speculative_method != "draft" and args.speculative_min_draft_confidence is not None:
+        raise ValueError("--speculative-min-draft-confidence is only for --speculative-method draft")
     return SpeculativeConfig(method=args.speculative_method, num_tokens=args.num_speculative_tokens,
                              draft_model=args.draft_model, draft_quantization=args.speculative_draft_quantization,
-                             prompt_lookup=args.speculative_prompt_lookup)
+                             prompt_lookup=args.speculative_prompt_lookup,
+                             min_draft_confidence=args.speculative_min_draft_confidence or 0.0)
 
 
 def _bool(text: str) -> bool:

@@ -57,8 +57,14 @@ def test_flags_on_generate_demo_and_serve(stories_path, capsys):
     assert cli.main(argv + ["--speculative-method", "ngram", "--speculative-prompt-lookup"]) == 2
     assert "prompt_lookup" in capsys.readouterr().err
     assert cli.main(argv + ["--speculative-method", "draft", "--speculative-draft-quantization", "q8_0",
-                            "--speculative-prompt-lookup"]) == 0
+                            "--speculative-prompt-lookup", "--speculative-min-draft-confidence", "0.5"]) == 0
     assert capsys.readouterr().out == plain
+    for bad, says in ((["--speculative-min-draft-confidence", "0.5"], "--speculative-method draft"),
+                      (["--speculative-method", "ngram", "--speculative-min-draft-confidence", "0.5"], "only for"),
+                      (["--speculative-method", "draft", "--speculative-draft-quantization", "q8_0",
+                        "--speculative-min-draft-confidence", "1.5"], "min_draft_confidence")):
+        assert cli.main(argv + bad) == 2
+        assert says in capsys.readouterr().err
 
 
 def chat_text(url, extra, stream=False):
