@@ -18,8 +18,9 @@ const char* const kLoraProjNames[kLoraProjs] = {"q_proj", "k_proj", "v_proj", "o
 // all three empty where no resident adapter targets the projection (the forward skips it). ranks
 // (S,) int32: each slot's adapter's rank r <= R (A[s, r:] and B^T[s, r:] are zero: not read).
 // B is held transposed so that the expand reads each of a rank's N values along the output's
-// columns: held as (S, N, R), every call transposed its tiles first, which cost ~5x the expand's
-// own arithmetic for a decode step's few rows.
+// columns: held as (S, N, R), every call transposed its tiles first, a scalar copy of each value
+// read, more instructions than a decode step's few rows then spent multiplying (counted, not timed
+// apart; the whole change: docs/lora.md).
 struct LoraStack {
   std::vector<std::vector<Tensor>> a, b, scaling;   // [layer][LoraProj]; b: B^T
   Tensor ranks;

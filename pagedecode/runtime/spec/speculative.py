@@ -202,38 +202,34 @@ class Speculator:
         return Proposal(self.ngram.propose_for(req, min(k, self._length(self._gate(req, own=True)))), None, True)
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
-        """A request with a prediction drafts from it, or from its own tokens (prompt lookup) where
-        the output has left it; the others from the n-gram or the draft model."""
-        out: dict[int, Proposal] = {}
-        others = []
+        """Each request's drafts, each source under its own gate: a prediction, or prompt lookup
+        where the output has left it; the n-gram; or the draft model, after prompt lookup where
+        SpeculativeConfig.prompt_lookup asks for it."""
+        out = [Proposal([], None)] * len(wants)
+        drafting: list[tuple[int, Request, int]] = []           # (index, request, k) for the draft model
         for i, (req, k) in enumerate(wants):
-            if req.prediction is not None:               # each source earns its own run length
-                drafts = req.prediction.propose(req.output_ids, min(k, self._length(self._gate(req))))
+            own = min(k, self._length(self._gate(req)))
+            if req.prediction is not None:
+                drafts = req.prediction.propose(req.output_ids, own)
                 out[i] = Proposal(drafts, None) if drafts else self._lookup(req, k)
-            else:
-                others.append(i)
-        for i, proposal in zip(others, self._propose_general([wants[i] for i in others])):
+            elif self.draft is None:
+                out[i] = Proposal(self.ngram.propose_for(req, k), None)
+            elif self.config.prompt_lookup and (found := self._lookup(req, k)).tokens:
+                out[i] = found
+            elif own > 0:
+                drafting.append((i, req, own))
+        for (i, _, _), proposal in zip(drafting, self._draft_model([(req, k) for _, req, k in drafting])):
             out[i] = proposal
-        return [out[i] for i in range(len(wants))]
+        return out
 
-    def _propose_general(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
-        if self.draft is None:
-            return [Proposal(self.ngram.propose_for(req, k), None) for req, k in wants]
-        out: dict[int, Proposal] = {}
-        if self.config.prompt_lookup:                # a match in the request's own tokens first
-            out = {i: p for i, p in enumerate(self._lookup(req, k) for req, k in wants) if p.tokens}
-        rest = [i for i in range(len(wants)) if i not in out]
-        if rest:
-            drafting = [(req, min(k, self._length(self._gate(req)))) for req, k in (wants[i] for i in rest)]
-            try:
-                proposals = self.draft.propose([(req, k) for req, k in drafting if k > 0])
-            except Exception:                        # a draft fault costs speculation, never a request
-                log.exception("the draft model failed: this step runs without drafts")
-                proposals = []
-            got = iter(proposals)
-            for i, (_, k) in zip(rest, drafting):
-                out[i] = next(got, Proposal([], None)) if k > 0 else Proposal([], None)
-        return [out[i] for i in range(len(wants))]
+    def _draft_model(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
+        if not wants or self.draft is None:
+            return []
+        try:
+            return self.draft.propose(wants)
+        except Exception:                            # a draft fault costs speculation, never a request
+            log.exception("the draft model failed: this step runs without drafts")
+            return [Proposal([], None) for _ in wants]
 
     # -- at the commit ------------------------------------------------------------------------------
     def verify(self, planned: list[ScheduledSeq], runs: list[tuple[ScheduledSeq, int]], first: Selection,
