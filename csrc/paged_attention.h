@@ -168,6 +168,22 @@ void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t
   for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;
 }
 
+#if defined(__AVX2__)
+// 8 float8_e4m3fn bytes (one a 32-bit lane) -> their exact float values, in integer operations
+// (no denormal float is formed, so the result holds under DAZ too): a normal value (exponent
+// field e > 0) is the float whose exponent is e - 7 + 127 and whose top mantissa bits are e4m3's
+// three; a subnormal (e = 0) is its mantissa times 2^-9; 0x7f / 0xff are NaN; the sign goes on last.
+inline __m256 e4m3_to_float8(__m256i b) {
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.f / 512.f));
+  __m256 v = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+  v = _mm256_blendv_ps(v, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
+  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
+}
+#endif
+
 // dst[0, n) = src[0, n) as float: a page of a 16-bit or 8-bit cache (8-bit: unscaled; attend_block
 // applies each row's scale to its scores)
 template <typename C>
@@ -190,6 +206,16 @@ inline void widen(const C* src, int64_t n, float* dst) {
       _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(x));
     else
       _mm256_storeu_ps(dst + e, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)));
+  }
+  // 8-bit rows, 8 at a time (the scalar loop left an fp8 cache's decode at 4k context 5x slower
+  // than a float16 cache's: c10's e4m3 conversion is a branchy function call per value)
+  for (; sizeof(C) == 1 && e + 8 <= n; e += 8) {
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + e));
+    if constexpr (std::is_same_v<C, int8_t>) {
+      _mm256_storeu_ps(dst + e, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)));
+    } else if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+      _mm256_storeu_ps(dst + e, e4m3_to_float8(_mm256_cvtepu8_epi32(x)));
+    }
   }
 #endif
   for (; e < n; ++e) dst[e] = f32(src[e]);

@@ -114,3 +114,24 @@ def test_det_attention_over_an_8_bit_cache_is_batch_invariant(kv_dtype, D):
         ext.det_attention(q, k, v, table, lens, cu, D ** -0.5)
     with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
         ext.det_attention(q, k.float(), v.float(), table, lens, cu, D ** -0.5, False, ks, vs)
+
+
+@needs_ext
+@pytest.mark.parametrize("kv_dtype", QUANT)
+def test_every_8_bit_value_reads_back_exactly(kv_dtype):
+    """Each of the 256 byte values of an 8-bit cache, read by the compiled attention, is the value
+    torch gives that byte (subnormal e4m3 values and NaN included): four sequences of one
+    token each, whose V row holds 64 of the bytes at scale 1, so each output row is its V row exactly.
+    (The AVX2 build widens 8 bytes at a time in registers; a wrong exponent or a subnormal read as 0
+    shows here, where the forward's tolerance could hide it.)"""
+    H, Hkv, D, ps = 2, 1, 64, 16
+    v = torch.arange(256, dtype=torch.uint8).view(4, 1, 1, D).view(kv_dtype)
+    v = torch.cat([v, torch.zeros(4, ps - 1, 1, D, dtype=torch.uint8).view(kv_dtype)], 1)
+    k = torch.zeros_like(v.view(torch.uint8)).view(kv_dtype)
+    ones = torch.ones(4, ps, Hkv, 1, dtype=torch.bfloat16)
+    table = torch.arange(4, dtype=torch.int32).view(4, 1)
+    lens, cu = torch.ones(4, dtype=torch.int32), torch.arange(5, dtype=torch.int32)
+    out = cpu_ext().det_attention(torch.randn(4, H, D), k, v, table, lens, cu, D ** -0.5, False, ones, ones)
+    want = v[:, 0, 0].float()                                  # (4, D): torch's own conversion
+    for h in range(H):
+        torch.testing.assert_close(out[:, h], want, rtol=0, atol=0, equal_nan=True)
