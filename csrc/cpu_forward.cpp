@@ -1100,7 +1100,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_unpack", [](const Tensor& blocks, int64_t k) { return quant_repack(blocks, k, false); },
         "quant_pack's inverse: packed (int8) -> GGUF's blocks (uint8), bit for bit");
 #if defined(QUANT_LANES)
-  m.attr("quant_packed_is_fast") = true;    // the packed layout's AVX-512 VNNI kernel (else a scalar loop)
+  m.attr("quant_packed_is_fast") = true;    // the packed layout's AVX-512 VNNI or AVX2 kernel (else a scalar loop)
 #else
   m.attr("quant_packed_is_fast") = false;
 #endif

@@ -1,5 +1,5 @@
 // Q8_0 / Q4_0 weights repacked at load so that one 512-bit register holds 16 rows (the "lanes"
-// layout), and y = x W^T over it: the CPU forward's quantized matmul (quant_matmul.h keeps the
+// layout; with AVX2 alone, two 256-bit registers of 8 rows each: half_tile below), and y = x W^T over it: the CPU forward's quantized matmul (quant_matmul.h keeps the
 // GGUF-layout kernel for blocks as a file stores them).
 //
 // quant_matmul.h forms each (row, token) block dot in its own register and pays a conversion, a
@@ -125,6 +125,7 @@ inline float scalar_output(const uint8_t* w, int64_t N, int64_t nb, int64_t bloc
 
 #if defined(QUANT_Q4_PAIRS)
 #define QUANT_LANES 1
+constexpr int64_t kLanesTokenBlock = kTokenBlock;     // tokens a group walks at a time (their activations in L2)
 
 // one group (its first tile at `group`) against RT tokens: out[t * ld + r] for the 16 rows r.
 // nc: per (token, block) minus 128 (Q8_0) or 8 (Q4_0) times the block's activation sum.
@@ -178,6 +179,101 @@ inline void group_tokens(const uint8_t* group, int64_t nb, bool q4, const int8_t
 }
 #endif
 
+#if !defined(QUANT_Q4_PAIRS) && defined(__AVX2__)
+#define QUANT_LANES 1
+// The same layout without AVX-512 (AMD Zen 2 / 3, older Intel): a group's 16 rows as two halves
+// of 8, a 256-bit register holding one half's 4 bytes of each row, so that one multiply-add
+// instruction serves 8 rows where the GGUF-layout kernel (quant_matmul.h's tile_avx2) spent one
+// on a row and then paid a conversion, a scale product and an fma for every row and block. Each
+// (token, block) lane ends with the same exact int32 dot as vpdpbusd's, and from there the float
+// operations are group_tile's (fma(float(dot), dw * dx, acc), blocks in order), so every output is
+// the scalar form's and the AVX-512 kernel's bit for bit.
+//
+//   Q4_0  the nibbles (0..15) times the activations by vpmaddubsw, the 8 products of a chunk pair
+//         summed in int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15), widened by vpmaddwd, then nc (minus 8
+//         times the block's activation sum) added: 20 instructions per 256 multiply-adds of a token
+//   Q8_0  stored as q + 128, which vpmaddubsw's int16 pairs cannot take (2 * 255 * 127 > 2^15):
+//         the sign trick instead (|q| times x carrying q's sign, |pair| <= 2 * 128 * 127), each
+//         chunk widened to int32 before the next is added; nc is not used
+constexpr int kTokensAvx2 = 4;
+constexpr int64_t kLanesTokenBlock = kTokenBlockAvx2;
+
+// halves [h0, h0 + NH) of one group (half h: rows 8h .. 8h + 8) against RT tokens: out[t * ld + r]
+// for their rows r. The gemv takes both halves in one pass (each weight line read once, while
+// it streams in); the GEMM one half at a time (its accumulators would not fit the registers
+// otherwise), the second half's lines in cache from the first's.
+template <int RT, int NH>
+inline void half_tile(const uint8_t* group, int64_t nb, bool q4, int h0, const int8_t* qx, const float* dx,
+                      const int32_t* nc, int64_t K, float* out, int64_t ld) {
+  const int64_t tile_bytes = kRows * (q4 ? 2 + kBlock / 2 : 2 + kBlock);
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto four = [&](int t, int64_t b, int at) {     // token t's activations at + 0..3 of block b, in every lane
+    int32_t v;
+    std::memcpy(&v, qx + t * K + b * kBlock + at, 4);
+    return _mm256_set1_epi32(v);
+  };
+  __m256 acc[NH][RT];
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < RT; ++t) acc[h][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = group + b * tile_bytes;
+    if constexpr (RT == 1) prefetch_span(tile, tile_bytes);      // the gemv streams the weight once
+    for (int h = 0; h < NH; ++h) {
+      const uint8_t* body = tile + 2 * kRows + 32 * (h0 + h);
+      __m256i dot[RT];
+      for (int t = 0; t < RT; ++t) dot[t] = _mm256_setzero_si256();
+      if (q4) {
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * j));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int t = 0; t < RT; ++t)
+            dot[t] = _mm256_add_epi16(dot[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four(t, b, 4 * j)),
+                                                               _mm256_maddubs_epi16(hi, four(t, b, 16 + 4 * j))));
+        }
+        for (int t = 0; t < RT; ++t)
+          dot[t] = _mm256_add_epi32(_mm256_madd_epi16(dot[t], ones), _mm256_set1_epi32(nc[t * nb + b]));
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * j)), flip);
+          const __m256i w_abs = _mm256_sign_epi8(w, w);
+          for (int t = 0; t < RT; ++t)
+            dot[t] = _mm256_add_epi32(
+                dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(four(t, b, 4 * j), w)), ones));
+        }
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * (h0 + h))));
+      for (int t = 0; t < RT; ++t)
+        acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(dw, _mm256_set1_ps(dx[t * nb + b])),
+                                    acc[h][t]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int t = 0; t < RT; ++t) _mm256_storeu_ps(out + t * ld + 8 * (h0 + h), acc[h][t]);
+}
+
+// a group against tokens [t0, t1): one token both halves at once; more, each half kTokensAvx2
+// tokens at a time, the rest 2, 1 at a time
+inline void group_tokens(const uint8_t* group, int64_t nb, bool q4, const int8_t* qx, const float* dx,
+                         const int32_t* nc, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
+  if (t1 - t0 == 1) {
+    half_tile<1, 2>(group, nb, q4, 0, qx + t0 * K, dx + t0 * nb, nc + t0 * nb, K, out + t0 * ld, ld);
+    return;
+  }
+  for (int h = 0; h < 2; ++h) {
+    int64_t t = t0;
+    auto run = [&](auto rt) {
+      constexpr int RT = decltype(rt)::value;
+      half_tile<RT, 1>(group, nb, q4, h, qx + t * K, dx + t * nb, nc + t * nb, K, out + t * ld, ld);
+      t += RT;
+    };
+    while (t + kTokensAvx2 <= t1) run(std::integral_constant<int, kTokensAvx2>{});
+    if (t + 2 <= t1) run(std::integral_constant<int, 2>{});
+    if (t < t1) run(std::integral_constant<int, 1>{});
+  }
+}
+#endif
+
 // A chunk of row groups of one call (the last chunk also takes the tail rows), as work::run runs it
 // (work_pool.h: on the Pool, in place or into a worker's scratch; on OpenMP's threads, in place)
 struct Job {
@@ -197,8 +293,8 @@ struct Job {
 #if defined(QUANT_LANES)
     const int64_t full_end = std::min(end, groups * kRows);
     const bool q4 = is_q4(block_bytes);
-    for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
-      const int64_t t1 = std::min(T, t0 + kTokenBlock);
+    for (int64_t t0 = 0; t0 < T; t0 += kLanesTokenBlock) {
+      const int64_t t1 = std::min(T, t0 + kLanesTokenBlock);
       for (int64_t n = begin; n < full_end; n += kRows) {
         if (!live()) return false;
         group_tokens(w + (n / kRows) * nb * kRows * block_bytes, nb, q4, qx, dx, nc, K, t0, t1, o + (n - begin), ld);

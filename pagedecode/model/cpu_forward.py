@@ -117,7 +117,7 @@ def applies(config: ModelConfig, device: torch.device, dtype: torch.dtype, kinds
 def pack_quantized(model: Any) -> None:
     """Every quantized weight of `model` in the compiled kernel's packed layout (csrc/quant_lanes.h:
     the same bytes rearranged, the GGUF-layout blocks dropped; a tied head stays the embedding), where
-    this build's packed kernel is the fast one (AVX-512 VNNI)."""
+    this build's packed kernel is the fast one (AVX-512 VNNI or AVX2)."""
     if _cpu_ext is None or not _cpu_ext.quant_packed_is_fast:
         return
 

@@ -100,6 +100,25 @@ def test_gemm_equals_the_gemv_row_by_row(kind, layout):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_packed_kernel_is_its_scalar_form_bit_for_bit(kind):
+    """The rows past the last whole 16-row group are computed by the packed layout's scalar form;
+    rows 1..15 of the first group repeated there must come out with the same bits as in the group
+    (AVX-512 VNNI, or AVX2's two halves of 8 rows: every row position in a register checked), one
+    token and several, activations with extreme values included (Q4_0's int16 sums at their bound)."""
+    g = torch.Generator().manual_seed(5)
+    for T, K in [(1, 96), (3, 576), (9, 1536), (6, 64)]:
+        w = torch.randn(16, K, generator=g)
+        w[:, :32] = torch.where(w[:, :32] > 0, 1.0, -1.0)        # whole blocks at the quantizer's extremes
+        q = QuantizedWeight.quantize(torch.cat([w, w[1:]]), kind)
+        x = torch.randn(T, K, generator=g) * 3
+        x[:, :32] = 5.0                                          # a block whose activations all round to 127
+        y = _cpu.quant_linear(x, q.pack().blocks, 31)
+        assert torch.equal(y[:, 16:], y[:, 1:16]), (T, K)
+        assert torch.equal(y, _cpu.quant_linear(x, q.pack().blocks, 31))
+
+
+@needs_kernel
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
 def test_kernel_is_the_same_bit_for_bit_at_any_thread_count(kind, layout):
@@ -178,7 +197,7 @@ def test_packed_kernel_forms_the_gguf_kernels_integer_dots(kind):
 
 
 @needs_kernel
-@pytest.mark.skipif(not getattr(_cpu, "quant_packed_is_fast", False), reason="a build without AVX-512 VNNI packs nothing")
+@pytest.mark.skipif(not getattr(_cpu, "quant_packed_is_fast", False), reason="a build without AVX2 packs nothing")
 def test_the_compiled_forward_holds_quantized_weights_packed(stories_path, monkeypatch):
     """A model on the compiled CPU forward packs its quantized weights at load, in place of the
     GGUF-layout blocks (the same bytes: weight_bytes does not move), the tied head staying the
