@@ -29,6 +29,9 @@
 //     Q8_0 [32, 544)     8 chunks of 64 bytes; chunk j holds q[r, 4j .. 4j + 4) + 128 at 4 r
 //     Q4_0 [32, 288)     4 chunks of 64 bytes; chunk j holds GGUF's bytes 4j .. 4j + 4 of row r
 //                        at 4 r: low nibbles q[4j ..], high nibbles q[16 + 4j ..]
+//     Q5_0 [32, 288)     Q4_0's chunks of GGUF's qs bytes, then
+//          [288, 352)    each row's 32 fifth bits as a u32 at 4 r, in the order q5_bit_at gives
+//                        (AVX2 builds only: AVX-512 has no Q5_0 kernel here, and does not pack it)
 //
 // A packed weight is an int8 tensor (GGUF's blocks are uint8): the dtype says the layout.
 #pragma once
@@ -42,18 +45,48 @@ constexpr int64_t kRows = 16;
 constexpr int kTokens = 8;     // tokens per tile: 8 register accumulators, the group's weights loaded once
 
 inline bool is_q4(int64_t block_bytes) { return block_bytes == 2 + kBlock / 2; }
+constexpr int64_t kQ5Bytes = 22;       // Q5_0: fp16 d | 4 bytes qh (bit k: weight k's fifth bit) | 16 bytes qs
+inline bool is_q5(int64_t block_bytes) { return block_bytes == kQ5Bytes; }
+
+// Q5_0's fifth bits in a packed tile: row r's u32 at 2 * kRows + 256 + 4 r holds weight 4j + i's bit
+// (qs chunk j's low nibble i) at bit 8i + j and weight 16 + 4j + i's (its high nibble) at 8i + 4 + j,
+// so that chunk j's 8 bits of a row sit at bit j and bit 4 + j of each byte, one shift from 0x10
+inline int q5_bit_at(int k) { return k < 16 ? 8 * (k % 4) + k / 4 : 8 * ((k - 16) % 4) + 4 + (k - 16) / 4; }
+
+inline uint32_t q5_spread(uint32_t qh) {           // GGUF's qh -> the packed order
+  uint32_t out = 0;
+  for (int k = 0; k < 32; ++k) out |= ((qh >> k) & 1u) << q5_bit_at(k);
+  return out;
+}
+
+inline uint32_t q5_gather(uint32_t packed) {       // its inverse
+  uint32_t out = 0;
+  for (int k = 0; k < 32; ++k) out |= ((packed >> q5_bit_at(k)) & 1u) << k;
+  return out;
+}
+
+// the qs bytes' offset in a GGUF block
+inline int64_t qs_at(int64_t block_bytes) { return is_q5(block_bytes) ? 6 : 2; }
+// chunks of 4 bytes of each row in a tile: Q4_0 / Q5_0's 16 qs bytes, Q8_0's 32 weights
+inline int chunks(int64_t block_bytes) { return block_bytes == 2 + kBlock ? 8 : 4; }
 
 // row r of a group's block tile `tile`: its signed weights and its scale
-inline float tile_row(const uint8_t* tile, bool q4, int r, int8_t* q) {
+inline float tile_row(const uint8_t* tile, int64_t block_bytes, int r, int8_t* q) {
   const uint8_t* body = tile + 2 * kRows;
-  for (int j = 0; j < (q4 ? 4 : 8); ++j)
+  const bool q8 = chunks(block_bytes) == 8;
+  uint32_t qh = 0;
+  if (is_q5(block_bytes)) std::memcpy(&qh, body + 256 + 4 * r, 4);
+  qh = q5_gather(qh);
+  const int off = is_q5(block_bytes) ? 16 : 8;
+  for (int j = 0; j < chunks(block_bytes); ++j)
     for (int i = 0; i < 4; ++i) {
       const uint8_t v = body[64 * j + 4 * r + i];
-      if (q4) {
-        q[4 * j + i] = static_cast<int8_t>((v & 15) - 8);
-        q[16 + 4 * j + i] = static_cast<int8_t>((v >> 4) - 8);
+      const int k = 4 * j + i;
+      if (q8) {
+        q[k] = static_cast<int8_t>(v ^ 0x80);
       } else {
-        q[4 * j + i] = static_cast<int8_t>(v ^ 0x80);
+        q[k] = static_cast<int8_t>(((v & 15) | ((qh >> k) & 1) << 4) - off);
+        q[16 + k] = static_cast<int8_t>(((v >> 4) | ((qh >> (16 + k)) & 1) << 4) - off);
       }
     }
   return fp16_to_float(tile + 2 * r);
@@ -61,28 +94,42 @@ inline float tile_row(const uint8_t* tile, bool q4, int r, int8_t* q) {
 
 // row n's block b (a tail row: GGUF's layout) as signed weights; returns its scale
 inline float block_at(const uint8_t* w, int64_t N, int64_t nb, int64_t block_bytes, int64_t n, int64_t b, int8_t* q) {
-  const bool q4 = is_q4(block_bytes);
   if (n >= N / kRows * kRows) {
     const uint8_t* blk = w + (n * nb + b) * block_bytes;
-    unpack_scalar(blk, q4, q);
+    if (is_q5(block_bytes)) {
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = static_cast<int8_t>(((blk[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16);
+        q[j + 16] = static_cast<int8_t>(((blk[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+      }
+    } else {
+      unpack_scalar(blk, is_q4(block_bytes), q);
+    }
     return fp16_to_float(blk);
   }
-  return tile_row(w + ((n / kRows) * nb + b) * kRows * block_bytes, q4, static_cast<int>(n % kRows), q);
+  return tile_row(w + ((n / kRows) * nb + b) * kRows * block_bytes, block_bytes, static_cast<int>(n % kRows), q);
 }
 
 // GGUF rows (N, nb * block_bytes) -> the lanes layout (same size); unpack is its exact inverse
 inline void pack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_t block_bytes) {
-  const bool q4 = is_q4(block_bytes);
-  const int64_t groups = N / kRows, row_bytes = nb * block_bytes;
+  const bool q8 = chunks(block_bytes) == 8;
+  const int64_t groups = N / kRows, row_bytes = nb * block_bytes, qs = qs_at(block_bytes);
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* tile = dst + (g * nb + b) * kRows * block_bytes;
       for (int r = 0; r < kRows; ++r) {
         const uint8_t* blk = src + (g * kRows + r) * row_bytes + b * block_bytes;
         std::memcpy(tile + 2 * r, blk, 2);
-        for (int j = 0; j < (q4 ? 4 : 8); ++j)
+        for (int j = 0; j < chunks(block_bytes); ++j)
           for (int i = 0; i < 4; ++i)
-            tile[2 * kRows + 64 * j + 4 * r + i] = q4 ? blk[2 + 4 * j + i] : blk[2 + 4 * j + i] ^ 0x80;
+            tile[2 * kRows + 64 * j + 4 * r + i] = q8 ? blk[2 + 4 * j + i] ^ 0x80 : blk[qs + 4 * j + i];
+        if (is_q5(block_bytes)) {
+          uint32_t qh;
+          std::memcpy(&qh, blk + 2, 4);
+          qh = q5_spread(qh);
+          std::memcpy(tile + 2 * kRows + 256 + 4 * r, &qh, 4);
+        }
       }
     }
   if (N > groups * kRows)
@@ -90,19 +137,25 @@ inline void pack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_
 }
 
 inline void unpack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_t block_bytes) {
-  const bool q4 = is_q4(block_bytes);
-  const int64_t groups = N / kRows, row_bytes = nb * block_bytes;
+  const bool q8 = chunks(block_bytes) == 8;
+  const int64_t groups = N / kRows, row_bytes = nb * block_bytes, qs = qs_at(block_bytes);
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = src + (g * nb + b) * kRows * block_bytes;
       for (int r = 0; r < kRows; ++r) {
         uint8_t* blk = dst + (g * kRows + r) * row_bytes + b * block_bytes;
         std::memcpy(blk, tile + 2 * r, 2);
-        for (int j = 0; j < (q4 ? 4 : 8); ++j)
+        for (int j = 0; j < chunks(block_bytes); ++j)
           for (int i = 0; i < 4; ++i) {
             const uint8_t v = tile[2 * kRows + 64 * j + 4 * r + i];
-            blk[2 + 4 * j + i] = q4 ? v : v ^ 0x80;
+            if (q8) blk[2 + 4 * j + i] = v ^ 0x80; else blk[qs + 4 * j + i] = v;
           }
+        if (is_q5(block_bytes)) {
+          uint32_t qh;
+          std::memcpy(&qh, tile + 2 * kRows + 256 + 4 * r, 4);
+          qh = q5_gather(qh);
+          std::memcpy(blk + 2, &qh, 4);
+        }
       }
     }
   if (N > groups * kRows)
@@ -164,8 +217,11 @@ inline void group_tile(const uint8_t* group, int64_t nb, bool q4, const int8_t* 
 }
 
 // a group against tokens [t0, t1): kTokens at a time, the rest 4, 2, 1 at a time
-inline void group_tokens(const uint8_t* group, int64_t nb, bool q4, const int8_t* qx, const float* dx,
+constexpr bool kLanesQ5 = false;       // Q5_0 is not packed on AVX-512 builds (no kernel for it here)
+
+inline void group_tokens(const uint8_t* group, int64_t nb, int64_t block_bytes, const int8_t* qx, const float* dx,
                          const int32_t* nc, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
+  const bool q4 = is_q4(block_bytes);
   int64_t t = t0;
   auto run = [&](auto rt) {
     constexpr int RT = decltype(rt)::value;
@@ -183,31 +239,37 @@ inline void group_tokens(const uint8_t* group, int64_t nb, bool q4, const int8_t
 #define QUANT_LANES 1
 // The same layout without AVX-512 (AMD Zen 2 / 3, older Intel): a group's 16 rows as two halves
 // of 8, a 256-bit register holding one half's 4 bytes of each row, so that one multiply-add
-// instruction serves 8 rows where the GGUF-layout kernel (quant_matmul.h's tile_avx2) spent one
-// on a row and then paid a conversion, a scale product and an fma for every row and block. Each
-// (token, block) lane ends with the same exact int32 dot as vpdpbusd's, and from there the float
-// operations are group_tile's (fma(float(dot), dw * dx, acc), blocks in order), so every output is
-// the scalar form's and the AVX-512 kernel's bit for bit.
+// instruction serves 8 rows where the GGUF-layout kernels (quant_matmul.h's tile_avx2,
+// quant_types.h's tile32) spent one on a row and then paid a conversion, a scale product and an
+// fma for every row and block. Each (token, block) lane ends with the scalar form's exact int32
+// dot, and from there the float operations are group_tile's (fma(float(dot), dw * dx, acc), blocks
+// in order), so every output is the scalar form's and the AVX-512 kernel's bit for bit.
 //
-//   Q4_0  the nibbles (0..15) times the activations by vpmaddubsw, the 8 products of a chunk pair
-//         summed in int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15), widened by vpmaddwd, then nc (minus 8
-//         times the block's activation sum) added: 20 instructions per 256 multiply-adds of a token
+//   Q4_0  the nibbles (0..15) times the activations by vpmaddubsw, a block's products summed in
+//         int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15), widened by vpmaddwd, then nc (minus 8 times
+//         the block's activation sum) added: 20 instructions per 256 multiply-adds of a token
+//   Q5_0  Q4_0's, each nibble given its fifth bit (one shift, an and and an or per 32 bytes, from
+//         the bits as pack() orders them), summed in int16 two chunks at a time (2 * 2 * 2 * 31 *
+//         127 < 2^15), nc minus 16 times the sum
 //   Q8_0  stored as q + 128, which vpmaddubsw's int16 pairs cannot take (2 * 255 * 127 > 2^15):
 //         the sign trick instead (|q| times x carrying q's sign, |pair| <= 2 * 128 * 127), each
 //         chunk widened to int32 before the next is added; nc is not used
 constexpr int kTokensAvx2 = 4;
 constexpr int64_t kLanesTokenBlock = kTokenBlockAvx2;
+constexpr bool kLanesQ5 = true;
+enum class Lanes { Q8, Q4, Q5 };
 
 // halves [h0, h0 + NH) of one group (half h: rows 8h .. 8h + 8) against RT tokens: out[t * ld + r]
 // for their rows r. The gemv takes both halves in one pass (each weight line read once, while
 // it streams in); the GEMM one half at a time (its accumulators would not fit the registers
 // otherwise), the second half's lines in cache from the first's.
-template <int RT, int NH>
-inline void half_tile(const uint8_t* group, int64_t nb, bool q4, int h0, const int8_t* qx, const float* dx,
-                      const int32_t* nc, int64_t K, float* out, int64_t ld) {
-  const int64_t tile_bytes = kRows * (q4 ? 2 + kBlock / 2 : 2 + kBlock);
-  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
+template <Lanes Q, int RT, int NH>
+inline void half_tile(const uint8_t* group, int64_t nb, int h0, const int8_t* qx, const float* dx, const int32_t* nc,
+                      int64_t K, float* out, int64_t ld) {
+  constexpr int64_t tile_bytes = kRows * (Q == Lanes::Q8 ? 2 + kBlock : Q == Lanes::Q4 ? 2 + kBlock / 2 : kQ5Bytes);
+  constexpr int flush = Q == Lanes::Q5 ? 2 : 4;     // chunks summed in int16 before widening
+  const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   auto four = [&](int t, int64_t b, int at) {     // token t's activations at + 0..3 of block b, in every lane
     int32_t v;
     std::memcpy(&v, qx + t * K + b * kBlock + at, 4);
@@ -223,17 +285,7 @@ inline void half_tile(const uint8_t* group, int64_t nb, bool q4, int h0, const i
       const uint8_t* body = tile + 2 * kRows + 32 * (h0 + h);
       __m256i dot[RT];
       for (int t = 0; t < RT; ++t) dot[t] = _mm256_setzero_si256();
-      if (q4) {
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * j));
-          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          for (int t = 0; t < RT; ++t)
-            dot[t] = _mm256_add_epi16(dot[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four(t, b, 4 * j)),
-                                                               _mm256_maddubs_epi16(hi, four(t, b, 16 + 4 * j))));
-        }
-        for (int t = 0; t < RT; ++t)
-          dot[t] = _mm256_add_epi32(_mm256_madd_epi16(dot[t], ones), _mm256_set1_epi32(nc[t * nb + b]));
-      } else {
+      if constexpr (Q == Lanes::Q8) {
         for (int j = 0; j < 8; ++j) {
           const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * j)), flip);
           const __m256i w_abs = _mm256_sign_epi8(w, w);
@@ -241,6 +293,27 @@ inline void half_tile(const uint8_t* group, int64_t nb, bool q4, int h0, const i
             dot[t] = _mm256_add_epi32(
                 dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(four(t, b, 4 * j), w)), ones));
         }
+      } else {
+        __m256i qh = _mm256_setzero_si256(), sum16[RT];
+        if constexpr (Q == Lanes::Q5) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 256));
+        for (int t = 0; t < RT; ++t) sum16[t] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * j));
+          __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          if constexpr (Q == Lanes::Q5) {     // chunk j's fifth bits sit at bits j and 4 + j of each byte
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(qh, 4 - j), fifth));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(qh, j), fifth));
+          }
+          for (int t = 0; t < RT; ++t) {
+            sum16[t] = _mm256_add_epi16(sum16[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four(t, b, 4 * j)),
+                                                                   _mm256_maddubs_epi16(hi, four(t, b, 16 + 4 * j))));
+            if ((j + 1) % flush == 0) {
+              dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(sum16[t], ones));
+              sum16[t] = _mm256_setzero_si256();
+            }
+          }
+        }
+        for (int t = 0; t < RT; ++t) dot[t] = _mm256_add_epi32(dot[t], _mm256_set1_epi32(nc[t * nb + b]));
       }
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * (h0 + h))));
       for (int t = 0; t < RT; ++t)
@@ -254,23 +327,34 @@ inline void half_tile(const uint8_t* group, int64_t nb, bool q4, int h0, const i
 
 // a group against tokens [t0, t1): one token both halves at once; more, each half kTokensAvx2
 // tokens at a time, the rest 2, 1 at a time
-inline void group_tokens(const uint8_t* group, int64_t nb, bool q4, const int8_t* qx, const float* dx,
-                         const int32_t* nc, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
+template <Lanes Q>
+inline void group_tokens_of(const uint8_t* group, int64_t nb, const int8_t* qx, const float* dx, const int32_t* nc,
+                            int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
   if (t1 - t0 == 1) {
-    half_tile<1, 2>(group, nb, q4, 0, qx + t0 * K, dx + t0 * nb, nc + t0 * nb, K, out + t0 * ld, ld);
+    half_tile<Q, 1, 2>(group, nb, 0, qx + t0 * K, dx + t0 * nb, nc + t0 * nb, K, out + t0 * ld, ld);
     return;
   }
   for (int h = 0; h < 2; ++h) {
     int64_t t = t0;
     auto run = [&](auto rt) {
       constexpr int RT = decltype(rt)::value;
-      half_tile<RT, 1>(group, nb, q4, h, qx + t * K, dx + t * nb, nc + t * nb, K, out + t * ld, ld);
+      half_tile<Q, RT, 1>(group, nb, h, qx + t * K, dx + t * nb, nc + t * nb, K, out + t * ld, ld);
       t += RT;
     };
     while (t + kTokensAvx2 <= t1) run(std::integral_constant<int, kTokensAvx2>{});
     if (t + 2 <= t1) run(std::integral_constant<int, 2>{});
     if (t < t1) run(std::integral_constant<int, 1>{});
   }
+}
+
+inline void group_tokens(const uint8_t* group, int64_t nb, int64_t block_bytes, const int8_t* qx, const float* dx,
+                         const int32_t* nc, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
+  if (is_q5(block_bytes))
+    group_tokens_of<Lanes::Q5>(group, nb, qx, dx, nc, K, t0, t1, out, ld);
+  else if (is_q4(block_bytes))
+    group_tokens_of<Lanes::Q4>(group, nb, qx, dx, nc, K, t0, t1, out, ld);
+  else
+    group_tokens_of<Lanes::Q8>(group, nb, qx, dx, nc, K, t0, t1, out, ld);
 }
 #endif
 
@@ -291,13 +375,13 @@ struct Job {
     const int64_t begin = row_begin(c), end = row_end(c);
     const auto [o, ld] = work::destination(out, N, T, begin, end - begin, scratch);
 #if defined(QUANT_LANES)
-    const int64_t full_end = std::min(end, groups * kRows);
-    const bool q4 = is_q4(block_bytes);
+    // the packed kernel's rows (all groups, or none where this build has no kernel for the type)
+    const int64_t full_end = kLanesQ5 || !is_q5(block_bytes) ? std::min(end, groups * kRows) : begin;
     for (int64_t t0 = 0; t0 < T; t0 += kLanesTokenBlock) {
       const int64_t t1 = std::min(T, t0 + kLanesTokenBlock);
       for (int64_t n = begin; n < full_end; n += kRows) {
         if (!live()) return false;
-        group_tokens(w + (n / kRows) * nb * kRows * block_bytes, nb, q4, qx, dx, nc, K, t0, t1, o + (n - begin), ld);
+        group_tokens(w + (n / kRows) * nb * kRows * block_bytes, nb, block_bytes, qx, dx, nc, K, t0, t1, o + (n - begin), ld);
       }
     }
     const int64_t scalar_from = full_end;
@@ -330,7 +414,7 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   float* dx = reinterpret_cast<float*>(mem + o_dx);
   int32_t* nc = reinterpret_cast<int32_t*>(mem + o_nc);
   quantize_rows(x, qx, dx, T, K);
-  const int32_t offset = is_q4(block_bytes) ? 8 : 128;
+  const int32_t offset = is_q5(block_bytes) ? 16 : is_q4(block_bytes) ? 8 : 128;
   for (int64_t i = 0; i < T * nb; ++i) {
     int32_t sum = 0;
     for (int j = 0; j < kBlock; ++j) sum += qx[i * kBlock + j];
@@ -364,15 +448,19 @@ inline const types::Type* other_type(const at::Tensor& blocks, int64_t K, const 
   return type;
 }
 
-inline int64_t check_blocks(const at::Tensor& blocks, int64_t K, const char* what) {
+// Q8_0 / Q4_0 blocks (N, K / 32 * block bytes) in either layout, or Q5_0's packed (int8; as uint8
+// only where `q5_gguf`: quant_pack's input, GGUF's Q5_0 otherwise going to quant_types.h as (N,
+// blocks, 22)): the block size
+inline int64_t check_blocks(const at::Tensor& blocks, int64_t K, const char* what, bool q5_gguf = false) {
   TORCH_CHECK(blocks.dim() == 2 && (blocks.scalar_type() == at::kByte || blocks.scalar_type() == at::kChar) &&
                   blocks.is_contiguous(), what, ": blocks must be (N, K / 32 * block bytes) uint8 (GGUF's layout) "
                   "or int8 (packed by quant_pack)");
   TORCH_CHECK(blocks.device().is_cpu(), what, ": blocks must be on the CPU");
   TORCH_CHECK(K > 0 && K % kBlock == 0, what, ": K must be a positive multiple of 32");
   const int64_t block_bytes = blocks.size(1) / (K / kBlock);
-  TORCH_CHECK((block_bytes == 34 || block_bytes == 18) && block_bytes * (K / kBlock) == blocks.size(1),
-              what, ": blocks are neither Q8_0 (34 bytes) nor Q4_0 (18 bytes) for this K");
+  const bool q5 = block_bytes == lanes::kQ5Bytes && (blocks.scalar_type() == at::kChar || q5_gguf);
+  TORCH_CHECK((block_bytes == 34 || block_bytes == 18 || q5) && block_bytes * (K / kBlock) == blocks.size(1),
+              what, ": blocks are neither Q8_0 (34 bytes) nor Q4_0 (18 bytes) for this K, nor packed Q5_0 (22)");
   return block_bytes;
 }
 
@@ -405,7 +493,7 @@ inline at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, in
 
 // pagedecode._cpu.quant_pack(blocks uint8, K) -> the same weight packed (int8), and quant_unpack back
 inline at::Tensor quant_repack(const at::Tensor& blocks, int64_t K, bool to_lanes) {
-  const int64_t block_bytes = quant::check_blocks(blocks, K, to_lanes ? "quant_pack" : "quant_unpack");
+  const int64_t block_bytes = quant::check_blocks(blocks, K, to_lanes ? "quant_pack" : "quant_unpack", true);
   TORCH_CHECK(blocks.scalar_type() == (to_lanes ? at::kByte : at::kChar),
               to_lanes ? "quant_pack: blocks must be uint8 (GGUF's layout)" : "quant_unpack: blocks must be int8 (packed)");
   at::Tensor out = at::empty_like(blocks, blocks.options().dtype(to_lanes ? at::kChar : at::kByte));

@@ -117,14 +117,15 @@ def applies(config: ModelConfig, device: torch.device, dtype: torch.dtype, kinds
 def pack_quantized(model: Any) -> None:
     """Every quantized weight of `model` in the compiled kernel's packed layout (csrc/quant_lanes.h:
     the same bytes rearranged, the GGUF-layout blocks dropped; a tied head stays the embedding), where
-    this build's packed kernel is the fast one (AVX-512 VNNI or AVX2)."""
-    if _cpu_ext is None or not _cpu_ext.quant_packed_is_fast:
+    this build's packed kernel is the fast one (`pagedecode._cpu.quant_packed_kinds`)."""
+    fast = set(getattr(_cpu_ext, "quant_packed_kinds", ())) if _cpu_ext is not None else set()
+    if not fast:
         return
 
     def packed(w: Any) -> Any:
         if isinstance(w, RowStack):
-            return RowStack([p.pack() for p in w.parts])
-        return w.pack() if isinstance(w, QuantizedWeight) else w
+            return RowStack([packed(p) for p in w.parts])
+        return w.pack() if isinstance(w, QuantizedWeight) and w.kind in fast else w
     tied = model.lm_head is model.embed
     model.embed = packed(model.embed)
     model.lm_head = model.embed if tied else packed(model.lm_head)

@@ -19,10 +19,11 @@ weight is dequantized for the call (the reference), so the only error is the wei
 embedding's rows are dequantized where they are looked up (`embedding_rows`).
 
 For the compiled CPU forward the blocks are repacked at load where the build has the packed
-kernel (`pagedecode._cpu.quant_packed_is_fast`: AVX-512 VNNI; `QuantizedWeight.packed`, by
-pagedecode._cpu.quant_pack): 16 rows to a 512-bit register, so that csrc/quant_lanes.h's kernel
-forms the 16 rows' block dots at once (3-4x the GGUF-layout kernel's multiply-adds a second). Same
-size, same blocks, int8 instead of uint8; `gguf_blocks()` gives GGUF's layout back, bit for bit.
+kernel (`pagedecode._cpu.quant_packed_kinds`: Q8_0 / Q4_0 with AVX-512 VNNI, and Q5_0 too with
+AVX2; `QuantizedWeight.packed`, by pagedecode._cpu.quant_pack): 16 rows to a 512-bit register (or
+two 256-bit ones), so that csrc/quant_lanes.h's kernel forms the rows' block dots at once (3-4x the
+GGUF-layout kernel's multiply-adds a second with VNNI, 1.5-2x with AVX2). Same size, same blocks,
+int8 instead of uint8; `gguf_blocks()` gives GGUF's layout back, bit for bit.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ from ..kernels.quant_types import BLOCK_TYPES, KINDS
 # what `quantization=` applies to a float checkpoint (gguf's reference quantizer has these; the
 # K-quants come from files)
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-# the compiled CPU kernels' packed layout (csrc/quant_lanes.h) takes these
-PACKABLE = tuple(BLOCK_BYTES)
+# the compiled CPU kernels' packed layout (csrc/quant_lanes.h) takes these (which of them the build
+# has a fast kernel for, and so packs at load: pagedecode._cpu.quant_packed_kinds)
+PACKABLE = (*BLOCK_BYTES, "q5_0")
 
 
 def _cpu_ext() -> Any:
@@ -50,7 +52,7 @@ def _cpu_ext() -> Any:
 
 class QuantizedWeight:
     """A (out_features, in_features) weight in one GGUF block type's blocks (kernels/quant_types.py;
-    Q8_0 / Q4_0 also packed, see the module docstring)."""
+    Q8_0 / Q4_0 / Q5_0 also packed, see the module docstring)."""
 
     def __init__(self, kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
         if kind not in BLOCK_TYPES:
@@ -102,9 +104,9 @@ class QuantizedWeight:
 
     def kernel_blocks(self) -> torch.Tensor:
         """The blocks as the compiled CPU kernels take them: Q8_0 / Q4_0 (N, row bytes) in either
-        layout, whose block size says the type; every other type (N, blocks per row, type size),
-        a view, whose block count and size say the type (csrc/quant_types.h)."""
-        if self.kind in PACKABLE:
+        layout and packed Q5_0, whose block size says the type; every other type (N, blocks per
+        row, type size), a view, whose block count and size say the type (csrc/quant_types.h)."""
+        if self.kind in BLOCK_BYTES or self.packed:
             return self.blocks
         return self.blocks.view(self.shape[0], -1, BLOCK_TYPES[self.kind].type_size)
 
@@ -179,7 +181,7 @@ def compiled_kinds() -> tuple[str, ...]:
         return ()
     if not hasattr(_cpu, "quant_linear"):
         return ()
-    return PACKABLE + tuple(getattr(_cpu, "quant_block_kinds", ()))
+    return tuple(dict.fromkeys((*BLOCK_BYTES, *getattr(_cpu, "quant_block_kinds", ()))))
 
 
 QuantKernel = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]

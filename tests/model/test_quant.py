@@ -39,15 +39,18 @@ needs_kernel = pytest.mark.skipif(not hasattr(_cpu, "quant_pack"), reason="paged
 LAYOUTS = ["gguf", "packed"]
 
 
+PACKED_KINDS = ["q8_0", "q4_0", "q5_0"]     # the kinds the packed layout takes
+
+
 def blocks_in(q, layout):
-    """The weight's blocks as the kernel takes them: GGUF's layout (uint8), or packed (int8:
-    csrc/quant_lanes.h, 16 rows to a register)."""
-    return q.blocks if layout == "gguf" else _cpu.quant_pack(q.blocks, q.shape[1])
+    """The weight's blocks as the kernel takes them: GGUF's layout (uint8; Q5_0 as (N, blocks, 22),
+    csrc/quant_types.h's), or packed (int8: csrc/quant_lanes.h, 16 rows to a register)."""
+    return q.kernel_blocks() if layout == "gguf" else _cpu.quant_pack(q.blocks, q.shape[1])
 
 
 @needs_kernel
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", PACKED_KINDS)
 @pytest.mark.parametrize("T, K, N", [(1, 64, 96), (3, 96, 7), (17, 576, 100), (2, 1536, 33), (11, 160, 37),
                                      (1, 576, 300), (130, 96, 48)])
 def test_kernel_against_dequantized_reference(kind, T, K, N, layout):
@@ -72,7 +75,7 @@ def test_kernel_against_dequantized_reference(kind, T, K, N, layout):
 
 @needs_kernel
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_gemm_equals_the_gemv_row_by_row(kind, layout):
     """Several tokens go through the blocked GEMM (tiles of weight rows x tokens, the blocks decoded
     once per tile), one token through the gemv: the same int8 activations, the same exact int32 block
@@ -100,7 +103,7 @@ def test_gemm_equals_the_gemv_row_by_row(kind, layout):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_packed_kernel_is_its_scalar_form_bit_for_bit(kind):
     """The rows past the last whole 16-row group are computed by the packed layout's scalar form;
     rows 1..15 of the first group repeated there must come out with the same bits as in the group
@@ -120,7 +123,7 @@ def test_packed_kernel_is_its_scalar_form_bit_for_bit(kind):
 
 @needs_kernel
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_kernel_is_the_same_bit_for_bit_at_any_thread_count(kind, layout):
     """The matmul's chunks (csrc/work_pool.h) go to whichever thread claims them first, and a
     worker's chunk may be taken back and recomputed by the caller: the rows of each chunk are fixed
@@ -154,7 +157,7 @@ def test_kernel_refuses_what_is_not_blocks():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_packed_layout_is_the_same_weight(kind):
     """quant_pack rearranges the blocks (16 rows to a register, the rest of the rows as they were)
     and quant_unpack puts them back bit for bit; every view of a packed QuantizedWeight (dequantized,
@@ -173,7 +176,8 @@ def test_packed_layout_is_the_same_weight(kind):
         assert torch.equal(p.dequantize(torch.bfloat16, rows=rows), q.dequantize(torch.bfloat16, rows=rows))
         assert torch.equal(p.select_rows(rows).blocks, q.select_rows(rows).blocks)
         assert torch.equal(QuantizedWeight.cat([p, q]).blocks, torch.cat([q.blocks, q.blocks]))
-        assert torch.equal(_cpu.quant_embedding_rows(p.blocks, rows, K), _cpu.quant_embedding_rows(q.blocks, rows, K))
+        assert torch.equal(_cpu.quant_embedding_rows(p.blocks, rows, K),
+                           _cpu.quant_embedding_rows(q.kernel_blocks(), rows, K))
     with pytest.raises(RuntimeError, match="must be uint8"):
         _cpu.quant_pack(p.blocks, K)
     with pytest.raises(RuntimeError, match="must be int8"):
@@ -183,7 +187,7 @@ def test_packed_layout_is_the_same_weight(kind):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", PACKED_KINDS)
 def test_packed_kernel_forms_the_gguf_kernels_integer_dots(kind):
     """Both kernels quantize the activations alike and form the same exact int32 block dots; only
     how the float products are summed differs (here: in block order per output; there: in lanes,
@@ -192,7 +196,7 @@ def test_packed_kernel_forms_the_gguf_kernels_integer_dots(kind):
     for T, K, N in [(1, 576, 960), (9, 1536, 576), (40, 576, 3072)]:
         q = QuantizedWeight.quantize(torch.randn(N, K, generator=g), kind)
         x = torch.randn(T, K, generator=g)
-        a, b = _cpu.quant_linear(x, q.blocks, N), _cpu.quant_linear(x, q.pack().blocks, N)
+        a, b = _cpu.quant_linear(x, q.kernel_blocks(), N), _cpu.quant_linear(x, q.pack().blocks, N)
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
@@ -207,12 +211,23 @@ def test_the_compiled_forward_holds_quantized_weights_packed(stories_path, monke
     layers = [w for L in engine.model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w) if isinstance(w, QuantizedWeight)]
     assert layers and all(w.packed for w in layers) and engine.model.lm_head.packed
     assert not any(w.packed for L in torch_path.model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w))
-    monkeypatch.setattr(_cpu, "quant_packed_is_fast", False)         # a build without the packed kernel
+    monkeypatch.setattr(_cpu, "quant_packed_kinds", [])         # a build without the packed kernel
     unpacked = pd.Engine.from_pretrained(stories_path, quantization="q8_0")
     assert not unpacked.model.lm_head.packed and engine.weight_bytes == unpacked.weight_bytes
     ids = engine.tokenizer.encode(STORY)
     a, b = logits_of(engine.model, ids), logits_of(unpacked.model, ids)
     assert 0 < (a - b).abs().max() <= 1e-4 * a.abs().max()           # the sums' order: float rounding
+    unpacked_q5 = pd.Engine.from_pretrained(stories_path, quantization="q5_0")
+    monkeypatch.undo()
+    q5 = pd.Engine.from_pretrained(stories_path, quantization="q5_0")  # packed where the build has its kernel (AVX2)
+    layers = [w for L in q5.model.layers for w in (L.qkv_w, L.o_w, L.gate_up_w) if isinstance(w, QuantizedWeight)]
+    assert layers and all(w.kind == "q5_0" and w.packed == ("q5_0" in _cpu.quant_packed_kinds) for w in layers)
+    assert q5.weight_bytes == unpacked_q5.weight_bytes
+    # each matmul agrees to float rounding (test_packed_kernel_forms_the_gguf_kernels_integer_dots); over
+    # the layers a last-bit difference can move an activation across a rounding step of the next
+    # layer's int8 quantization, so the logits agree to a fraction of that error, not to the last bit
+    a, b = logits_of(q5.model, ids), logits_of(unpacked_q5.model, ids)
+    assert (a - b).abs().max() <= 5e-3 * a.abs().max()
 
 
 def test_bad_blocks_and_kind_are_refused():
@@ -220,7 +235,7 @@ def test_bad_blocks_and_kind_are_refused():
         QuantizedWeight("q3_k", torch.zeros(1, 110, dtype=torch.uint8), (1, 256))
     with pytest.raises(ValueError, match="do not hold"):
         QuantizedWeight("q5_0", torch.zeros(1, 34, dtype=torch.uint8), (1, 32))
-    with pytest.raises(ValueError, match="do not hold"):                    # only Q8_0 / Q4_0 are packed
+    with pytest.raises(ValueError, match="do not hold"):                    # only Q8_0 / Q4_0 / Q5_0 are packed
         QuantizedWeight("q4_1", torch.zeros(1, 20, dtype=torch.int8), (1, 32))
     with pytest.raises(ValueError, match="quantization must be one of"):   # K-quants come from files
         QuantizedWeight.quantize(torch.zeros(1, 256), "q4_k")
@@ -357,7 +372,7 @@ def test_quantization_to_the_other_blocks_of_32(stories_path, kind, max_error):
     checkpoint = load_file(str(stories_path / "model.safetensors"))
     o_proj = checkpoint["model.layers.0.self_attn.o_proj.weight"].float().numpy()
     want = gguf.quants.quantize(o_proj, Q[kind.upper()])
-    assert model.layers[0].o_w.kind == kind and np.array_equal(model.layers[0].o_w.blocks.numpy(), want)
+    assert model.layers[0].o_w.kind == kind and np.array_equal(model.layers[0].o_w.gguf_blocks().numpy(), want)
     ids = engine.tokenizer.encode(STORY)
     error = (logits_of(model, ids) - logits_of(dense.model, ids)).abs().max().item()
     assert 0 < error < max_error
