@@ -1096,15 +1096,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (T, K) float32 @ W^T, W (N, K) in Q8_0 / Q4_0 blocks (uint8: GGUF's layout, csrc/quant_matmul.h; int8: "
         "packed, csrc/quant_lanes.h), activations int8 per block");
   m.def("quant_pack", [](const Tensor& blocks, int64_t k) { return quant_repack(blocks, k, true); },
-        "GGUF Q8_0 / Q4_0 / Q5_0 blocks (N, K / 32 * block bytes) uint8 -> the same weight in csrc/quant_lanes.h's layout (int8)");
+        "GGUF Q8_0 / Q4_0 / Q5_0 / Q4_1 / Q5_1 blocks (N, K / 32 * block bytes) uint8 -> the same weight in csrc/quant_lanes.h's layout (int8)");
   m.def("quant_unpack", [](const Tensor& blocks, int64_t k) { return quant_repack(blocks, k, false); },
         "quant_pack's inverse: packed (int8) -> GGUF's blocks (uint8), bit for bit");
   // the block types whose packed layout has this build's fast kernel (the others' packed rows would
   // go through the scalar form): what the compiled forward packs at load
 #if defined(QUANT_LANES)
   m.attr("quant_packed_is_fast") = true;    // the packed layout's AVX-512 VNNI or AVX2 kernel (else a scalar loop)
-  m.attr("quant_packed_kinds") = quant::lanes::kLanesQ5 ? std::vector<std::string>{"q8_0", "q4_0", "q5_0"}
-                                                        : std::vector<std::string>{"q8_0", "q4_0"};
+  m.attr("quant_packed_kinds") = quant::lanes::lanes_kernel(22)
+                                     ? std::vector<std::string>{"q8_0", "q4_0", "q5_0", "q4_1", "q5_1"}
+                                     : std::vector<std::string>{"q8_0", "q4_0"};
 #else
   m.attr("quant_packed_is_fast") = false;
   m.attr("quant_packed_kinds") = std::vector<std::string>{};

@@ -31,8 +31,11 @@
 //                        at 4 r: low nibbles q[4j ..], high nibbles q[16 + 4j ..]
 //     Q5_0 [32, 288)     Q4_0's chunks of GGUF's qs bytes, then
 //          [288, 352)    each row's 32 fifth bits as a u32 at 4 r, in the order q5_bit_at gives
-//                        (AVX2 builds only: AVX-512 has no Q5_0 kernel here, and does not pack it)
+//     Q4_1 [32, 64)      the rows' fp16 mins m after their scales, then Q4_0's chunks at [64, 320)
+//     Q5_1 [32, 64)      the same, Q5_0's chunks and fifth bits at [64, 384)
+//     (Q5_0, Q4_1, Q5_1: AVX2 builds only; AVX-512 has no kernel for them here and does not pack them)
 //
+// With a min the formula gains one fma per block: acc = fma(m, dx * sum(qx), acc) after the dot's.
 // A packed weight is an int8 tensor (GGUF's blocks are uint8): the dtype says the layout.
 #pragma once
 
@@ -45,11 +48,30 @@ constexpr int64_t kRows = 16;
 constexpr int kTokens = 8;     // tokens per tile: 8 register accumulators, the group's weights loaded once
 
 inline bool is_q4(int64_t block_bytes) { return block_bytes == 2 + kBlock / 2; }
-constexpr int64_t kQ5Bytes = 22;       // Q5_0: fp16 d | 4 bytes qh (bit k: weight k's fifth bit) | 16 bytes qs
-inline bool is_q5(int64_t block_bytes) { return block_bytes == kQ5Bytes; }
 
-// Q5_0's fifth bits in a packed tile: row r's u32 at 2 * kRows + 256 + 4 r holds weight 4j + i's bit
-// (qs chunk j's low nibble i) at bit 8i + j and weight 16 + 4j + i's (its high nibble) at 8i + 4 + j,
+// What a block type's packed tile holds, by its GGUF block size (the types of 32 weights: Q8_0 34,
+// Q4_0 18, Q5_0 22, Q4_1 20, Q5_1 24 bytes). Weight j of a block is d * (q_j - offset) (Q8_0: q_j
+// signed, stored + 128), or d * q_j + m for the types with a min.
+struct Fmt {
+  bool q8, fifth, min;   // Q8_0; a fifth bit per weight (Q5_0, Q5_1); a min m (Q4_1, Q5_1)
+  int offset;            // Q4_0 8, Q5_0 16, else 0
+  int64_t qs, qh;        // in a GGUF block: the nibbles' offset, the fifth bits' (a little-endian u32)
+  int64_t head;          // in a tile: the 16 rows' fp16 d (then m) before the chunks
+};
+
+inline Fmt fmt(int64_t block_bytes) {
+  switch (block_bytes) {
+    case 2 + kBlock: return {true, false, false, 0, 2, 0, 2 * kRows};
+    case 18: return {false, false, false, 8, 2, 0, 2 * kRows};
+    case 22: return {false, true, false, 16, 6, 2, 2 * kRows};
+    case 20: return {false, false, true, 0, 4, 0, 4 * kRows};
+    default: return {false, true, true, 0, 8, 4, 4 * kRows};     // 24: Q5_1
+  }
+}
+inline bool is_q5(int64_t block_bytes) { return block_bytes == 22; }
+
+// The fifth bits in a packed tile: row r's u32 at head + 256 + 4 r holds weight 4j + i's bit (qs
+// chunk j's low nibble i) at bit 8i + j and weight 16 + 4j + i's (its high nibble) at 8i + 4 + j,
 // so that chunk j's 8 bits of a row sit at bit j and bit 4 + j of each byte, one shift from 0x10
 inline int q5_bit_at(int k) { return k < 16 ? 8 * (k % 4) + k / 4 : 8 * ((k - 16) % 4) + 4 + (k - 16) / 4; }
 
@@ -65,70 +87,80 @@ inline uint32_t q5_gather(uint32_t packed) {       // its inverse
   return out;
 }
 
-// the qs bytes' offset in a GGUF block
-inline int64_t qs_at(int64_t block_bytes) { return is_q5(block_bytes) ? 6 : 2; }
-// chunks of 4 bytes of each row in a tile: Q4_0 / Q5_0's 16 qs bytes, Q8_0's 32 weights
-inline int chunks(int64_t block_bytes) { return block_bytes == 2 + kBlock ? 8 : 4; }
+// chunks of 4 bytes of each row in a tile: the 16 nibble bytes, or Q8_0's 32 weights
+inline int chunks(const Fmt& f) { return f.q8 ? 8 : 4; }
 
-// row r of a group's block tile `tile`: its signed weights and its scale
-inline float tile_row(const uint8_t* tile, int64_t block_bytes, int r, int8_t* q) {
-  const uint8_t* body = tile + 2 * kRows;
-  const bool q8 = chunks(block_bytes) == 8;
-  uint32_t qh = 0;
-  if (is_q5(block_bytes)) std::memcpy(&qh, body + 256 + 4 * r, 4);
-  qh = q5_gather(qh);
-  const int off = is_q5(block_bytes) ? 16 : 8;
-  for (int j = 0; j < chunks(block_bytes); ++j)
-    for (int i = 0; i < 4; ++i) {
-      const uint8_t v = body[64 * j + 4 * r + i];
-      const int k = 4 * j + i;
-      if (q8) {
-        q[k] = static_cast<int8_t>(v ^ 0x80);
-      } else {
-        q[k] = static_cast<int8_t>(((v & 15) | ((qh >> k) & 1) << 4) - off);
-        q[16 + k] = static_cast<int8_t>(((v >> 4) | ((qh >> (16 + k)) & 1) << 4) - off);
-      }
-    }
-  return fp16_to_float(tile + 2 * r);
+// A GGUF block's 32 weights as integers (q_j - offset, or Q4_1 / Q5_1's q_j) from its nibble bytes
+// `qs` and fifth bits `qh`, or Q8_0's `qs` as stored
+inline void weights(const Fmt& f, const uint8_t* qs, uint32_t qh, int8_t* q) {
+  if (f.q8) {
+    std::memcpy(q, qs, kBlock);
+    return;
+  }
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(((qs[j] & 15) | ((qh >> j) & 1) << 4) - f.offset);
+    q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - f.offset);
+  }
 }
 
-// row n's block b (a tail row: GGUF's layout) as signed weights; returns its scale
-inline float block_at(const uint8_t* w, int64_t N, int64_t nb, int64_t block_bytes, int64_t n, int64_t b, int8_t* q) {
+// Row n's block b as GGUF stores it (packed rows gathered from their tile; the rows after the last
+// whole group are in GGUF's layout already)
+inline void gguf_block(const uint8_t* w, int64_t N, int64_t nb, int64_t block_bytes, int64_t n, int64_t b,
+                       uint8_t* blk) {
   if (n >= N / kRows * kRows) {
-    const uint8_t* blk = w + (n * nb + b) * block_bytes;
-    if (is_q5(block_bytes)) {
-      uint32_t qh;
-      std::memcpy(&qh, blk + 2, 4);
-      for (int j = 0; j < 16; ++j) {
-        q[j] = static_cast<int8_t>(((blk[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16);
-        q[j + 16] = static_cast<int8_t>(((blk[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
-      }
-    } else {
-      unpack_scalar(blk, is_q4(block_bytes), q);
-    }
-    return fp16_to_float(blk);
+    std::memcpy(blk, w + (n * nb + b) * block_bytes, block_bytes);
+    return;
   }
-  return tile_row(w + ((n / kRows) * nb + b) * kRows * block_bytes, block_bytes, static_cast<int>(n % kRows), q);
+  const Fmt f = fmt(block_bytes);
+  const uint8_t* tile = w + ((n / kRows) * nb + b) * kRows * block_bytes;
+  const int r = static_cast<int>(n % kRows);
+  std::memcpy(blk, tile + 2 * r, 2);
+  if (f.min) std::memcpy(blk + 2, tile + 2 * kRows + 2 * r, 2);
+  for (int j = 0; j < chunks(f); ++j)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t v = tile[f.head + 64 * j + 4 * r + i];
+      if (f.q8) blk[2 + 4 * j + i] = v ^ 0x80; else blk[f.qs + 4 * j + i] = v;
+    }
+  if (f.fifth) {
+    uint32_t qh;
+    std::memcpy(&qh, tile + f.head + 256 + 4 * r, 4);
+    qh = q5_gather(qh);
+    std::memcpy(blk + f.qh, &qh, 4);
+  }
+}
+
+// row n's block b as integers, its d (returned) and its m (types with a min)
+inline float block_at(const uint8_t* w, int64_t N, int64_t nb, int64_t block_bytes, int64_t n, int64_t b, int8_t* q,
+                      float* m = nullptr) {
+  const Fmt f = fmt(block_bytes);
+  uint8_t blk[2 + kBlock];                         // the largest block: Q8_0's
+  gguf_block(w, N, nb, block_bytes, n, b, blk);
+  uint32_t qh = 0;
+  if (f.fifth) std::memcpy(&qh, blk + f.qh, 4);
+  weights(f, blk + f.qs, qh, q);
+  if (m != nullptr) *m = f.min ? fp16_to_float(blk + 2) : 0.f;
+  return fp16_to_float(blk);
 }
 
 // GGUF rows (N, nb * block_bytes) -> the lanes layout (same size); unpack is its exact inverse
 inline void pack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_t block_bytes) {
-  const bool q8 = chunks(block_bytes) == 8;
-  const int64_t groups = N / kRows, row_bytes = nb * block_bytes, qs = qs_at(block_bytes);
+  const Fmt f = fmt(block_bytes);
+  const int64_t groups = N / kRows, row_bytes = nb * block_bytes;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* tile = dst + (g * nb + b) * kRows * block_bytes;
       for (int r = 0; r < kRows; ++r) {
         const uint8_t* blk = src + (g * kRows + r) * row_bytes + b * block_bytes;
         std::memcpy(tile + 2 * r, blk, 2);
-        for (int j = 0; j < chunks(block_bytes); ++j)
+        if (f.min) std::memcpy(tile + 2 * kRows + 2 * r, blk + 2, 2);
+        for (int j = 0; j < chunks(f); ++j)
           for (int i = 0; i < 4; ++i)
-            tile[2 * kRows + 64 * j + 4 * r + i] = q8 ? blk[2 + 4 * j + i] ^ 0x80 : blk[qs + 4 * j + i];
-        if (is_q5(block_bytes)) {
+            tile[f.head + 64 * j + 4 * r + i] = f.q8 ? blk[2 + 4 * j + i] ^ 0x80 : blk[f.qs + 4 * j + i];
+        if (f.fifth) {
           uint32_t qh;
-          std::memcpy(&qh, blk + 2, 4);
+          std::memcpy(&qh, blk + f.qh, 4);
           qh = q5_spread(qh);
-          std::memcpy(tile + 2 * kRows + 256 + 4 * r, &qh, 4);
+          std::memcpy(tile + f.head + 256 + 4 * r, &qh, 4);
         }
       }
     }
@@ -137,41 +169,25 @@ inline void pack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_
 }
 
 inline void unpack(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, int64_t block_bytes) {
-  const bool q8 = chunks(block_bytes) == 8;
-  const int64_t groups = N / kRows, row_bytes = nb * block_bytes, qs = qs_at(block_bytes);
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* tile = src + (g * nb + b) * kRows * block_bytes;
-      for (int r = 0; r < kRows; ++r) {
-        uint8_t* blk = dst + (g * kRows + r) * row_bytes + b * block_bytes;
-        std::memcpy(blk, tile + 2 * r, 2);
-        for (int j = 0; j < chunks(block_bytes); ++j)
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t v = tile[2 * kRows + 64 * j + 4 * r + i];
-            if (q8) blk[2 + 4 * j + i] = v ^ 0x80; else blk[qs + 4 * j + i] = v;
-          }
-        if (is_q5(block_bytes)) {
-          uint32_t qh;
-          std::memcpy(&qh, tile + 2 * kRows + 256 + 4 * r, 4);
-          qh = q5_gather(qh);
-          std::memcpy(blk + 2, &qh, 4);
-        }
-      }
-    }
-  if (N > groups * kRows)
-    std::memcpy(dst + groups * kRows * row_bytes, src + groups * kRows * row_bytes, (N - groups * kRows) * row_bytes);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) gguf_block(src, N, nb, block_bytes, n, b, dst + (n * nb + b) * block_bytes);
 }
 
-// One output, in the operations every path uses (see the top of the file)
+// One output, in the operations every path uses (see the top of the file): per block in order,
+// acc = fma(float(dot), d * dx, acc), then for the types with a min acc = fma(m, sx, acc), sx the
+// activations' dx * sum(qx) (llama.cpp's Q8_1 s, in float32)
 inline float scalar_output(const uint8_t* w, int64_t N, int64_t nb, int64_t block_bytes, int64_t n, const int8_t* qx,
-                           const float* dx) {
+                           const float* dx, const float* sx) {
+  const bool min = fmt(block_bytes).min;
   float acc = 0.f;
   int8_t q[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
-    const float dw = block_at(w, N, nb, block_bytes, n, b, q);
+    float m;
+    const float dw = block_at(w, N, nb, block_bytes, n, b, q, &m);
     int32_t dot = 0;
     for (int j = 0; j < kBlock; ++j) dot += int32_t(q[j]) * int32_t(qx[b * kBlock + j]);
     acc = std::fma(static_cast<float>(dot), dw * dx[b], acc);
+    if (min) acc = std::fma(m, sx[b], acc);
   }
   return acc;
 }
@@ -217,10 +233,12 @@ inline void group_tile(const uint8_t* group, int64_t nb, bool q4, const int8_t* 
 }
 
 // a group against tokens [t0, t1): kTokens at a time, the rest 4, 2, 1 at a time
-constexpr bool kLanesQ5 = false;       // Q5_0 is not packed on AVX-512 builds (no kernel for it here)
+// the block sizes this kernel takes (Q5_0, Q4_1, Q5_1 have none here: AVX-512 builds keep them in GGUF's layout)
+inline bool lanes_kernel(int64_t block_bytes) { return block_bytes == 2 + kBlock || is_q4(block_bytes); }
 
 inline void group_tokens(const uint8_t* group, int64_t nb, int64_t block_bytes, const int8_t* qx, const float* dx,
-                         const int32_t* nc, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
+                         const int32_t* nc, const float* /* sx: no min here */, int64_t K, int64_t t0, int64_t t1,
+                         float* out, int64_t ld) {
   const bool q4 = is_q4(block_bytes);
   int64_t t = t0;
   auto run = [&](auto rt) {
@@ -251,13 +269,15 @@ inline void group_tokens(const uint8_t* group, int64_t nb, int64_t block_bytes, 
 //   Q5_0  Q4_0's, each nibble given its fifth bit (one shift, an and and an or per 32 bytes, from
 //         the bits as pack() orders them), summed in int16 two chunks at a time (2 * 2 * 2 * 31 *
 //         127 < 2^15), nc minus 16 times the sum
+//   Q4_1, Q5_1  Q4_0's / Q5_0's without the offset, then the min's fma (m times the activations'
+//         dx * sum), 8 rows' m converted at once
 //   Q8_0  stored as q + 128, which vpmaddubsw's int16 pairs cannot take (2 * 255 * 127 > 2^15):
 //         the sign trick instead (|q| times x carrying q's sign, |pair| <= 2 * 128 * 127), each
 //         chunk widened to int32 before the next is added; nc is not used
 constexpr int kTokensAvx2 = 4;
 constexpr int64_t kLanesTokenBlock = kTokenBlockAvx2;
-constexpr bool kLanesQ5 = true;
-enum class Lanes { Q8, Q4, Q5 };
+inline bool lanes_kernel(int64_t) { return true; }
+enum class Lanes { Q8, Q4, Q5, Q41, Q51 };
 
 // halves [h0, h0 + NH) of one group (half h: rows 8h .. 8h + 8) against RT tokens: out[t * ld + r]
 // for their rows r. The gemv takes both halves in one pass (each weight line read once, while
@@ -265,10 +285,13 @@ enum class Lanes { Q8, Q4, Q5 };
 // otherwise), the second half's lines in cache from the first's.
 template <Lanes Q, int RT, int NH>
 inline void half_tile(const uint8_t* group, int64_t nb, int h0, const int8_t* qx, const float* dx, const int32_t* nc,
-                      int64_t K, float* out, int64_t ld) {
-  constexpr int64_t tile_bytes = kRows * (Q == Lanes::Q8 ? 2 + kBlock : Q == Lanes::Q4 ? 2 + kBlock / 2 : kQ5Bytes);
-  constexpr int flush = Q == Lanes::Q5 ? 2 : 4;     // chunks summed in int16 before widening
-  const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+                      const float* sx, int64_t K, float* out, int64_t ld) {
+  constexpr bool fifth = Q == Lanes::Q5 || Q == Lanes::Q51, min = Q == Lanes::Q41 || Q == Lanes::Q51;
+  constexpr bool offset = Q == Lanes::Q4 || Q == Lanes::Q5;
+  constexpr int64_t block_bytes = Q == Lanes::Q8 ? 34 : Q == Lanes::Q4 ? 18 : Q == Lanes::Q5 ? 22 : Q == Lanes::Q41 ? 20 : 24;
+  constexpr int64_t tile_bytes = kRows * block_bytes, head = (min ? 4 : 2) * kRows;
+  constexpr int flush = fifth ? 2 : 4;     // chunks summed in int16 before widening
+  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   auto four = [&](int t, int64_t b, int at) {     // token t's activations at + 0..3 of block b, in every lane
     int32_t v;
@@ -282,7 +305,7 @@ inline void half_tile(const uint8_t* group, int64_t nb, int h0, const int8_t* qx
     const uint8_t* tile = group + b * tile_bytes;
     if constexpr (RT == 1) prefetch_span(tile, tile_bytes);      // the gemv streams the weight once
     for (int h = 0; h < NH; ++h) {
-      const uint8_t* body = tile + 2 * kRows + 32 * (h0 + h);
+      const uint8_t* body = tile + head + 32 * (h0 + h);
       __m256i dot[RT];
       for (int t = 0; t < RT; ++t) dot[t] = _mm256_setzero_si256();
       if constexpr (Q == Lanes::Q8) {
@@ -295,14 +318,14 @@ inline void half_tile(const uint8_t* group, int64_t nb, int h0, const int8_t* qx
         }
       } else {
         __m256i qh = _mm256_setzero_si256(), sum16[RT];
-        if constexpr (Q == Lanes::Q5) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 256));
+        if constexpr (fifth) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 256));
         for (int t = 0; t < RT; ++t) sum16[t] = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * j));
           __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          if constexpr (Q == Lanes::Q5) {     // chunk j's fifth bits sit at bits j and 4 + j of each byte
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(qh, 4 - j), fifth));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(qh, j), fifth));
+          if constexpr (fifth) {     // chunk j's fifth bits sit at bits j and 4 + j of each byte
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(qh, 4 - j), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(qh, j), bit4));
           }
           for (int t = 0; t < RT; ++t) {
             sum16[t] = _mm256_add_epi16(sum16[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, four(t, b, 4 * j)),
@@ -313,12 +336,18 @@ inline void half_tile(const uint8_t* group, int64_t nb, int h0, const int8_t* qx
             }
           }
         }
-        for (int t = 0; t < RT; ++t) dot[t] = _mm256_add_epi32(dot[t], _mm256_set1_epi32(nc[t * nb + b]));
+        if constexpr (offset)
+          for (int t = 0; t < RT; ++t) dot[t] = _mm256_add_epi32(dot[t], _mm256_set1_epi32(nc[t * nb + b]));
       }
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16 * (h0 + h))));
-      for (int t = 0; t < RT; ++t)
+      [[maybe_unused]] __m256 mw;
+      if constexpr (min)
+        mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 2 * kRows + 16 * (h0 + h))));
+      for (int t = 0; t < RT; ++t) {
         acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(dw, _mm256_set1_ps(dx[t * nb + b])),
                                     acc[h][t]);
+        if constexpr (min) acc[h][t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[t * nb + b]), acc[h][t]);
+      }
     }
   }
   for (int h = 0; h < NH; ++h)
@@ -329,16 +358,16 @@ inline void half_tile(const uint8_t* group, int64_t nb, int h0, const int8_t* qx
 // tokens at a time, the rest 2, 1 at a time
 template <Lanes Q>
 inline void group_tokens_of(const uint8_t* group, int64_t nb, const int8_t* qx, const float* dx, const int32_t* nc,
-                            int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
+                            const float* sx, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
   if (t1 - t0 == 1) {
-    half_tile<Q, 1, 2>(group, nb, 0, qx + t0 * K, dx + t0 * nb, nc + t0 * nb, K, out + t0 * ld, ld);
+    half_tile<Q, 1, 2>(group, nb, 0, qx + t0 * K, dx + t0 * nb, nc + t0 * nb, sx + t0 * nb, K, out + t0 * ld, ld);
     return;
   }
   for (int h = 0; h < 2; ++h) {
     int64_t t = t0;
     auto run = [&](auto rt) {
       constexpr int RT = decltype(rt)::value;
-      half_tile<Q, RT, 1>(group, nb, h, qx + t * K, dx + t * nb, nc + t * nb, K, out + t * ld, ld);
+      half_tile<Q, RT, 1>(group, nb, h, qx + t * K, dx + t * nb, nc + t * nb, sx + t * nb, K, out + t * ld, ld);
       t += RT;
     };
     while (t + kTokensAvx2 <= t1) run(std::integral_constant<int, kTokensAvx2>{});
@@ -348,13 +377,16 @@ inline void group_tokens_of(const uint8_t* group, int64_t nb, const int8_t* qx, 
 }
 
 inline void group_tokens(const uint8_t* group, int64_t nb, int64_t block_bytes, const int8_t* qx, const float* dx,
-                         const int32_t* nc, int64_t K, int64_t t0, int64_t t1, float* out, int64_t ld) {
-  if (is_q5(block_bytes))
-    group_tokens_of<Lanes::Q5>(group, nb, qx, dx, nc, K, t0, t1, out, ld);
-  else if (is_q4(block_bytes))
-    group_tokens_of<Lanes::Q4>(group, nb, qx, dx, nc, K, t0, t1, out, ld);
-  else
-    group_tokens_of<Lanes::Q8>(group, nb, qx, dx, nc, K, t0, t1, out, ld);
+                         const int32_t* nc, const float* sx, int64_t K, int64_t t0, int64_t t1, float* out,
+                         int64_t ld) {
+  auto run = [&](auto q) { group_tokens_of<decltype(q)::value>(group, nb, qx, dx, nc, sx, K, t0, t1, out, ld); };
+  switch (block_bytes) {
+    case 18: return run(std::integral_constant<Lanes, Lanes::Q4>{});
+    case 22: return run(std::integral_constant<Lanes, Lanes::Q5>{});
+    case 20: return run(std::integral_constant<Lanes, Lanes::Q41>{});
+    case 24: return run(std::integral_constant<Lanes, Lanes::Q51>{});
+    default: return run(std::integral_constant<Lanes, Lanes::Q8>{});
+  }
 }
 #endif
 
@@ -365,6 +397,7 @@ struct Job {
   const int8_t* qx;
   const float* dx;
   const int32_t* nc;
+  const float* sx;
   float* out;
   int64_t T, K, N, nb, block_bytes, groups, per_chunk, chunks;
 
@@ -376,12 +409,13 @@ struct Job {
     const auto [o, ld] = work::destination(out, N, T, begin, end - begin, scratch);
 #if defined(QUANT_LANES)
     // the packed kernel's rows (all groups, or none where this build has no kernel for the type)
-    const int64_t full_end = kLanesQ5 || !is_q5(block_bytes) ? std::min(end, groups * kRows) : begin;
+    const int64_t full_end = lanes_kernel(block_bytes) ? std::min(end, groups * kRows) : begin;
     for (int64_t t0 = 0; t0 < T; t0 += kLanesTokenBlock) {
       const int64_t t1 = std::min(T, t0 + kLanesTokenBlock);
       for (int64_t n = begin; n < full_end; n += kRows) {
         if (!live()) return false;
-        group_tokens(w + (n / kRows) * nb * kRows * block_bytes, nb, block_bytes, qx, dx, nc, K, t0, t1, o + (n - begin), ld);
+        group_tokens(w + (n / kRows) * nb * kRows * block_bytes, nb, block_bytes, qx, dx, nc, sx, K, t0, t1,
+                     o + (n - begin), ld);
       }
     }
     const int64_t scalar_from = full_end;
@@ -390,7 +424,8 @@ struct Job {
 #endif
     for (int64_t n = scalar_from; n < end; ++n) {
       if (!live()) return false;
-      for (int64_t t = 0; t < T; ++t) o[t * ld + (n - begin)] = scalar_output(w, N, nb, block_bytes, n, qx + t * K, dx + t * nb);
+      for (int64_t t = 0; t < T; ++t)
+        o[t * ld + (n - begin)] = scalar_output(w, N, nb, block_bytes, n, qx + t * K, dx + t * nb, sx + t * nb);
     }
     return true;
   }
@@ -407,25 +442,28 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
   const int64_t nb = K / kBlock;
   work::Pool& pool = work::Pool::get();
   // the activations as the workers read them, in memory this call owns (a late worker may still
-  // read them after the caller returns): qx, dx, nc
-  const int64_t o_dx = work::lines(T * K), o_nc = o_dx + work::lines(T * nb * 4);
-  unsigned char* mem = work::owned(keep, o_nc + T * nb * 4);
+  // read them after the caller returns): qx, dx, nc, sx
+  const int64_t o_dx = work::lines(T * K), o_nc = o_dx + work::lines(T * nb * 4), o_sx = o_nc + work::lines(T * nb * 4);
+  unsigned char* mem = work::owned(keep, o_sx + T * nb * 4);
   int8_t* qx = reinterpret_cast<int8_t*>(mem);
   float* dx = reinterpret_cast<float*>(mem + o_dx);
   int32_t* nc = reinterpret_cast<int32_t*>(mem + o_nc);
+  float* sx = reinterpret_cast<float*>(mem + o_sx);
   quantize_rows(x, qx, dx, T, K);
-  const int32_t offset = is_q5(block_bytes) ? 16 : is_q4(block_bytes) ? 8 : 128;
+  const Fmt f = fmt(block_bytes);
+  const int32_t offset = f.q8 ? 128 : f.offset;     // (Q8_0's for the AVX-512 kernel's unsigned weights)
   for (int64_t i = 0; i < T * nb; ++i) {
     int32_t sum = 0;
     for (int j = 0; j < kBlock; ++j) sum += qx[i * kBlock + j];
     nc[i] = -offset * sum;
+    sx[i] = dx[i] * static_cast<float>(sum);
   }
   const int64_t groups = N / kRows;
   const int64_t reads = nb * block_bytes * N * ((T + kTokens - 1) / kTokens);
   const int64_t chunks = std::max<int64_t>(1, std::min({reads / kInlineBytes, pool.threads() * kChunksPerThread,
                                                         std::max<int64_t>(groups, 1), work::Pool::kMaxChunks}));
   const int64_t per_chunk = (std::max<int64_t>(groups, 1) + chunks - 1) / chunks;
-  Job job{w, qx, dx, nc, out, T, K, N, nb, block_bytes, groups, per_chunk, 0};
+  Job job{w, qx, dx, nc, sx, out, T, K, N, nb, block_bytes, groups, per_chunk, 0};
   job.chunks = (std::max<int64_t>(groups, 1) + per_chunk - 1) / per_chunk;
   work::run(job.chunks, job, T, std::move(keep));
 }
@@ -448,19 +486,21 @@ inline const types::Type* other_type(const at::Tensor& blocks, int64_t K, const 
   return type;
 }
 
-// Q8_0 / Q4_0 blocks (N, K / 32 * block bytes) in either layout, or Q5_0's packed (int8; as uint8
-// only where `q5_gguf`: quant_pack's input, GGUF's Q5_0 otherwise going to quant_types.h as (N,
-// blocks, 22)): the block size
-inline int64_t check_blocks(const at::Tensor& blocks, int64_t K, const char* what, bool q5_gguf = false) {
+// Q8_0 / Q4_0 blocks (N, K / 32 * block bytes) in either layout, or Q5_0 / Q4_1 / Q5_1 packed
+// (int8; as uint8 only where `any_gguf`: quant_pack's input, GGUF's blocks of those types otherwise
+// going to quant_types.h as (N, blocks, type size)): the block size
+inline int64_t check_blocks(const at::Tensor& blocks, int64_t K, const char* what, bool any_gguf = false) {
   TORCH_CHECK(blocks.dim() == 2 && (blocks.scalar_type() == at::kByte || blocks.scalar_type() == at::kChar) &&
                   blocks.is_contiguous(), what, ": blocks must be (N, K / 32 * block bytes) uint8 (GGUF's layout) "
                   "or int8 (packed by quant_pack)");
   TORCH_CHECK(blocks.device().is_cpu(), what, ": blocks must be on the CPU");
   TORCH_CHECK(K > 0 && K % kBlock == 0, what, ": K must be a positive multiple of 32");
   const int64_t block_bytes = blocks.size(1) / (K / kBlock);
-  const bool q5 = block_bytes == lanes::kQ5Bytes && (blocks.scalar_type() == at::kChar || q5_gguf);
-  TORCH_CHECK((block_bytes == 34 || block_bytes == 18 || q5) && block_bytes * (K / kBlock) == blocks.size(1),
-              what, ": blocks are neither Q8_0 (34 bytes) nor Q4_0 (18 bytes) for this K, nor packed Q5_0 (22)");
+  const bool packed_only = block_bytes == 22 || block_bytes == 20 || block_bytes == 24;
+  TORCH_CHECK((block_bytes == 34 || block_bytes == 18 || (packed_only && (blocks.scalar_type() == at::kChar || any_gguf))) &&
+                  block_bytes * (K / kBlock) == blocks.size(1),
+              what, ": blocks are neither Q8_0 (34 bytes) nor Q4_0 (18 bytes) for this K, nor packed Q5_0 / Q4_1 / Q5_1 "
+              "(22 / 20 / 24)");
   return block_bytes;
 }
 
@@ -529,6 +569,13 @@ inline at::Tensor quant_embedding_rows(const at::Tensor& blocks, const at::Tenso
     int8_t w[quant::kBlock];
     for (int64_t b = 0; b < nb; ++b) {
       float d;
+      if (lanes && quant::lanes::fmt(block_bytes).min) {     // d * q + m: gguf's two roundings (quant_types.h)
+        uint8_t blk[24];
+        quant::lanes::gguf_block(quant::bytes(blocks), V, nb, block_bytes, id[t], b, blk);
+        quant::types::dequantize_block(block_bytes == 20 ? quant::types::Kind::Q4_1 : quant::types::Kind::Q5_1, blk,
+                                       o + b * quant::kBlock);
+        continue;
+      }
       if (lanes) {
         d = quant::lanes::block_at(quant::bytes(blocks), V, nb, block_bytes, id[t], b, w);
       } else {

@@ -19,8 +19,8 @@ weight is dequantized for the call (the reference), so the only error is the wei
 embedding's rows are dequantized where they are looked up (`embedding_rows`).
 
 For the compiled CPU forward the blocks are repacked at load where the build has the packed
-kernel (`pagedecode._cpu.quant_packed_kinds`: Q8_0 / Q4_0 with AVX-512 VNNI, and Q5_0 too with
-AVX2; `QuantizedWeight.packed`, by pagedecode._cpu.quant_pack): 16 rows to a 512-bit register (or
+kernel (`pagedecode._cpu.quant_packed_kinds`: Q8_0 / Q4_0 with AVX-512 VNNI; with AVX2 also Q5_0,
+Q4_1 and Q5_1; `QuantizedWeight.packed`, by pagedecode._cpu.quant_pack): 16 rows to a 512-bit register (or
 two 256-bit ones), so that csrc/quant_lanes.h's kernel forms the rows' block dots at once (3-4x the
 GGUF-layout kernel's multiply-adds a second with VNNI, 1.5-2x with AVX2). Same size, same blocks,
 int8 instead of uint8; `gguf_blocks()` gives GGUF's layout back, bit for bit.
@@ -41,7 +41,7 @@ from ..kernels.quant_types import BLOCK_TYPES, KINDS
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 # the compiled CPU kernels' packed layout (csrc/quant_lanes.h) takes these (which of them the build
 # has a fast kernel for, and so packs at load: pagedecode._cpu.quant_packed_kinds)
-PACKABLE = (*BLOCK_BYTES, "q5_0")
+PACKABLE = (*BLOCK_BYTES, "q5_0", "q4_1", "q5_1")
 
 
 def _cpu_ext() -> Any:
@@ -52,7 +52,7 @@ def _cpu_ext() -> Any:
 
 class QuantizedWeight:
     """A (out_features, in_features) weight in one GGUF block type's blocks (kernels/quant_types.py;
-    Q8_0 / Q4_0 / Q5_0 also packed, see the module docstring)."""
+    Q8_0 / Q4_0 / Q5_0 / Q4_1 / Q5_1 also packed, see the module docstring)."""
 
     def __init__(self, kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
         if kind not in BLOCK_TYPES:
@@ -104,7 +104,7 @@ class QuantizedWeight:
 
     def kernel_blocks(self) -> torch.Tensor:
         """The blocks as the compiled CPU kernels take them: Q8_0 / Q4_0 (N, row bytes) in either
-        layout and packed Q5_0, whose block size says the type; every other type (N, blocks per
+        layout and the other packed types, whose block size says the type; every other type (N, blocks per
         row, type size), a view, whose block count and size say the type (csrc/quant_types.h)."""
         if self.kind in BLOCK_BYTES or self.packed:
             return self.blocks

@@ -39,7 +39,7 @@ needs_kernel = pytest.mark.skipif(not hasattr(_cpu, "quant_pack"), reason="paged
 LAYOUTS = ["gguf", "packed"]
 
 
-PACKED_KINDS = ["q8_0", "q4_0", "q5_0"]     # the kinds the packed layout takes
+PACKED_KINDS = ["q8_0", "q4_0", "q5_0", "q4_1", "q5_1"]     # the kinds the packed layout takes
 
 
 def blocks_in(q, layout):
@@ -235,8 +235,8 @@ def test_bad_blocks_and_kind_are_refused():
         QuantizedWeight("q3_k", torch.zeros(1, 110, dtype=torch.uint8), (1, 256))
     with pytest.raises(ValueError, match="do not hold"):
         QuantizedWeight("q5_0", torch.zeros(1, 34, dtype=torch.uint8), (1, 32))
-    with pytest.raises(ValueError, match="do not hold"):                    # only Q8_0 / Q4_0 / Q5_0 are packed
-        QuantizedWeight("q4_1", torch.zeros(1, 20, dtype=torch.int8), (1, 32))
+    with pytest.raises(ValueError, match="do not hold"):                    # the K-quants are never packed
+        QuantizedWeight("q4_k", torch.zeros(1, 144, dtype=torch.int8), (1, 256))
     with pytest.raises(ValueError, match="quantization must be one of"):   # K-quants come from files
         QuantizedWeight.quantize(torch.zeros(1, 256), "q4_k")
     with pytest.raises(ValueError, match="do not hold"):
