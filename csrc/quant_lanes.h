@@ -1,6 +1,7 @@
-// Q8_0 / Q4_0 weights repacked at load so that one 512-bit register holds 16 rows (the "lanes"
-// layout; with AVX2 alone, two 256-bit registers of 8 rows each: half_tile below), and y = x W^T over it: the CPU forward's quantized matmul (quant_matmul.h keeps the
-// GGUF-layout kernel for blocks as a file stores them).
+// Q8_0 / Q4_0 weights (with AVX2 also Q5_0 / Q4_1 / Q5_1) repacked at load so that one 512-bit
+// register holds 16 rows (the "lanes" layout; with AVX2 alone, two 256-bit registers of 8 rows
+// each: half_tile below), and y = x W^T over it: the CPU forward's quantized matmul
+// (quant_matmul.h and quant_types.h keep the GGUF-layout kernels for blocks as a file stores them).
 //
 // quant_matmul.h forms each (row, token) block dot in its own register and pays a conversion, a
 // scale product and an fma for every 32 multiply-adds; the GEMM was compute-bound at ~8
@@ -36,6 +37,7 @@
 //     (Q5_0, Q4_1, Q5_1: AVX2 builds only; AVX-512 has no kernel for them here and does not pack them)
 //
 // With a min the formula gains one fma per block: acc = fma(m, dx * sum(qx), acc) after the dot's.
+//
 // A packed weight is an int8 tensor (GGUF's blocks are uint8): the dtype says the layout.
 #pragma once
 
@@ -288,7 +290,8 @@ inline void half_tile(const uint8_t* group, int64_t nb, int h0, const int8_t* qx
                       const float* sx, int64_t K, float* out, int64_t ld) {
   constexpr bool fifth = Q == Lanes::Q5 || Q == Lanes::Q51, min = Q == Lanes::Q41 || Q == Lanes::Q51;
   constexpr bool offset = Q == Lanes::Q4 || Q == Lanes::Q5;
-  constexpr int64_t block_bytes = Q == Lanes::Q8 ? 34 : Q == Lanes::Q4 ? 18 : Q == Lanes::Q5 ? 22 : Q == Lanes::Q41 ? 20 : 24;
+  constexpr int64_t block_bytes = Q == Lanes::Q8 ? 34 : Q == Lanes::Q4 ? 18 : Q == Lanes::Q5 ? 22
+                                  : Q == Lanes::Q41 ? 20 : 24;
   constexpr int64_t tile_bytes = kRows * block_bytes, head = (min ? 4 : 2) * kRows;
   constexpr int flush = fifth ? 2 : 4;     // chunks summed in int16 before widening
   const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
@@ -497,10 +500,10 @@ inline int64_t check_blocks(const at::Tensor& blocks, int64_t K, const char* wha
   TORCH_CHECK(K > 0 && K % kBlock == 0, what, ": K must be a positive multiple of 32");
   const int64_t block_bytes = blocks.size(1) / (K / kBlock);
   const bool packed_only = block_bytes == 22 || block_bytes == 20 || block_bytes == 24;
-  TORCH_CHECK((block_bytes == 34 || block_bytes == 18 || (packed_only && (blocks.scalar_type() == at::kChar || any_gguf))) &&
-                  block_bytes * (K / kBlock) == blocks.size(1),
-              what, ": blocks are neither Q8_0 (34 bytes) nor Q4_0 (18 bytes) for this K, nor packed Q5_0 / Q4_1 / Q5_1 "
-              "(22 / 20 / 24)");
+  const bool known =
+      block_bytes == 34 || block_bytes == 18 || (packed_only && (blocks.scalar_type() == at::kChar || any_gguf));
+  TORCH_CHECK(known && block_bytes * (K / kBlock) == blocks.size(1), what, ": blocks are neither Q8_0 (34 bytes) nor "
+              "Q4_0 (18 bytes) for this K, nor packed Q5_0 / Q4_1 / Q5_1 (22 / 20 / 24)");
   return block_bytes;
 }
 

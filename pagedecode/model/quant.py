@@ -13,7 +13,7 @@ int8 tensor of that shape is the same blocks packed, below: the dtype is the lay
 
 Three ways to multiply (`linear`): on CPU with the compiled extension, pagedecode._cpu.quant_linear
 (csrc/quant_lanes.h on packed blocks, csrc/quant_matmul.h on GGUF's) quantizes the activations per block of 32 to int8 as llama.cpp does and runs integer dot
-products (AVX-512 VNNI); on CUDA, kernels/quant_matmul.py's Triton GEMV / GEMM dequantize the
+products (AVX-512 VNNI, or AVX2); on CUDA, kernels/quant_matmul.py's Triton GEMV / GEMM dequantize the
 blocks in registers (float activations); otherwise (attention_backend="torch", no extension) the
 weight is dequantized for the call (the reference), so the only error is the weights'. The
 embedding's rows are dequantized where they are looked up (`embedding_rows`).
