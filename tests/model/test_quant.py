@@ -43,8 +43,8 @@ PACKED_KINDS = ["q8_0", "q4_0", "q5_0", "q4_1", "q5_1"]     # the kinds the pack
 
 
 def blocks_in(q, layout):
-    """The weight's blocks as the kernel takes them: GGUF's layout (uint8; Q5_0 as (N, blocks, 22),
-    csrc/quant_types.h's), or packed (int8: csrc/quant_lanes.h, 16 rows to a register)."""
+    """The weight's blocks as the kernel takes them: GGUF's layout (uint8; Q5_0 / Q4_1 / Q5_1 as
+    (N, blocks, type size), csrc/quant_types.h's), or packed (int8: csrc/quant_lanes.h, 16 rows a group)."""
     return q.kernel_blocks() if layout == "gguf" else _cpu.quant_pack(q.blocks, q.shape[1])
 
 
