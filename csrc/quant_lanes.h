@@ -459,7 +459,7 @@ inline void matmul(const float* x, const uint8_t* w, float* out, int64_t T, int6
     int32_t sum = 0;
     for (int j = 0; j < kBlock; ++j) sum += qx[i * kBlock + j];
     nc[i] = -offset * sum;
-    sx[i] = dx[i] * static_cast<float>(sum);
+    if (f.min) sx[i] = dx[i] * static_cast<float>(sum);     // read only by the types with a min
   }
   const int64_t groups = N / kRows;
   const int64_t reads = nb * block_bytes * N * ((T + kTokens - 1) / kTokens);
@@ -571,22 +571,19 @@ inline at::Tensor quant_embedding_rows(const at::Tensor& blocks, const at::Tenso
     float* o = out.data_ptr<float>() + t * K;
     int8_t w[quant::kBlock];
     for (int64_t b = 0; b < nb; ++b) {
-      float d;
-      if (lanes && quant::lanes::fmt(block_bytes).min) {     // d * q + m: gguf's two roundings (quant_types.h)
-        uint8_t blk[24];
-        quant::lanes::gguf_block(quant::bytes(blocks), V, nb, block_bytes, id[t], b, blk);
-        quant::types::dequantize_block(block_bytes == 20 ? quant::types::Kind::Q4_1 : quant::types::Kind::Q5_1, blk,
-                                       o + b * quant::kBlock);
-        continue;
-      }
+      float d, m = 0.f;
       if (lanes) {
-        d = quant::lanes::block_at(quant::bytes(blocks), V, nb, block_bytes, id[t], b, w);
+        d = quant::lanes::block_at(quant::bytes(blocks), V, nb, block_bytes, id[t], b, w, &m);
       } else {
         const uint8_t* blk = quant::bytes(blocks) + id[t] * blocks.size(1) + b * block_bytes;
         quant::unpack_scalar(blk, block_bytes == 18, w);
         d = quant::fp16_to_float(blk);
       }
-      for (int j = 0; j < quant::kBlock; ++j) o[b * quant::kBlock + j] = d * static_cast<float>(w[j]);
+      // d * q (+ m for Q4_1 / Q5_1: gguf's two roundings, as quant_types.h's dequantize_block)
+      const bool min = lanes && quant::lanes::fmt(block_bytes).min;
+      for (int j = 0; j < quant::kBlock; ++j)
+        o[b * quant::kBlock + j] = min ? quant::types::rounded(d * static_cast<float>(w[j])) + m
+                                       : d * static_cast<float>(w[j]);
     }
   }
   return out;

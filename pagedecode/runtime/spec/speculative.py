@@ -208,16 +208,15 @@ class Speculator:
         out = [Proposal([], None)] * len(wants)
         drafting: list[tuple[int, Request, int]] = []           # (index, request, k) for the draft model
         for i, (req, k) in enumerate(wants):
-            own = min(k, self._length(self._gate(req)))
             if req.prediction is not None:
-                drafts = req.prediction.propose(req.output_ids, own)
+                drafts = req.prediction.propose(req.output_ids, min(k, self._length(self._gate(req))))
                 out[i] = Proposal(drafts, None) if drafts else self._lookup(req, k)
             elif self.draft is None:
                 out[i] = Proposal(self.ngram.propose_for(req, k), None)
             elif self.config.prompt_lookup and (found := self._lookup(req, k)).tokens:
                 out[i] = found
-            elif own > 0:
-                drafting.append((i, req, own))
+            elif (gated := min(k, self._length(self._gate(req)))) > 0:
+                drafting.append((i, req, gated))
         for (i, _, _), proposal in zip(drafting, self._draft_model([(req, k) for _, req, k in drafting])):
             out[i] = proposal
         return out
