@@ -189,7 +189,8 @@ def prompts_of(state: ServerState, parsed: Parsed) -> list[Prompt]:
                        param="messages")
     return [encode_chat(state.engine.tokenizer, state.chat_template, parsed.messages,
                         state.options.allow_special_tokens_in_content, parsed.template_extra,
-                        max_context=state.engine.max_context)]
+                        add_generation_prompt=parsed.add_generation_prompt, max_context=state.engine.max_context,
+                        continue_final_message=parsed.continue_final_message)]
 
 
 def start(state: ServerState, prompts: list[Prompt], parsing: Parsing, endpoint: Endpoint, tenant: str,

@@ -40,6 +40,7 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
         raise _bad("thinking", "extended thinking is not supported")
     out: dict[str, Any] = {"model": body.get("model"), "max_tokens": body["max_tokens"],
                            "messages": _system(body.get("system")) + _messages(body.get("messages"))}
+    out.update(_prefill(out["messages"], len(body["messages"]) - 1))
     for name in SAMPLED:
         if body.get(name) is not None:
             out[name] = body[name]
@@ -115,6 +116,23 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         elif text or not results:
             out.append({"role": m["role"], "content": "".join(text)})
     return out
+
+
+def _prefill(messages: list[dict[str, Any]], final: int) -> dict[str, Any]:
+    """A final assistant message is the answer begun (Anthropic's prefill): the output continues
+    it, and holds only what follows (the chat request's continue_final_message). An empty one is
+    no prefill; one that ends in whitespace is refused, as Anthropic refuses it. final: its index in
+    the request's messages."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        return {}
+    if not last.get("content"):
+        messages.pop()
+        return {}
+    if last["content"] != last["content"].rstrip():
+        raise _bad(f"messages[{final}].content", "final assistant content cannot end with trailing "
+                   "whitespace")
+    return {"continue_final_message": True, "add_generation_prompt": False}
 
 
 def _result_text(content: Any, field: str) -> str:

@@ -64,9 +64,12 @@ class ChatTemplate:
         self._specials = {k: (v or "") for k, v in specials.items()}
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               extra: dict[str, Any] | None = None, escape: Callable[[str], str] | None = None) -> str:
+               extra: dict[str, Any] | None = None, escape: Callable[[str], str] | None = None,
+               continue_final_message: bool = False) -> str:
         """The prompt text. escape (a tokenizer's escape_specials) is applied to every string a
-        message holds, so what the client typed cannot become the template's special tokens."""
+        message holds, so what the client typed cannot become the template's special tokens.
+        continue_final_message: the last message (the assistant's answer, begun) is left open,
+        the text cut where its content ends, so the output continues it (continued())."""
         from jinja2.exceptions import TemplateError
         msgs = []
         for m in messages:
@@ -82,7 +85,7 @@ class ChatTemplate:
             msgs.append(message if escape is None else _escaped(message, escape))
         try:
             extra = extra if escape is None else _escaped(extra or {}, escape)
-            return render_bounded(self._template, self.limits, {
+            text = render_bounded(self._template, self.limits, {
                 "messages": msgs, "add_generation_prompt": add_generation_prompt, **self._specials, **(extra or {})})
         except TemplateLimitError as e:
             raise ApiError(400, f"the chat template exceeded its limits: {e}", param="messages",
@@ -92,19 +95,40 @@ class ChatTemplate:
         except Exception as e:        # the template met a value it cannot handle (content: null + "...")
             raise ApiError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                            param="messages") from None
+        return continued(text, msgs[-1]) if continue_final_message else text
+
+
+def continued(text: str, final: dict[str, Any]) -> str:
+    """The rendered chat cut just after the final message's content (what follows it, the end of
+    its turn, goes): the prompt of an answer the client began. The template may have trimmed the
+    content's surrounding whitespace; then the cut keeps what the template kept. A 400 where the
+    content is empty or the template did not render it whole (it cannot be continued)."""
+    content = final.get("content")
+    core = content.strip() if isinstance(content, str) else ""
+    at = text.rfind(core) if core else -1
+    if at < 0:
+        raise ApiError(400, "continue_final_message: the final message's content must be non-empty text that the "
+                       "chat template renders unchanged", param="messages")
+    assert isinstance(content, str)
+    lead = content.lstrip()
+    kept = lead if text.startswith(lead, at) else core      # its trailing whitespace, where the template kept it
+    return text[:at + len(kept)]
 
 
 def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[dict[str, Any]],
                 allow_special_tokens_in_content: bool = False, extra: dict[str, Any] | None = None,
-                add_generation_prompt: bool = True, max_context: int | None = None) -> list[int]:
+                add_generation_prompt: bool = True, max_context: int | None = None,
+                continue_final_message: bool = False) -> list[int]:
     """The prompt ids a chat's messages become: the server's prompt, the Ray router's prefix key
     and /tokenize's count all come from here, so they agree. Special-token text typed in content
     ("</s>") stays plain text, unless allow_special_tokens_in_content (or a tokenizer that cannot
     escape). extra: more template variables (a tool-calling request's `tools`), escaped alike;
-    max_context: a prompt that cannot fit is refused before it is encoded."""
+    max_context: a prompt that cannot fit is refused before it is encoded; continue_final_message:
+    the last message is an answer begun, which the output continues (ChatTemplate.render)."""
     escape = not allow_special_tokens_in_content and isinstance(tokenizer, EscapesSpecialTokens)
     text = template.render(messages, add_generation_prompt=add_generation_prompt, extra=extra,
-                           escape=tokenizer.escape_specials if escape else None)
+                           escape=tokenizer.escape_specials if escape else None,
+                           continue_final_message=continue_final_message)
     if max_context is not None:
         try:
             check_prompt_bytes(text, tokenizer, max_context)

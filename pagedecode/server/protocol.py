@@ -39,6 +39,8 @@ class Parsed:
     tools: ToolSpec | None = None         # chat: the request's tools (None: it has none)
     tool_format: ToolFormat | None = None   # how the output's calls are parsed (None: they are not)
     template_extra: dict[str, Any] = field(default_factory=dict)   # more chat template variables (`tools`)
+    add_generation_prompt: bool = True    # chat: the template opens the assistant's turn ...
+    continue_final_message: bool = False  # ... or continues the last message (chat.continued)
 
 
 # the sampling fields a model's generation_config.json may default (serve.generation_defaults)
@@ -103,6 +105,9 @@ def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any], fm
     need its checked values."""
     if d.echo and d.sse:
         raise bad("echo", "is not supported with stream: true")
+    if d.continue_final_message and d.add_generation_prompt:          # as vLLM: the client says both
+        raise bad("continue_final_message", "cannot be true with add_generation_prompt true (the assistant's "
+                  "turn would be opened after the message to continue): send add_generation_prompt: false")
     most, choices = max(MAX_N, d.max_prompts), len(d.prompts) * d.n
     if not d.chat and choices > most:
         raise bad("n", f"{len(d.prompts)} prompts x n={d.n} is {choices} choices, over this server's {most}")
@@ -132,7 +137,8 @@ def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any], fm
     return Parsed(d.prompts[0] if d.prompts else None, d.messages, params, d.sse, d.include_usage, d.n,
                   params.first_token_timeout_s,
                   d.on_disconnect, top_logprobs, fields, d.prompts, d.echo, d.vllm_prompt_logprobs, tools,
-                  fmt if tools is not None and tools.calls_possible else None, extra)
+                  fmt if tools is not None and tools.calls_possible else None, extra, d.add_generation_prompt,
+                  d.continue_final_message)
 
 
 def _logprobs(d: Draft) -> tuple[int, int | None]:

@@ -57,6 +57,8 @@ class Draft:
     top_logprobs: Any = None              # chat's top_logprobs, as given
     logprobs: int | None = None           # completions' logprobs
     vllm_prompt_logprobs: int | None = None
+    add_generation_prompt: bool = True    # chat (vLLM's fields): the template opens the assistant's turn ...
+    continue_final_message: bool = False  # ... or the last message, an answer begun, is continued
 
 
 Reader = Callable[[Any, Draft], None]     # (the field's value, never None; the draft so far)
@@ -240,6 +242,14 @@ def _stream(value: Any, d: Draft) -> None:
     d.sse = boolean({"stream": value}, "stream")
 
 
+def _add_generation_prompt(value: Any, d: Draft) -> None:
+    d.add_generation_prompt = boolean({"add_generation_prompt": value}, "add_generation_prompt", True)
+
+
+def _continue_final_message(value: Any, d: Draft) -> None:
+    d.continue_final_message = boolean({"continue_final_message": value}, "continue_final_message")
+
+
 def _stream_options(value: Any, d: Draft) -> None:
     if not isinstance(value, dict):
         raise bad("stream_options", "must be an object")
@@ -275,6 +285,8 @@ FIELDS: tuple[Field, ...] = (
     Field("top_logprobs", _chat_top_logprobs, CHAT),
     Field("logprobs", _completions_logprobs, COMPLETIONS),
     Field("prediction", _prediction, CHAT),
+    Field("add_generation_prompt", _add_generation_prompt, CHAT),
+    Field("continue_final_message", _continue_final_message, CHAT),
     Field("stream_options", _stream_options),
     Field("stream", _stream),
     Field("timeout", sampled("deadline_s", "timeout")),

@@ -2,7 +2,8 @@
 tokens (lm-eval, guidellm, aiperf, a gateway) can use the served model's own tokenizer:
 
     /tokenize    {"prompt": str, "add_special_tokens": true}
-                 or {"messages": [...], "add_generation_prompt": true, "add_special_tokens": false}
+                 or {"messages": [...], "add_generation_prompt": true, "add_special_tokens": false,
+                     "continue_final_message": false}
                  (+ "return_token_strs": false)
               -> {"count": N, "max_model_len": M, "tokens": [...], "token_strs": [...] | null}
     /detokenize  {"tokens": [...]} -> {"prompt": str}
@@ -38,13 +39,16 @@ def _body(parsed: Any) -> dict[str, Any]:
 
 
 def _chat_ids(tok: Any, template: ChatTemplate | None, messages: Any, allow_specials: bool,
-              add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+              add_generation_prompt: bool, add_special_tokens: bool, continue_final_message: bool) -> list[int]:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad("messages", "messages must be a non-empty array of objects")
     if template is None:
         raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
                        param="messages")
-    ids = encode_chat(tok, template, messages, allow_specials, add_generation_prompt=add_generation_prompt)
+    if continue_final_message and add_generation_prompt:
+        raise bad("continue_final_message", "cannot be true with add_generation_prompt true")
+    ids = encode_chat(tok, template, messages, allow_specials, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message)
     bos = tok.bos_token_id
     if add_special_tokens and bos is not None and ids[:1] != [bos]:
         ids = [bos] + ids
@@ -66,7 +70,8 @@ async def tokenize(request: Request) -> Response:
         ids = list(tok.encode(body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True)))
     else:
         ids = _chat_ids(tok, state.chat_template, body["messages"], state.options.allow_special_tokens_in_content,
-                        _flag(body, "add_generation_prompt", True), _flag(body, "add_special_tokens", False))
+                        _flag(body, "add_generation_prompt", True), _flag(body, "add_special_tokens", False),
+                        _flag(body, "continue_final_message", False))
     strs = None
     if _flag(body, "return_token_strs", False):
         to_str = getattr(tok, "id_to_token", None)

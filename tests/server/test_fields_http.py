@@ -26,7 +26,9 @@ CASES = {
     "/v1/completions": {**COMMON, "prompt": (5, [[1]] * 65), "logprobs": ("x", 6)},
     "/v1/chat/completions": {**COMMON, "echo": ("yes", True), "messages": ("x", []),
                              "max_completion_tokens": ("x", 0), "logprobs": (1, None), "top_logprobs": ("x", 21),
-                             "prediction": ("x", {"type": "content", "content": 5})},
+                             "prediction": ("x", {"type": "content", "content": 5}),
+                             # true beside add_generation_prompt's default (true): the two conflict
+                             "add_generation_prompt": ("x", None), "continue_final_message": ("x", True)},
     "/v1/responses": {
         **{name: COMMON[name] for name in ("temperature", "top_p", *PASSED)},
         "input": (5, []), "instructions": (5, None), "max_output_tokens": ("x", 5000), "stream": ("yes", None),
