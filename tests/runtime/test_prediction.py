@@ -98,9 +98,33 @@ def test_the_exact_prediction_is_accepted_whole_and_saves_steps(stories_engine_f
     out = eng.generate("Once upon a time", pd.SamplingParams(max_tokens=48, prediction=text))[0]
     assert out.token_ids == ids
     assert out.usage.accepted_draft_tokens == out.usage.draft_tokens >= 32
-    # a prediction's runs grow past k = 4 to PREDICTION_DRAFT (2, 4, 8, 16, ...): 8 steps here;
-    # runs of at most 4 drafts take at least 48 / 5 steps after the prefill
-    assert eng.steps <= 8
+    # a prediction's runs are PREDICTION_DRAFT long from the first (they need not earn it): the
+    # prefill, two plain steps (the text's first token encodes unlike the output's: the cursor
+    # re-synchronises on 3 of them) and 3 runs of up to 17 tokens; earned (2, 4, 8, 16, ...) they
+    # took 8 steps, and runs of at most k = 4 drafts take at least 48 / 5 steps after the prefill
+    assert eng.steps <= 6
+
+
+def test_after_an_edit_the_prediction_drafts_whole_runs_again(stories_engine_factory, plain_story):
+    """A divergence costs one run: once the output is found in the prediction again, the next run
+    proposes PREDICTION_DRAFT drafts, not 2 growing back to 16."""
+    from pagedecode.runtime.spec.gates import PREDICTION_DRAFT
+    text, ids = plain_story
+    plain = stories_engine_factory().generate("Once upon a time", pd.SamplingParams(max_tokens=96))[0]
+    cut = len(plain.token_ids) // 3
+    # the output's tokens with one changed a third of the way in: the prediction of an edit
+    edited = list(plain.token_ids[:cut]) + [plain.token_ids[cut] + 1] + list(plain.token_ids[cut + 1:])
+    eng = stories_engine_factory(trace="tokens")
+    rid = eng.add_request("Once upon a time", pd.SamplingParams(max_tokens=96, prediction=edited))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.result(rid).token_ids == plain.token_ids
+    runs = [(r["proposed"], r["accepted"]) for r in eng.trace(rid) if r["kind"] == "spec.verify"]
+    missed = next(i for i, (p, a) in enumerate(runs) if a < p)
+    assert runs[0][0] == PREDICTION_DRAFT
+    # after the miss: the request's own tokens (prompt lookup) until the cursor re-synchronises,
+    # then a whole run of the prediction
+    assert any(p == PREDICTION_DRAFT for p, _ in runs[missed + 1:]), runs
 
 
 def test_off_the_prediction_a_request_drafts_from_its_own_tokens(stories_engine_factory):

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 FIRST_DRAFT = 2                  # a request's first run proposes at most this many tokens
 # A prediction (Predicted Outputs) is the surest draft source: an output that follows it follows
-# it for hundreds of tokens, so its runs may grow past the configured k up to this many drafts.
+# it for hundreds of tokens, so its runs are this many drafts from the first, past the configured k
+# (its cursor proposes only where the output follows it: they need not earn it); prompt lookup's
+# runs (backing a prediction or a draft model) may grow to it.
 # Verify rows are cheap beside a step's weight reads: on SmolLM2-135M float32 (one CPU thread) a
 # run kept whole at 16 drafts gives 17 tokens for 3.4x a one-row step's time (5x), at 4 drafts
 # 5 tokens for 1.4x (3.6x).
