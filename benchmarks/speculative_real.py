@@ -5,19 +5,21 @@ off and on interleaved, outputs checked identical.
     .venv/bin/python benchmarks/speculative_real.py --quick     # 5 prompts a set, greedy only
 
 Workloads, each a chat rendered through the model's own template:
-  grounded   20 input-grounded prompts (repeat, fix typos, extend a list, extract, reformat,
-             quote, edit code) with n-gram speculation (prompt lookup, k = --k), or with
-             --grounded lookup+draft the chat set's self-draft backed by prompt lookup, against none;
-             with --http also over HTTP (two servers, the openai client streaming), single stream,
-             with the same speculation as the in-process runs (--grounded)
+  grounded   20 input-grounded prompts over five paragraphs of 105-121 words (repeat, fix typos,
+             quote sentences, reformat as a list, summarize then quote; and one code edit) with
+             the chat set's self-draft backed by prompt lookup (SpeculativeConfig(prompt_lookup=True),
+             k = --draft-k), or with --grounded ngram n-gram speculation alone (prompt lookup,
+             k = --k), against none; with --http also over HTTP (two servers, the openai client
+             streaming), single stream, with the same speculation as the in-process runs
   chat       20 free chat prompts with the quantized self-draft (the model's own weights in
              q4_0 on the target's KV cache, SpeculativeConfig(method="draft", draft_quantization="q4_0",
              num_tokens=--draft-k, min_draft_confidence=0.5, max_batch=1)) against none
-  code-edit  a 106-line file and a small change asked (5 prompts), the file given as the
-             prediction (Predicted Outputs) against no prediction, single stream
+  code-edit  a 106-line file and a small change asked (5 prompts), the answer opened with a code
+             fence and stopped at the closing one, the file given as the prediction (Predicted
+             Outputs) against no prediction, single stream
 each greedy and seeded sampling (temperature 0.7), single stream and batches (--concurrency).
 Outputs must be identical on and off, except seeded runs with the draft model (the chat set's,
-and the grounded set's with --grounded lookup+draft): its rejection rule keeps the target's
+and the grounded set's unless --grounded ngram): its rejection rule keeps the target's
 distribution, not its draws (reported, not compared).
 The target is the model in float32 (its Q4_1 file dequantized once into a cached F32 GGUF,
 benchmarks/real_model.py), or --dtype bfloat16. JSON under benchmarks/results/ and a PNG beside
@@ -42,20 +44,49 @@ from common import plot, result_path, write_json
 from real_model import smollm2_chat, smollm2_f32_gguf
 
 PARAGRAPHS = [
-    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
-    "polished the great lens and wrote the weather in a leather book. Ships passed far out at sea, "
-    "and none of them ever knew his name.",
-    "Our town library opens at nine and closes at six. Children may borrow five books at a time, "
-    "adults ten. Returns go in the slot beside the door, and late books cost ten cents a day.",
-    "To make bread, mix flour, water, salt and yeast. Knead the dough for ten minutes, let it rise "
-    "for an hour, shape it into a loaf and bake it at two hundred degrees for forty minutes.",
-    "Maria planted tomatoes, beans and sunflowers in the spring. By July the sunflowers were taller "
-    "than the fence, the beans climbed every pole, and the tomatoes turned red one by one.",
-    "The train left the station at seven. It crossed the river, passed the old mill and stopped in "
-    "three small villages before it reached the city just after noon.",
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
+    "the great lens and wrote the weather in a leather book: the wind, the clouds, the height of the waves "
+    "and the ships he saw. In winter the storms came from the north and the spray reached the lantern room, "
+    "so he kept a second lamp ready and a bucket of sand by the door. His daughter brought bread and letters "
+    "from the village on Sundays, rowing across the bay when the sea was calm. Ships passed far out at sea, "
+    "and none of them ever knew his name, but every captain on the coast knew his light.",
+    "Our town library opens at nine and closes at six on weekdays, and at noon on Saturdays. Children may "
+    "borrow five books at a time, adults ten. Books are lent for three weeks and may be renewed twice, in "
+    "person, by telephone or on the website, unless another reader has reserved them. Returns go in the slot "
+    "beside the door, and late books cost ten cents a day. The reading room on the first floor has "
+    "newspapers, maps and four computers, which may be booked for an hour at a time. On Wednesday afternoons "
+    "a volunteer reads stories to young children in the garden room.",
+    "To make bread, mix five hundred grams of flour, three hundred millilitres of warm water, ten grams of "
+    "salt and seven grams of dried yeast in a large bowl. Knead the dough on a floured table for ten minutes, "
+    "until it is smooth and springs back when you press it. Put it back in the bowl, cover it with a damp "
+    "cloth and let it rise in a warm place for an hour, until it has doubled in size. Shape it into a loaf, "
+    "place it on a baking tray and let it rise for another half hour. Bake it at two hundred degrees for "
+    "forty minutes, until the crust is golden and the loaf sounds hollow when you tap it.",
+    "Maria planted tomatoes, beans and sunflowers in the spring, in the narrow garden behind her house. She "
+    "watered them every morning before work and pulled the weeds on Saturday afternoons. By July the "
+    "sunflowers were taller than the fence, the beans climbed every pole, and the tomatoes turned red one by "
+    "one. Her neighbours stopped to look over the wall, and she gave them bags of beans and baskets of "
+    "tomatoes, more than she could ever eat herself. In September she saved the seeds of the best plants in "
+    "paper envelopes, wrote the names on them and kept them in a tin for the next year.",
+    "The train left the station at seven. It crossed the river on the old iron bridge, passed the mill and "
+    "the brick factory, and climbed slowly through the hills, where sheep grazed between the stone walls. It "
+    "stopped in three small villages, each with a single platform and a bench, and at each one a few people "
+    "got on with baskets and bags. The conductor knew most of them by name and asked after their families. "
+    "After the last village the line ran straight across the plain, beside the canal and the long rows of "
+    "poplars, and the train reached the city just after noon.",
 ]
 TYPOS = [("evening", "evning"), ("weather", "wether"), ("borrow", "borow"), ("minutes", "minuts"),
-         ("planted", "plantd"), ("station", "staton"), ("villages", "vilages")]
+         ("planted", "plantd"), ("station", "staton"), ("villages", "vilages"), ("telephone", "telefone"),
+         ("neighbours", "nieghbours"), ("smooth", "smoth"), ("conductor", "conducter"), ("daughter", "dauhgter")]
+# the input-grounded set's kinds of request (with the code edit: issue 38's six), each paragraph
+# asked four of them in turn
+KINDS = [
+    "Repeat the following paragraph exactly:\n\n{p}",
+    "Fix the spelling mistakes in this paragraph and give it back:\n\n{typo}",
+    "Quote the first three sentences of this text word for word:\n\n{p}",
+    "Rewrite this text as a bulleted list, one sentence per bullet, keeping every word:\n\n{p}",
+    "Summarize this text in one sentence, then quote its last two sentences word for word:\n\n{p}",
+]
 CODE = "\n".join(
     [f"def area_{i}(width, height):\n    \"\"\"Area of rectangle number {i}.\"\"\"\n    return width * height\n"
      for i in range(12)] +
@@ -66,7 +97,11 @@ CODE = "\n".join(
 # The code-edit set's file: single blank lines between definitions, the layout SmolLM2-135M writes
 # itself (given the usual two, it copies with one and leaves the prediction at every definition).
 # A model this small copies the file rather than making the change asked; what is measured is how
-# fast a prediction lets the output go where it follows the file.
+# fast a prediction lets the output go where it follows the file. The answer is opened with the
+# code fence (EDIT_OPENING after the template's generation prompt) and stopped at the closing one,
+# as code-edit tools ask for a file: asked plainly, SmolLM2-135M explains the functions instead of
+# writing the file (2.3-2.5x with a prediction, its own repetitive prose drafting itself), and
+# without the stop it goes on after the file in prose the prediction does not hold.
 EDIT_FILE = """import json
 import os
 
@@ -174,6 +209,8 @@ def main():
 if __name__ == "__main__":
     main()
 """
+EDIT_OPENING = "```python\n"       # the assistant's answer, begun ...
+EDIT_CLOSING = "```"                # ... and ended where the code does (a stop string)
 EDITS = [("method", "total", "count_all"), ("function", "area", "rectangle_area"), ("method", "peek", "top"),
          ("class", "Queue", "FifoQueue"), ("function", "average", "mean")]
 CHAT = ["What is the capital of France?", "Give me three tips for sleeping better.",
@@ -194,17 +231,14 @@ def grounded_prompts() -> list[str]:
         typo = p
         for right, wrong in TYPOS:
             typo = typo.replace(right, wrong)
-        out += [f"Repeat the following paragraph exactly:\n\n{p}",
-                f"Fix the spelling mistakes in this paragraph and give it back:\n\n{typo}",
-                f"Copy this paragraph, then add one sentence at its end:\n\n{p}",
-                f"Quote the first two sentences of this text word for word:\n\n{p}"]
+        out += [KINDS[(i + j) % len(KINDS)].format(p=p, typo=typo) for j in range(4)]
     out[-1] = f"In this code, rename the method `total` to `count_all` and give back the whole code:\n\n{CODE[-300:]}"
-    return out[:20]
+    return out
 
 
 def edit_prompts(chat: Callable[[str], str]) -> list[str]:
     return [chat(f"In this Python file, rename the {kind} `{old}` to `{new}`, and give back the whole file.\n\n"
-                 f"```python\n{EDIT_FILE}```") for kind, old, new in EDITS]
+                 f"```python\n{EDIT_FILE}```") + EDIT_OPENING for kind, old, new in EDITS]
 
 
 class Progress:
@@ -369,13 +403,13 @@ def bench(args: argparse.Namespace) -> dict:
             eng.generate([prompt], one)
     cases = []
     for name, label, conc in plan:
-        p = sampling[label]
+        p = sampling[label] if name == "chat" else replace(sampling[label], max_tokens=args.grounded_tokens)
         prompts = workloads[name]
         cases.append(case(f"{name}-{label}", {"off": plain, "on": engines[name]}, prompts,
                           {"off": [p] * len(prompts), "on": [p] * len(prompts)}, conc, args.repeat, progress,
                           exact=not (p.temperature > 0 and (name == "chat" or args.grounded != "ngram"))))
     for label in edit_plan:
-        p = replace(sampling[label], max_tokens=args.edit_tokens)
+        p = replace(sampling[label], max_tokens=args.edit_tokens, stop=[EDIT_CLOSING])
         cases.append(case(f"code-edit-{label}", {"off": plain, "on": plain}, edit,
                           {"off": [p] * len(edit), "on": [replace(p, prediction=EDIT_FILE)] * len(edit)}, 1,
                           args.repeat, progress))
@@ -384,11 +418,13 @@ def bench(args: argparse.Namespace) -> dict:
                  else ["--speculative-method", "draft", "--speculative-draft-quantization", args.draft_quantization,
                        "--num-speculative-tokens", str(args.draft_k), "--speculative-prompt-lookup",
                        "--speculative-min-draft-confidence", str(args.draft_confidence)])
-        cases += http_case(str(model), grounded_prompts()[:n], flags, sampling, args.repeat, progress,
+        grounded_sampling = {label: replace(p, max_tokens=args.grounded_tokens) for label, p in sampling.items()}
+        cases += http_case(str(model), grounded_prompts()[:n], flags, grounded_sampling, args.repeat, progress,
                            exact_sampled=args.grounded == "ngram")
     progress.bar.close()
     return {"benchmark": "speculative-real", "date": time.strftime("%Y-%m-%d %H:%M"), "model": "SmolLM2-135M-Instruct",
             "dtype": args.dtype, "k": args.k, "grounded": args.grounded, "draft_k": args.draft_k,
+            "max_tokens": {"chat": args.max_tokens, "grounded": args.grounded_tokens, "code-edit": args.edit_tokens},
             "draft_quantization": args.draft_quantization,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "torch_threads": torch.get_num_threads()}, "cases": cases}
@@ -416,9 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     # the draft stops where it is unsure (--draft-confidence), so k is a ceiling; 6 keeps a verify
     # under the 8 rows from which the float gemv leaves the spinning pool for OpenMP's threads
     ap.add_argument("--draft-k", type=int, default=6, help="self-draft tokens per run (the chat set)")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--edit-tokens", type=int, default=1200)
-    ap.add_argument("--grounded", choices=["ngram", "lookup+draft"], default="ngram",
+    ap.add_argument("--max-tokens", type=int, default=96, help="per request, the chat set")
+    ap.add_argument("--grounded-tokens", type=int, default=192, help="per request, the grounded set (its answers "
+                    "run to ~190 tokens)")
+    ap.add_argument("--edit-tokens", type=int, default=800)
+    ap.add_argument("--grounded", choices=["ngram", "lookup+draft"], default="lookup+draft",
                     help="the grounded set's speculation: n-gram (k = --k), or the self-draft backed by prompt "
                          "lookup (SpeculativeConfig(prompt_lookup=True), k = --draft-k)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
