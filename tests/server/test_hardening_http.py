@@ -42,8 +42,8 @@ COMMON = ["model", "echo", "best_of", "suffix", "tools", "user", "chat_template"
 FIELDS = {"/v1/completions": ["prompt"] + COMMON,
           "/v1/chat/completions": ["messages", "messages[0]", "messages[0].role", "messages[0].content",
                                    "max_completion_tokens", "top_logprobs", "prediction", "prediction.type",
-                                   "prediction.content", "tool_choice",
-                                   "parallel_tool_calls", "functions", "function_call"] + COMMON}
+                                   "prediction.content", "tool_choice", "parallel_tool_calls", "functions",
+                                   "function_call", "add_generation_prompt", "continue_final_message"] + COMMON}
 # a chat template that concatenates, as many real ones do: content null is a TypeError inside it
 CONCAT = ("{% for m in messages %}{{ bos_token + m['role'] + ': ' + m['content'] }}{% endfor %}"
           "{% if add_generation_prompt %} Answer:{% endif %}")
