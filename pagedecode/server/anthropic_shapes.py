@@ -121,7 +121,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
 def _prefill(messages: list[dict[str, Any]], final: int) -> dict[str, Any]:
     """A final assistant message is the answer begun (Anthropic's prefill): the output continues
     it, and holds only what follows (the chat request's continue_final_message). An empty one is
-    no prefill; one that ends in whitespace is refused, as Anthropic refuses it. final: its index in
+    no prefill (dropped from messages); one that ends in whitespace is refused, as Anthropic refuses it. final: its index in
     the request's messages."""
     last = messages[-1] if messages else {}
     if last.get("role") != "assistant" or last.get("tool_calls"):

@@ -125,6 +125,10 @@ def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[dict[str,
     escape). extra: more template variables (a tool-calling request's `tools`), escaped alike;
     max_context: a prompt that cannot fit is refused before it is encoded; continue_final_message:
     the last message is an answer begun, which the output continues (ChatTemplate.render)."""
+    if continue_final_message and add_generation_prompt:        # as vLLM: the client says both
+        raise ApiError(400, "continue_final_message cannot be true with add_generation_prompt true (the "
+                       "assistant's turn would open after the message to continue): send add_generation_prompt: "
+                       "false", param="continue_final_message")
     escape = not allow_special_tokens_in_content and isinstance(tokenizer, EscapesSpecialTokens)
     text = template.render(messages, add_generation_prompt=add_generation_prompt, extra=extra,
                            escape=tokenizer.escape_specials if escape else None,

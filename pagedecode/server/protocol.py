@@ -105,9 +105,6 @@ def _conclude(body: Mapping[str, Any], d: Draft, defaults: Mapping[str, Any], fm
     need its checked values."""
     if d.echo and d.sse:
         raise bad("echo", "is not supported with stream: true")
-    if d.continue_final_message and d.add_generation_prompt:          # as vLLM: the client says both
-        raise bad("continue_final_message", "cannot be true with add_generation_prompt true (the assistant's "
-                  "turn would be opened after the message to continue): send add_generation_prompt: false")
     most, choices = max(MAX_N, d.max_prompts), len(d.prompts) * d.n
     if not d.chat and choices > most:
         raise bad("n", f"{len(d.prompts)} prompts x n={d.n} is {choices} choices, over this server's {most}")

@@ -45,8 +45,6 @@ def _chat_ids(tok: Any, template: ChatTemplate | None, messages: Any, allow_spec
     if template is None:
         raise ApiError(400, "this model has no chat template (start the server with --chat-template FILE)",
                        param="messages")
-    if continue_final_message and add_generation_prompt:
-        raise bad("continue_final_message", "cannot be true with add_generation_prompt true")
     ids = encode_chat(tok, template, messages, allow_specials, add_generation_prompt=add_generation_prompt,
                       continue_final_message=continue_final_message)
     bos = tok.bos_token_id
