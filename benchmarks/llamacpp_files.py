@@ -127,10 +127,12 @@ def _ids_text(seqs: list[list[int]]) -> str:
     return "".join(" ".join(str(i) for i in s) + "\n" for s in seqs)
 
 
-def greedy(model: Path, prompts: list[list[int]], n_new: int, threads: int = 2) -> list[list[int]]:
-    """llama.cpp's greedy continuation of each prompt (token ids), by pd-greedy (peers/greedy.cpp)."""
-    out = subprocess.run([str(bin_dir() / "pd-greedy"), str(model), str(n_new), str(threads)], input=_ids_text(prompts),
-                         capture_output=True, text=True, check=True).stdout
+def greedy(model: Path, prompts: list[list[int]], n_new: int, threads: int = 2, kv: str = "f16",
+           flash: str = "auto") -> list[list[int]]:
+    """llama.cpp's greedy continuation of each prompt (token ids), by pd-greedy (peers/greedy.cpp);
+    kv, flash: its cache type and flash attention, as logits() takes them."""
+    out = subprocess.run([str(bin_dir() / "pd-greedy"), str(model), str(n_new), str(threads), kv, flash],
+                         input=_ids_text(prompts), capture_output=True, text=True, check=True).stdout
     return [[int(i) for i in line.split()] for line in out.strip().splitlines()]
 
 
