@@ -364,15 +364,30 @@ struct AttendArgs {
 // scores[j * width + p] *= scale of position p's row (kv head kvh(j)), p < vis[j]: an 8-bit cache's
 // K scale on q . k, or its V scale folded into the softmax weights before they multiply V
 // (sum p_o s_o v_o), so no page is ever dequantized element by element
+// (page by page: a page's scales of one kv head, Hkv apart, converted once for the query heads
+// that share it, which then multiply in vector registers; each product as before, so the same bits)
 template <typename KvHead>
 inline void scale_scores(float* scores, int64_t width, int64_t nq, const int64_t* vis, const int32_t* pages,
                          int64_t page_size, int64_t Hkv, const KvScale* sc, KvHead kvh) {
-  for (int64_t j = 0; j < nq; ++j) {
-    float* sj = scores + j * width;
-    for (int64_t p0 = 0; p0 < vis[j]; p0 += page_size) {        // page by page: its scales Hkv apart
-      const KvScale* page = sc + static_cast<int64_t>(pages[p0 / page_size]) * page_size * Hkv + kvh(j);
-      const int64_t n = std::min(page_size, vis[j] - p0);
-      for (int64_t o = 0; o < n; ++o) sj[p0 + o] *= static_cast<float>(page[o * Hkv]);
+  thread_local std::vector<float> as_float;     // (Hkv, page_size): this page's scales of the kv heads read
+  thread_local std::vector<int64_t> page_of;    // the page each kv head's row holds (-1: none yet)
+  as_float.resize(Hkv * page_size);
+  page_of.assign(Hkv, -1);
+  int64_t most = 0;
+  for (int64_t j = 0; j < nq; ++j) most = std::max(most, vis[j]);
+  for (int64_t p0 = 0; p0 < most; p0 += page_size) {
+    const int64_t pi = p0 / page_size, in_page = std::min(page_size, most - p0);
+    for (int64_t j = 0; j < nq; ++j) {
+      const int64_t n = std::min(page_size, vis[j] - p0), h = kvh(j);
+      if (n <= 0) continue;
+      float* f = as_float.data() + h * page_size;
+      if (page_of[h] != pi) {
+        const KvScale* page = sc + static_cast<int64_t>(pages[pi]) * page_size * Hkv + h;
+        for (int64_t o = 0; o < in_page; ++o) f[o] = static_cast<float>(page[o * Hkv]);
+        page_of[h] = pi;
+      }
+      float* sj = scores + j * width + p0;
+      for (int64_t o = 0; o < n; ++o) sj[o] *= f[o];
     }
   }
 }
