@@ -38,8 +38,10 @@ def run_sync(eng: pd.Engine, prompts: list[str], params: pd.SamplingParams) -> f
     return sum(o.usage.returned_tokens for o in outs) / (time.perf_counter() - t)
 
 
-async def run_async(eng: pd.Engine, prompts: list[str], params: pd.SamplingParams, interval: float) -> float:
-    async with pd.AsyncEngine(eng, stream_interval_s=interval) as ae:
+async def run_async(eng: pd.Engine, prompts: list[str], params: pd.SamplingParams, interval: float,
+                    leave_core: bool | None = None) -> float:
+    options = {} if leave_core is None else {"leave_core_for_loop": leave_core}
+    async with pd.AsyncEngine(eng, stream_interval_s=interval, **options) as ae:
         async def one(prompt: str) -> int:
             n = 0
             async for ev in ae.submit(prompt, params):
@@ -59,27 +61,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     ap.add_argument("--stream-interval", type=float, default=0.001,
                     help="AsyncEngine stream_interval_s (default 0.001, its default; 0 wakes every step)")
+    ap.add_argument("--leave-core", choices=["default", "on", "off"], default="default",
+                    help="AsyncEngine leave_core_for_loop (default: AsyncEngine's own choice)")
+    ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--out", default=None, help="JSON path (default: a new file under benchmarks/results/)")
     args = ap.parse_args(argv)
+    leave = {"default": None, "on": True, "off": False}[args.leave_core]
     model = args.model or default_model()
     eng = pd.Engine.from_pretrained(model, max_batch_size=max(8, args.streams))
     params = pd.SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    prompts = ["Once upon a time"] * args.streams
+    prompts = [args.prompt] * args.streams
     run_sync(eng, prompts, pd.SamplingParams(max_tokens=16))          # warm-up
     sync, asyn = [], []
     for r in range(args.rounds):
         if r % 2 == 0:
             sync.append(run_sync(eng, prompts, params))
-            asyn.append(asyncio.run(run_async(eng, prompts, params, args.stream_interval)))
+            asyn.append(asyncio.run(run_async(eng, prompts, params, args.stream_interval, leave)))
         else:
-            asyn.append(asyncio.run(run_async(eng, prompts, params, args.stream_interval)))
+            asyn.append(asyncio.run(run_async(eng, prompts, params, args.stream_interval, leave)))
             sync.append(run_sync(eng, prompts, params))
         print(f"round {r + 1}/{args.rounds}: engine {sync[-1]:.0f} tok/s, async {asyn[-1]:.0f} tok/s", file=sys.stderr)
     result = {
         "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "model": model,
         "tokens": args.tokens, "streams": args.streams, "rounds": args.rounds,
-        "stream_interval_s": args.stream_interval,
+        "stream_interval_s": args.stream_interval, "leave_core_for_loop": args.leave_core,
         "engine_tok_s": sync, "async_tok_s": asyn,
         "engine_median": statistics.median(sync), "async_median": statistics.median(asyn),
         "ratio": statistics.median(asyn) / statistics.median(sync),

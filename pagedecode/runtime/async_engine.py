@@ -125,11 +125,15 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, on_disconnect: str = "cancel", idle_wait_s: float = 0.05,
-                 leave_core_for_loop: bool = True, stream_interval_s: float = 0.001) -> None:
+                 leave_core_for_loop: bool = False, stream_interval_s: float = 0.001) -> None:
         """leave_core_for_loop: on a CPU engine, run torch with one intra-op thread fewer while
-        this AsyncEngine runs (restored at shutdown). Otherwise torch's OpenMP workers spin on
-        every core between ops and the event-loop thread has to preempt them for each event:
-        on 2 cores that made a stream 2.6x slower than Engine.generate.
+        this AsyncEngine runs (restored at shutdown), so the event loop never preempts a forward's
+        thread. Off by default: the compiled forward's workers sleep ~2 ms after their work, so the
+        loop's events find a core between steps, and a core given up is a core the forward lacks.
+        On 2 cores (benchmarks/async_vs_engine.py --leave-core, 2026-12-07) SmolLM2-135M's Q4_1
+        file streamed at 0.72x Engine.generate with it and 0.95x without, over HTTP 0.61-0.66x
+        and 0.86-0.92x; the tiny default model 0.83x / 0.82x either way. (It was on by default
+        when torch's OpenMP workers, spinning between ops, made a stream 2.6x slower.)
         stream_interval_s: streams and followers are woken at most this often (and always when
         the engine goes idle). Each wake costs the step thread two GIL hand-offs; on a model whose steps
         take under a millisecond, waking every step cost ~15% of throughput. 0 wakes every step;
