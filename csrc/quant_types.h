@@ -432,10 +432,26 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// rows[0, RM) x tokens [t, t + RN) over nsb super-blocks: out[j * ld + r] for token t + j
-template <Kind KIND, int RM, int RN>
-inline void tile_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, int64_t t, float* out, int64_t ld) {
+// A Q6_K row's sub-blocks for its GEMM (tile_k's PRE): per 32 inputs the sign trick's q - 32 and
+// its magnitude, decoded once per row and token tile instead of once per kTokensGemmK tokens (4
+// integer operations per sub-block and token where decoding for each 8 tokens cost ~6)
+inline void decode_q6k_row(const uint8_t* row, int64_t nsb, __m256i* out) {
+  for (int64_t b = 0; b < nsb; ++b)
+    for (int s = 0; s < 8; ++s) {
+      const __m256i w = _mm256_sub_epi8(sub32_avx2(Kind::Q6_K, row + b * kBytesK<Kind::Q6_K>, s), _mm256_set1_epi8(32));
+      out[2 * (b * 8 + s)] = w;
+      out[2 * (b * 8 + s) + 1] = _mm256_sign_epi8(w, w);
+    }
+}
+
+// rows[0, RM) x tokens [t, t + RN) over nsb super-blocks: out[j * ld + r] for token t + j.
+// pre (Q6_K's GEMM, RM = 1): the row's sub-blocks as decode_q6k_row left them, read in place of
+// decoding them again for every RN tokens
+template <Kind KIND, int RM, int RN, bool PRE = false>
+inline void tile_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, int64_t t, float* out, int64_t ld,
+                   const __m256i* pre = nullptr) {
   constexpr bool six = KIND == Kind::Q6_K;
+  static_assert(!PRE || (six && RM == 1 && RN > 1));
   const int64_t K = nsb * kSuper, per32 = nsb * 8;
   __m256 acc[RM][RN];
   float mins[RM][RN];
@@ -455,10 +471,15 @@ inline void tile_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, int64
       for (int j = 0; j < RN; ++j) lanes[r][j] = _mm256_setzero_si256();
     }
     for (int s = 0; s < 8; ++s) {
-      __m256i w[RM], scale[RM];
+      __m256i w[RM], scale[RM], abs_w[RM];
       for (int r = 0; r < RM; ++r) {
-        w[r] = sub32_avx2(KIND, blk[r], s);
-        if constexpr (six && RN > 1) w[r] = _mm256_sub_epi8(w[r], _mm256_set1_epi8(32));    // the sign trick's q - 32
+        if constexpr (PRE) {
+          w[r] = pre[2 * (b * 8 + s)];
+          abs_w[r] = pre[2 * (b * 8 + s) + 1];
+        } else {
+          w[r] = sub32_avx2(KIND, blk[r], s);
+        }
+        if constexpr (six && RN > 1 && !PRE) w[r] = _mm256_sub_epi8(w[r], _mm256_set1_epi8(32));    // the sign trick's q - 32
         scale[r] = six ? _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s + 1])),
                                           _mm_set1_epi16(static_cast<int8_t>(blk[r][192 + 2 * s])))
                        : _mm256_set1_epi16(static_cast<int16_t>(sc[r][s]));
@@ -478,6 +499,9 @@ inline void tile_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, int64
           for (int r = 0; r < RM; ++r)
             lanes[r][j] = _mm256_add_epi32(
                 lanes[r][j], _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(w[r], x), x32), scale[r]));
+        } else if constexpr (PRE) {          // pair_products' sign trick with |w| decoded once
+          lanes[0][j] = _mm256_add_epi32(
+              lanes[0][j], _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w[0], _mm256_sign_epi8(x, w[0])), scale[0]));
         } else {
           for (int r = 0; r < RM; ++r)
             lanes[r][j] = _mm256_add_epi32(lanes[r][j], _mm256_madd_epi16(pair_products(w[r], x, six), scale[r]));
@@ -631,6 +655,24 @@ struct Job {
         if (T == 1) {
           by_count<kRowsGemv>(rm, [&](auto RM) { tile_k<KIND, RM.value, 1>(rows, acts, nsb, 0, on, ld); });
           continue;
+        }
+        if constexpr (KIND == Kind::Q6_K) {
+          if (t1 - t0 >= 2 * kTokensGemmK<KIND>) {     // the row decoded once for the tile's tokens
+            thread_local std::vector<__m256i> pre;
+            pre.resize(2 * nsb * 8);
+            decode_q6k_row(rows[0], nsb, pre.data());
+            int64_t t = t0;
+            for (; t + kTokensGemmK<KIND> <= t1; t += kTokensGemmK<KIND>)
+              tile_k<KIND, 1, kTokensGemmK<KIND>, true>(rows, acts, nsb, t, on + t * ld, ld, pre.data());
+            if (t < t1)
+              by_count<kTokensGemmK<KIND> - 1>(static_cast<int>(t1 - t), [&](auto RN) {
+                if constexpr (RN.value > 1)
+                  tile_k<KIND, 1, RN.value, true>(rows, acts, nsb, t, on + t * ld, ld, pre.data());
+                else
+                  tile_k<KIND, 1, 1>(rows, acts, nsb, t, on + t * ld, ld);
+              });
+            continue;
+          }
         }
         by_count<kRowsGemmK<KIND>>(rm, [&](auto RM) {
           int64_t t = t0;

@@ -78,10 +78,11 @@ def test_gemm_rows_equal_the_gemv_and_any_thread_count(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("T", [5, 17, 64, 65])
+@pytest.mark.parametrize("T", [5, 17, 21, 64, 65])
 def test_gemm_of_odd_token_counts_is_the_gemv_row_by_row(kind, T):
     """Token counts that leave a partial register tile (the GEMM's tiles hold 4 tokens, 2 rows;
-    N = 37 leaves a lone row) and one past a 64-token block: every row the gemv's bits."""
+    N = 37 leaves a lone row; Q6_K's rows decoded once for 16 tokens and more, then 8 at a time:
+    17 leaves one token, 21 five) and one past a 64-token block: every row the gemv's bits."""
     K = BLOCK_TYPES[kind].block * (3 if kind.endswith("_k") else 18)
     q = weight(37, K, kind, seed=T)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(T)) * 2
