@@ -26,7 +26,8 @@ Greedy  --greedy-prompts chat prompts x --tokens tokens, each engine decoding fr
 PPL     tests/data/public_domain.txt as llama-perplexity scores it: windows of --ctx tokens
         (at most --chunks of them), each window's second half scored; llama-perplexity's estimate
         and pagedecode's over the same tokens (llama.cpp's tokenizer's, checked equal to
-        pagedecode's own).
+        pagedecode's own), and pagedecode's with one ulp moved (as above: on SmolLM2's Q5_K_M
+        file that alone moves it by 1%).
 Both engines run --threads threads, llama.cpp with its defaults (a float16 KV cache, flash
 attention "auto") and on a float32 cache without flash attention, pagedecode in float32 on a
 --kv-cache-dtype cache. JSON (+ PNG) under
@@ -191,8 +192,11 @@ def perplexities(engine: Any, model: Path, n_ctx: int, chunks: int, threads: int
     chunks = min(chunks, len(tokens) // n_ctx)
     bos = engine.tokenizer.bos_token_id if getattr(engine.tokenizer, "add_bos", False) else None
     ours = our_perplexity(engine, tokens, n_ctx, chunks, bos)
+    with one_ulp_moved(engine):                   # the scale: what the int8 rounding alone moves
+        moved = our_perplexity(engine, tokens, n_ctx, chunks, bos)
     theirs = lf.perplexity(model, text, n_ctx, chunks, threads)
-    return {"pagedecode": round(ours, 4), "llamacpp": theirs, "ratio": round(ours / theirs, 5), "ctx": n_ctx,
+    return {"pagedecode": round(ours, 4), "llamacpp": theirs, "ratio": round(ours / theirs, 5),
+            "pagedecode_one_ulp_moved": round(moved, 4), "one_ulp_ratio": round(moved / ours, 5), "ctx": n_ctx,
             "chunks": chunks, "text_tokens": len(tokens),
             "same_tokens_as_pagedecode": tokens == engine.tokenizer.encode(text, add_special_tokens=False)}
 
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         row = compare(name, path, args)
         rows.append(row)
         tf, g, p = row["teacher_forced"], row["greedy"], row.get("perplexity")
-        ppl = f"  ppl {p['pagedecode']:.3f} / {p['llamacpp']:.3f}" if p else ""
+        ppl = f"  ppl {p['pagedecode']:.3f} / {p['llamacpp']:.3f} (one ulp: {p['pagedecode_one_ulp_moved']:.3f})" if p else ""
         print(f"{name:<18} {row['weight_bytes'] / 1e6:7.1f} MB ({row['weight_bytes_vs_tensor_bytes']:.3f} of the "
               f"file's)  KL {tf['mean_kl']:.2e} (max {tf['max_kl']:.2e}; f32 cache "
               f"{tf['vs_llamacpp_f32_cache']['mean_kl']:.2e}; one ulp {tf['pagedecode_one_ulp_moved']['mean_kl']:.2e})  "

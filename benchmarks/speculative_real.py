@@ -365,8 +365,10 @@ def bench(args: argparse.Namespace) -> dict:
     n = 5 if args.quick else 20
     sampling = {"greedy": pd.SamplingParams(max_tokens=args.max_tokens),
                 "seeded": pd.SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=11)}
-    if args.quick:
+    if args.quick or "seeded" not in args.sampling.split(","):
         sampling.pop("seeded")
+    if "greedy" not in args.sampling.split(","):
+        sampling.pop("greedy")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     only = set(args.only.split(",")) if args.only else {"grounded", "chat", "edit", "http"}
     if not args.http:
@@ -447,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="5 prompts a set, greedy only")
     ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--sampling", default="greedy,seeded", help="comma-separated: greedy, seeded")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="n-gram draft tokens per run (the grounded sets)")
     # the draft stops where it is unsure (--draft-confidence), so k is a ceiling; 6 keeps a verify
