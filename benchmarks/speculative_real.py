@@ -365,10 +365,15 @@ def bench(args: argparse.Namespace) -> dict:
     n = 5 if args.quick else 20
     sampling = {"greedy": pd.SamplingParams(max_tokens=args.max_tokens),
                 "seeded": pd.SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=11)}
-    if args.quick or "seeded" not in args.sampling.split(","):
+    asked = {name.strip() for name in args.sampling.split(",")}
+    if not asked or not asked <= set(sampling):
+        raise SystemExit(f"--sampling takes greedy and / or seeded, got {args.sampling!r}")
+    if args.quick or "seeded" not in asked:
         sampling.pop("seeded")
-    if "greedy" not in args.sampling.split(","):
+    if "greedy" not in asked:
         sampling.pop("greedy")
+    if not sampling:
+        raise SystemExit("--quick runs greedy only: --sampling seeded leaves nothing to run")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     only = set(args.only.split(",")) if args.only else {"grounded", "chat", "edit", "http"}
     if not args.http:

@@ -493,7 +493,8 @@ inline void tile_k(const uint8_t* const* rows, const Acts& a, int64_t nsb, int64
         // subtraction lands on it): the int16 pairs, and so the int32 lanes and every float after
         // them, are the sign trick's (exact too: Q8_K's q is never -128, which vpsignb cannot
         // negate; quantize_q8k rounds into -127 .. 127). The GEMM's tile (one row, 8 tokens) keeps the sign trick,
-        // whose |w| serves its 8 tokens (there x32 per token cost more: 576x1536 x 64, 0.9x).
+        // whose |w| serves its 8 tokens (there x32 per token cost more: 576x1536 x 64, 0.9x): with
+        // the row decoded once (PRE, tiles of 16 tokens and more) or decoded here (fewer).
         if constexpr (six && RN == 1) {
           const __m256i x32 = _mm256_maddubs_epi16(_mm256_set1_epi8(32), x);
           for (int r = 0; r < RM; ++r)
