@@ -434,7 +434,7 @@ inline int32_t hsum_epi32(__m256i v) {
 
 // A Q6_K row's sub-blocks for its GEMM (tile_k's PRE): per 32 inputs the sign trick's q - 32 and
 // its magnitude, decoded once per row and token tile instead of once per kTokensGemmK tokens (4
-// integer operations per sub-block and token where decoding for each 8 tokens cost ~6)
+// integer operations per sub-block and token where decoding for each 8 tokens cost ~6, counted)
 inline void decode_q6k_row(const uint8_t* row, int64_t nsb, __m256i* out) {
   for (int64_t b = 0; b < nsb; ++b)
     for (int s = 0; s < 8; ++s) {
@@ -657,32 +657,27 @@ struct Job {
           by_count<kRowsGemv>(rm, [&](auto RM) { tile_k<KIND, RM.value, 1>(rows, acts, nsb, 0, on, ld); });
           continue;
         }
+        // Q6_K: the row decoded once for a tile of 16 tokens and more, not again for every 8
+        const __m256i* pre = nullptr;
         if constexpr (KIND == Kind::Q6_K) {
-          if (t1 - t0 >= 2 * kTokensGemmK<KIND>) {     // the row decoded once for the tile's tokens
-            thread_local std::vector<__m256i> pre;
-            pre.resize(2 * nsb * 8);
-            decode_q6k_row(rows[0], nsb, pre.data());
-            int64_t t = t0;
-            for (; t + kTokensGemmK<KIND> <= t1; t += kTokensGemmK<KIND>)
-              tile_k<KIND, 1, kTokensGemmK<KIND>, true>(rows, acts, nsb, t, on + t * ld, ld, pre.data());
-            if (t < t1)
-              by_count<kTokensGemmK<KIND> - 1>(static_cast<int>(t1 - t), [&](auto RN) {
-                if constexpr (RN.value > 1)
-                  tile_k<KIND, 1, RN.value, true>(rows, acts, nsb, t, on + t * ld, ld, pre.data());
-                else
-                  tile_k<KIND, 1, 1>(rows, acts, nsb, t, on + t * ld, ld);
-              });
-            continue;
+          if (t1 - t0 >= 2 * kTokensGemmK<KIND>) {
+            thread_local std::vector<__m256i> decoded;
+            decoded.resize(2 * nsb * 8);
+            decode_q6k_row(rows[0], nsb, decoded.data());
+            pre = decoded.data();
           }
         }
         by_count<kRowsGemmK<KIND>>(rm, [&](auto RM) {
+          auto tile = [&](auto RN, int64_t t) {
+            constexpr int rows_n = decltype(RM)::value, tokens_n = decltype(RN)::value;
+            if constexpr (KIND == Kind::Q6_K && rows_n == 1 && tokens_n > 1)
+              if (pre) return tile_k<KIND, 1, tokens_n, true>(rows, acts, nsb, t, on + t * ld, ld, pre);
+            tile_k<KIND, rows_n, tokens_n>(rows, acts, nsb, t, on + t * ld, ld);
+          };
           int64_t t = t0;
           for (; t + kTokensGemmK<KIND> <= t1; t += kTokensGemmK<KIND>)
-            tile_k<KIND, RM.value, kTokensGemmK<KIND>>(rows, acts, nsb, t, on + t * ld, ld);
-          if (t < t1)
-            by_count<kTokensGemmK<KIND> - 1>(static_cast<int>(t1 - t), [&](auto RN) {
-              tile_k<KIND, RM.value, RN.value>(rows, acts, nsb, t, on + t * ld, ld);
-            });
+            tile(std::integral_constant<int, kTokensGemmK<KIND>>(), t);
+          if (t < t1) by_count<kTokensGemmK<KIND> - 1>(static_cast<int>(t1 - t), [&](auto RN) { tile(RN, t); });
         });
       }
     }
