@@ -168,28 +168,36 @@ void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t
   for (int64_t it = 0; it < items; ++it) order[fill[bin_of[it]]++] = it;
 }
 
-#if defined(__AVX2__) && defined(__F16C__)
-// 16 float8_e4m3fn bytes -> their exact float values (lo: the first 8, hi: the next), through
-// float16: a byte moved to the top of a 16-bit lane, shifted right by one (arithmetically, so the
-// sign stays in bit 15) and bit 14 cleared is the float16 whose exponent field is e4m3's and whose
-// top mantissa bits are its three, subnormals included; float16's exponent bias (15) is e4m3's (7)
-// plus 8, so that float16 is the e4m3 value times 2^-8, and vcvtph2ps and one multiply by 256 give
-// it back (both exact; vcvtph2ps widens float16 subnormals whatever DAZ says). 0x7f / 0xff (NaN)
-// land on 0x3f80 / 0xbf80, the only codes with those 7 bits set, and become float16's NaN.
-// 6 operations per 8 values where widening through int32 took 13 (counted from the code).
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+// 16 float8_e4m3fn bytes -> their float values times 2^-8 (lo: the first 8, hi: the next), exactly,
+// through float16: a byte sign-extended to 16 bits and shifted left by 7 holds the sign in bits 15
+// and 14 and e4m3's exponent and mantissa below; with bit 14 cleared it is the float16 whose
+// exponent field is e4m3's and whose top mantissa bits are its three, subnormals included. Float16's
+// exponent bias (15) is e4m3's (7) plus 8, so that float16 is the e4m3 value times 2^-8, which
+// vcvtph2ps widens exactly (float16 subnormals whatever DAZ says); the 2^8 goes into the row's scale
+// (kFp8Unit: a power of two, so every product and sum is the same bits times 2^-8 and the scaled
+// result the same bits). 0x7f / 0xff (NaN) land on 0x3f80 / 0xbf80, the only codes with those 7
+// bits set, and become float16's NaN. 9 operations per 16 values (widening through int32 took 26;
+// counted from the code).
 inline void e4m3_to_float16x(__m128i bytes, __m256& lo, __m256& hi) {
-  __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
-  h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
+  __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                               _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
   const __m256i top = _mm256_set1_epi16(0x3f80);
   h = _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(h, top), top));
-  const __m256 k256 = _mm256_set1_ps(256.f);
-  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k256);
-  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k256);
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
+// what an fp8 row's scale is multiplied by before it meets the widened values (2^8 where they come
+// from e4m3_to_float16x, else 1: AVX-512 widens through an exact table)
+template <typename C>
+constexpr float kFp8Unit = std::is_same_v<C, c10::Float8_e4m3fn> ? 256.f : 1.f;
+#else
+template <typename C>
+constexpr float kFp8Unit = 1.f;
 #endif
 
-// dst[0, n) = src[0, n) as float: a page of a 16-bit or 8-bit cache (8-bit: unscaled; attend_block
-// applies each row's scale to its scores)
+// dst[0, n) = src[0, n) as float: a page of a 16-bit or 8-bit cache (8-bit: unscaled, fp8 times
+// 1 / kFp8Unit; attend_block applies each row's scale to its scores)
 template <typename C>
 inline void widen(const C* src, int64_t n, float* dst) {
   int64_t e = 0;
@@ -227,7 +235,7 @@ inline void widen(const C* src, int64_t n, float* dst) {
     }
   }
 #endif
-  for (; e < n; ++e) dst[e] = f32(src[e]);
+  for (; e < n; ++e) dst[e] = f32(src[e]) / kFp8Unit<C>;      // exact: a power of two
 }
 
 // every float8_e4m3fn value as float, by its byte (AVX-512 has no e4m3 conversion: a gather reads it)
@@ -325,6 +333,112 @@ inline void pv_group(const float* w, int64_t w_stride, const C* v, int64_t strid
     for (int64_t i = 0; i < V; ++i) _mm512_storeu_ps(acc + g * kD + 16 * i, _mm512_add_ps(a[g][i], b[g][i]));
 }
 
+#define PAGEDECODE_GROUPED_ATTENTION 1
+
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// The same grouping with AVX2's 8 lanes: each key / value row widened in registers once for up to
+// 3 query heads, instead of a page widened into a float buffer and then read once per query head
+// by qk_scores / pv_accumulate's one-row-at-a-time loops (whose per-position horizontal sums kept
+// SmolLM2's decode at 4k context compute-bound: 9 query heads x 4,096 positions x 64 x 2 products a
+// layer at ~14 GFLOP/s on 2 Zen 3 cores).
+
+// values [p, p + 16) of a cache row as float (lo: the first 8), widened in registers, exactly
+template <typename C>
+inline void load16x(const C* p, __m256& lo, __m256& hi) {
+  if constexpr (std::is_same_v<C, float>) {
+    lo = _mm256_loadu_ps(p);
+    hi = _mm256_loadu_ps(p + 8);
+  } else if constexpr (std::is_same_v<C, int8_t>) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  } else if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+    e4m3_to_float16x(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), lo, hi);
+  } else {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m128i x0 = _mm256_castsi256_si128(x), x1 = _mm256_extracti128_si256(x, 1);
+    if constexpr (std::is_same_v<C, c10::Half>) {
+      lo = _mm256_cvtph_ps(x0);
+      hi = _mm256_cvtph_ps(x1);
+    } else {                                  // bfloat16: the high half of a float
+      lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x0), 16));
+      hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x1), 16));
+    }
+  }
+}
+
+// lane i = the sum of d[i]'s 8 lanes, by one tree that reads d[i] alone: so a position's score has
+// the same bits whichever other positions (or zero fillers) share its block
+inline __m256 sum8(const __m256* d) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+  const __m256 ce = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
+  // ab: d0..d3's sums of lanes 0-3, then of lanes 4-7; ce: d4..d7's
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
+}
+
+// s[g * s_stride + o] = q_g . k_o for the m key rows k_o = k + o * stride, q_g = q + g * kD: 8 rows'
+// products side by side, summed by one sum8 per query (a last partial block filled with zeros)
+template <int64_t kD, int NG, typename C>
+inline void qk_group(const float* q, const C* k, int64_t stride, int64_t m, float* s, int64_t s_stride) {
+  static_assert(kD > 0 && kD % 16 == 0);
+  constexpr int64_t V = kD / 8;
+  for (int64_t o = 0; o < m; o += 8) {
+    const int64_t rows = std::min<int64_t>(8, m - o);
+    __m256 dots[NG][8];
+    for (int64_t i = 0; i < 8; ++i) {
+      if (i >= rows) {
+        for (int g = 0; g < NG; ++g) dots[g][i] = _mm256_setzero_ps();
+        continue;
+      }
+      __m256 x[V];
+      for (int64_t v = 0; v < V; v += 2) load16x(k + (o + i) * stride + 8 * v, x[v], x[v + 1]);
+      for (int g = 0; g < NG; ++g) {
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q + g * kD), x[0]);
+        for (int64_t v = 1; v < V; ++v) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * kD + 8 * v), x[v], acc);
+        dots[g][i] = acc;
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      const __m256 sums = sum8(dots[g]);
+      if (rows == 8) {
+        _mm256_storeu_ps(s + g * s_stride + o, sums);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, sums);
+        std::copy(t, t + rows, s + g * s_stride + o);
+      }
+    }
+  }
+}
+
+// acc_g += sum over o < m of w_g[o] * v_o (w_g = w + g * w_stride, acc_g = acc + g * kD, v_o = v +
+// o * stride), 32 values of the head at a time (3 x 4 accumulators and the row's 4 vectors fill the
+// 16 registers), each in position order
+template <int64_t kD, int NG, typename C>
+inline void pv_group(const float* w, int64_t w_stride, const C* v, int64_t stride, int64_t m, float* acc) {
+  static_assert(kD > 0 && kD % 16 == 0);
+  constexpr int64_t V = std::min<int64_t>(4, kD / 8);
+  for (int64_t c = 0; c < kD; c += 8 * V) {
+    __m256 a[NG][V];
+    for (int g = 0; g < NG; ++g)
+      for (int64_t i = 0; i < V; ++i) a[g][i] = _mm256_loadu_ps(acc + g * kD + c + 8 * i);
+    for (int64_t o = 0; o < m; ++o) {
+      __m256 x[V];
+      for (int64_t i = 0; i < V; i += 2) load16x(v + o * stride + c + 8 * i, x[i], x[i + 1]);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 wg = _mm256_set1_ps(w[g * w_stride + o]);
+        for (int64_t i = 0; i < V; ++i) a[g][i] = _mm256_fmadd_ps(wg, x[i], a[g][i]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int64_t i = 0; i < V; ++i) _mm256_storeu_ps(acc + g * kD + c + 8 * i, a[g][i]);
+  }
+}
+
+#define PAGEDECODE_GROUPED_ATTENTION 1
+#endif
+
+#if defined(PAGEDECODE_GROUPED_ATTENTION)
 // f(std::integral_constant<int, g>) for a group of g = 1 .. 3 query heads
 template <typename F>
 inline void with_group_size(int64_t g, F&& f) {
@@ -334,7 +448,7 @@ inline void with_group_size(int64_t g, F&& f) {
 }
 
 // Asks for the page an item reads next while it computes on this one: into L2 (_MM_HINT_T1). In the
-// measurement above (pages in order), without it 19-20 ms, into L1 (T0) 24, into L2 17.
+// measurement above (pages in order, AVX-512), without it 19-20 ms, into L1 (T0) 24, into L2 17.
 inline void prefetch_page(const void* page, int64_t bytes) {
   const char* p = static_cast<const char*>(page);
   for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
@@ -366,7 +480,7 @@ struct AttendArgs {
 // (sum p_o s_o v_o), so no page is ever dequantized element by element
 // (page by page: a page's scales of one kv head, Hkv apart, converted once for the query heads
 // that share it, which then multiply in vector registers; each product as before, so the same bits)
-template <typename KvHead>
+template <typename C, typename KvHead>
 inline void scale_scores(float* scores, int64_t width, int64_t nq, const int64_t* vis, const int32_t* pages,
                          int64_t page_size, int64_t Hkv, const KvScale* sc, KvHead kvh) {
   thread_local std::vector<float> as_float;     // (Hkv, page_size): this page's scales of the kv heads read
@@ -383,7 +497,7 @@ inline void scale_scores(float* scores, int64_t width, int64_t nq, const int64_t
       float* f = as_float.data() + h * page_size;
       if (page_of[h] != pi) {
         const KvScale* page = sc + static_cast<int64_t>(pages[pi]) * page_size * Hkv + h;
-        for (int64_t o = 0; o < in_page; ++o) f[o] = static_cast<float>(page[o * Hkv]);
+        for (int64_t o = 0; o < in_page; ++o) f[o] = static_cast<float>(page[o * Hkv]) * kFp8Unit<C>;
         page_of[h] = pi;
       }
       float* sj = scores + j * width + p0;
@@ -428,7 +542,7 @@ bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, 
     pages[p] = load_once(a.pt + s * a.pt_stride + p);
     if (pages[p] < 0 || pages[p] >= a.num_pages) return false;
   }
-#if defined(__AVX512F__)
+#if defined(PAGEDECODE_GROUPED_ATTENTION)
   // each key / value row read in registers once for up to 3 query heads (qk_group, pv_group)
   constexpr bool kGrouped = kD > 0 && kD % 16 == 0;
 #else
@@ -481,7 +595,7 @@ bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, 
   }
   for (int64_t p0 = 0; p0 < width; p0 += page_size) {
     const int64_t n = std::min(page_size, width - p0);
-#if defined(__AVX512F__)
+#if defined(PAGEDECODE_GROUPED_ATTENTION)
     const int64_t pi = p0 / page_size;
     if constexpr (kGrouped)
       prefetch_page(pi + 1 < np ? a.kc + static_cast<int64_t>(pages[pi + 1]) * page_elems   // then the first V page
@@ -512,7 +626,7 @@ bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, 
   }
   [[maybe_unused]] auto kv_index = [&](int64_t j) { return (h0 + j % nh) / G; };
   if constexpr (kQuantCache<C>)
-    scale_scores(scores.data(), width, nq, vis.data(), pages.data(), page_size, a.Hkv, a.ks, kv_index);
+    scale_scores<C>(scores.data(), width, nq, vis.data(), pages.data(), page_size, a.Hkv, a.ks, kv_index);
   denom.resize(nq);
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = scores.data() + j * width;
@@ -520,11 +634,11 @@ bool attend_block(const AttendArgs<T, C>& a, int64_t s, int64_t r0, int64_t h0, 
     denom[j] = a.det ? exp_shifted_sum_fixed(sj, vis[j], shift) : exp_shifted_sum(sj, vis[j], shift);
   }
   if constexpr (kQuantCache<C>)
-    scale_scores(scores.data(), width, nq, vis.data(), pages.data(), page_size, a.Hkv, a.vs, kv_index);
+    scale_scores<C>(scores.data(), width, nq, vis.data(), pages.data(), page_size, a.Hkv, a.vs, kv_index);
   acc.assign(nq * D, 0.f);
   for (int64_t p0 = 0; p0 < width; p0 += page_size) {
     const int64_t n = std::min(page_size, width - p0);
-#if defined(__AVX512F__)
+#if defined(PAGEDECODE_GROUPED_ATTENTION)
     if constexpr (kGrouped) {
       const int64_t pi = p0 / page_size;
       if (pi + 1 < np) prefetch_page(a.vc + static_cast<int64_t>(pages[pi + 1]) * page_elems, page_bytes);
