@@ -24,11 +24,11 @@
 // kRowBlock consecutive rows of one sequence (a decode row is a block of one); it walks the
 // sequence's pages once for all its query heads, so each page (every kv head of page_size
 // positions, contiguous) is loaded once and stays in L1 while the G query heads of each kv head use
-// it; with AVX-512 each key / value row is widened in registers once for up to 3 of them
-// (qk_group, pv_group), and the next page is asked for while this one is used. Per item: scores of
-// every query against the positions it sees (row i of a chunk sees 0 .. cached + i), softmax in
-// float, the weighted sum of V rows. kD > 0 fixes the head size at compile time (the inner loops
-// then unroll into whole vectors); kD == 0 reads it at run time.
+// it; with AVX-512 or AVX2 (a head size of whole 16s) each key / value row is widened in registers
+// once for up to 3 of them (qk_group, pv_group), and the next page is asked for while this one is
+// used. Per item: scores of every query against the positions it sees (row i of a chunk sees
+// 0 .. cached + i), softmax in float, the weighted sum of V rows. kD > 0 fixes the head size at
+// compile time (the inner loops then unroll into whole vectors); kD == 0 reads it at run time.
 constexpr int64_t kRowBlock = 8;
 
 // A sequence with at least this many new rows (a long prefill chunk) attends through ATen's fused
