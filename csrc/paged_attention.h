@@ -169,6 +169,10 @@ void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define PAGEDECODE_E4M3_VIA_FLOAT16 1    // widen() and load16x() read fp8 through e4m3_to_float16x
+#endif
+
+#if defined(PAGEDECODE_E4M3_VIA_FLOAT16)
 // 16 float8_e4m3fn bytes -> their float values times 2^-8 (lo: the first 8, hi: the next), exactly,
 // through float16: a byte sign-extended to 16 bits and shifted left by 7 holds the sign in bits 15
 // and 14 and e4m3's exponent and mantissa below; with bit 14 cleared it is the float16 whose
@@ -176,7 +180,8 @@ void balance(const std::vector<int64_t>& work, int64_t bins, std::vector<int64_t
 // exponent bias (15) is e4m3's (7) plus 8, so that float16 is the e4m3 value times 2^-8, which
 // vcvtph2ps widens exactly (float16 subnormals whatever DAZ says); the 2^8 goes into the row's scale
 // (kFp8Unit: a power of two, so every product and sum is the same bits times 2^-8 and the scaled
-// result the same bits). 0x7f / 0xff (NaN) land on 0x3f80 / 0xbf80, the only codes with those 7
+// result the same bits, unless a product or weight falls below float's normal range, ~1e-38, where
+// the two orders may round a denormal differently). 0x7f / 0xff (NaN) land on 0x3f80 / 0xbf80, the only codes with those 7
 // bits set, and become float16's NaN. 9 operations per 16 values (widening through int32 took 26;
 // counted from the code).
 inline void e4m3_to_float16x(__m128i bytes, __m256& lo, __m256& hi) {
@@ -187,8 +192,8 @@ inline void e4m3_to_float16x(__m128i bytes, __m256& lo, __m256& hi) {
   lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
-// what an fp8 row's scale is multiplied by before it meets the widened values (2^8 where they come
-// from e4m3_to_float16x, else 1: AVX-512 widens through an exact table)
+// what an fp8 row's scale is multiplied by before it meets the widened values: 2^8 where they come
+// from e4m3_to_float16x, else 1 (AVX-512's exact table, c10's conversion without F16C)
 template <typename C>
 constexpr float kFp8Unit = std::is_same_v<C, c10::Float8_e4m3fn> ? 256.f : 1.f;
 #else
@@ -209,7 +214,7 @@ inline void widen(const C* src, int64_t n, float* dst) {
     else
       _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
   }
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(PAGEDECODE_E4M3_VIA_FLOAT16)
   // 8 at a time (the scalar loop converted one value per vpinsrw + vcvtph2ps: on SmolLM2's decode
   // with a float16 cache, 80% of attend_block's time); every conversion is exact, so the same floats
   for (; sizeof(C) == 2 && e + 8 <= n; e += 8) {
@@ -412,12 +417,13 @@ inline void qk_group(const float* q, const C* k, int64_t stride, int64_t m, floa
 }
 
 // acc_g += sum over o < m of w_g[o] * v_o (w_g = w + g * w_stride, acc_g = acc + g * kD, v_o = v +
-// o * stride), 32 values of the head at a time (3 x 4 accumulators and the row's 4 vectors fill the
-// 16 registers), each in position order
+// o * stride), 32 values of the head at a time (16 where the head is not whole 32s): the 3 x 4
+// accumulators and the row's 4 vectors are most of the 16 registers. Each in position order.
 template <int64_t kD, int NG, typename C>
 inline void pv_group(const float* w, int64_t w_stride, const C* v, int64_t stride, int64_t m, float* acc) {
   static_assert(kD > 0 && kD % 16 == 0);
-  constexpr int64_t V = std::min<int64_t>(4, kD / 8);
+  constexpr int64_t V = kD % 32 == 0 ? 4 : 2;
+  static_assert(kD % (8 * V) == 0);
   for (int64_t c = 0; c < kD; c += 8 * V) {
     __m256 a[NG][V];
     for (int g = 0; g < NG; ++g)

@@ -81,7 +81,7 @@ def test_an_8_bit_cache_under_the_compiled_forward(kv_dtype, tol, shape):
 
 @needs_ext
 @pytest.mark.parametrize("kv_dtype", QUANT)
-@pytest.mark.parametrize("D", [8, 64])
+@pytest.mark.parametrize("D", [8, 16, 64, 128])
 def test_det_attention_over_an_8_bit_cache_is_batch_invariant(kv_dtype, D):
     """Deterministic attention over an 8-bit cache: each query's bits are the same alone as in a
     batch, at 1 and 2 threads, on OpenMP and the pool; close to the float64 reference over the
@@ -122,8 +122,9 @@ def test_every_8_bit_value_reads_back_exactly(kv_dtype):
     """Each of the 256 byte values of an 8-bit cache, read by the compiled attention, is the value
     torch gives that byte (subnormal e4m3 values and NaN included): four sequences of one
     token each, whose V row holds 64 of the bytes at scale 1, so each output row is its V row exactly.
-    (The AVX2 build widens 8 bytes at a time in registers; a wrong exponent or a subnormal read as 0
-    shows here, where the forward's tolerance could hide it.)"""
+    (The AVX2 build widens 16 bytes at a time in registers, fp8 through float16 at 2^-8 with the 2^8
+    in the scale; a wrong exponent or a subnormal read as 0 shows here, where the forward's
+    tolerance could hide it.)"""
     H, Hkv, D, ps = 2, 1, 64, 16
     v = torch.arange(256, dtype=torch.uint8).view(4, 1, 1, D).view(kv_dtype)
     v = torch.cat([v, torch.zeros(4, ps - 1, 1, D, dtype=torch.uint8).view(kv_dtype)], 1)
