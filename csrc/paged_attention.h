@@ -417,13 +417,13 @@ inline void qk_group(const float* q, const C* k, int64_t stride, int64_t m, floa
 }
 
 // acc_g += sum over o < m of w_g[o] * v_o (w_g = w + g * w_stride, acc_g = acc + g * kD, v_o = v +
-// o * stride), 32 values of the head at a time (16 where the head is not whole 32s): the 3 x 4
-// accumulators and the row's 4 vectors are most of the 16 registers. Each in position order.
+// o * stride), 16 values of the head at a time, each in position order: 3 x 2 accumulators, the
+// row's 2 vectors and a weight fit the 16 registers with room for fp8's constants, where 32 values
+// at a time (3 x 4 accumulators) made GCC keep an accumulator on the stack
 template <int64_t kD, int NG, typename C>
 inline void pv_group(const float* w, int64_t w_stride, const C* v, int64_t stride, int64_t m, float* acc) {
   static_assert(kD > 0 && kD % 16 == 0);
-  constexpr int64_t V = kD % 32 == 0 ? 4 : 2;
-  static_assert(kD % (8 * V) == 0);
+  constexpr int64_t V = 2;
   for (int64_t c = 0; c < kD; c += 8 * V) {
     __m256 a[NG][V];
     for (int g = 0; g < NG; ++g)
