@@ -10,7 +10,8 @@ capacity  bytes a token costs and the tokens a byte budget holds (the engine's p
           head_dim bytes and a bfloat16 scale per layer, KV head and K / V: 1.94x at head_dim 64).
 speed     decode tokens/s at --context tokens of context: one decode step (--batch rows, each over
           its own context) through model.forward, median of --steps, in --rounds rounds with the
-          caches interleaved (each figure the median of its rounds); the cache's contents are
+          caches interleaved (each figure the median of its rounds, each ratio to float16 the
+          median of the rounds' own ratios); the cache's contents are
           random (attention's cost does not depend on them). Model: the Q4_1 file (float32
           activations), whose weights are small enough that attention is a large part of a step.
 
@@ -167,8 +168,9 @@ def main() -> None:
     bar.update(1)
     f32.close()
     q4 = pd.Engine.from_pretrained(smollm2_gguf())
-    # the caches interleaved, round after round: a neighbour's burst lands on every cache alike, and
-    # each figure is the median of its rounds (each round's own median step beside it)
+    # the caches interleaved, round after round: a neighbour's burst lands on every cache alike; each
+    # figure is the median of its rounds (each round's own median step beside it), each ratio to
+    # float16 the median of the rounds' ratios
     rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for cache in speeds:
@@ -182,9 +184,9 @@ def main() -> None:
         speed.setdefault(cache, {})[str(b)] = {"step_ms": step, "tokens_per_s": b / step * 1e3,
                                                "rounds_step_ms": [r["step_ms"] for r in runs],
                                                "compiled": all(r["compiled"] for r in runs)}
-    for cache in speed:
-        for b in speed[cache]:
-            speed[cache][b]["vs_float16"] = speed[cache][b]["tokens_per_s"] / speed["float16"][b]["tokens_per_s"]
+    for (cache, b), runs in rounds.items():       # paired by round: the machine's drift cancels
+        speed[cache][str(b)]["vs_float16"] = statistics.median(
+            f16["step_ms"] / r["step_ms"] for r, f16 in zip(runs, rounds[("float16", b)]))
     result = {"model": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads(),
               "load_before": load_before, "kl_bound": KL_BOUND,
               "accuracy": {"prompts": args.prompts, "tokens": args.tokens, "model_weights": "float32", **accuracy},
