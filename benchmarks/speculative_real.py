@@ -368,10 +368,7 @@ def bench(args: argparse.Namespace) -> dict:
     asked = {name.strip() for name in args.sampling.split(",")}
     if not asked <= set(sampling):
         raise SystemExit(f"--sampling takes greedy and / or seeded, got {args.sampling!r}")
-    if args.quick or "seeded" not in asked:
-        sampling.pop("seeded")
-    if "greedy" not in asked:
-        sampling.pop("greedy")
+    sampling = {name: p for name, p in sampling.items() if name in asked and not (args.quick and name == "seeded")}
     if not sampling:
         raise SystemExit("--quick runs greedy only: --sampling seeded leaves nothing to run")
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -397,7 +394,7 @@ def bench(args: argparse.Namespace) -> dict:
     # that once, not per pass)
     plain.generate([workloads["chat"][0]], pd.SamplingParams(max_tokens=4))
     for name, eng in engines.items():
-        eng.generate([workloads[name][0]], sampling["greedy"])
+        eng.generate([workloads[name][0]], pd.SamplingParams(max_tokens=args.max_tokens))
     # every prompt in every engine's prefix cache before the first pass, so that each pass hits it
     # alike: a pass that hits the cache computes a prompt's K/V in other chunks than one that does
     # not, and in bfloat16 that rounding flipped near-ties of the plain engine itself (its second
