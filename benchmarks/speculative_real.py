@@ -22,8 +22,12 @@ Outputs must be identical on and off, except seeded runs with the draft model (t
 and the grounded set's unless --grounded ngram): its rejection rule keeps the target's
 distribution, not its draws (reported, not compared).
 The target is the model in float32 (its Q4_1 file dequantized once into a cached F32 GGUF,
-benchmarks/real_model.py), or --dtype bfloat16. JSON under benchmarks/results/ and a PNG beside
-it; a progress bar and each pass's figure with the load average on stderr.
+benchmarks/real_model.py), or --dtype bfloat16. A pass runs a set in waves (--concurrency prompts
+at once, one generate call each); off and on alternate wave by wave, so that the machine's drift
+falls on both alike (alternating whole passes, a case where nothing drafts read 0.85x to 1.05x);
+each speedup is the median of the passes' own ratios (--repeat passes). JSON under
+benchmarks/results/ and a PNG beside it; a progress bar and each pass's figures with the load
+average on stderr.
 """
 from __future__ import annotations
 
@@ -242,12 +246,12 @@ def edit_prompts(chat: Callable[[str], str]) -> list[str]:
 
 
 class Progress:
-    """One bar over every timed pass of the run (tqdm on stderr), each pass's figure logged above
+    """One bar over every timed wave of the run (tqdm on stderr), each pass's figures logged above
     it with the load average."""
 
     def __init__(self, total: int) -> None:
         from tqdm import tqdm
-        self.bar = tqdm(total=total, unit="pass", file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(total=total, unit="wave", file=sys.stderr, dynamic_ncols=True)
 
     def log(self, msg: str) -> None:
         self.bar.write(f"[{time.strftime('%H:%M:%S')}] {msg} (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
@@ -257,41 +261,51 @@ class Progress:
         self.bar.update(1)
 
 
-def run(engine: pd.Engine, prompts: list[str], params: list[pd.SamplingParams], concurrent: int) -> dict:
+def run(engine: pd.Engine, prompts: list[str], params: list[pd.SamplingParams]) -> dict:
+    """One wave: the prompts at once (engine.generate), timed."""
     before = engine.snapshot()
     t0 = time.perf_counter()
-    outs = []
-    for i in range(0, len(prompts), concurrent):
-        outs += engine.generate(prompts[i:i + concurrent], params[i:i + concurrent])
+    outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     after = engine.snapshot()
-    tokens = sum(len(o.token_ids) for o in outs)
-    proposed = sum(o.usage.draft_tokens for o in outs)
-    accepted = sum(o.usage.accepted_draft_tokens for o in outs)
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": after.steps - before.steps,
-            "draft_tokens": proposed, "accepted_tokens": accepted,
-            "acceptance": accepted / proposed if proposed else None, "outputs": [o.token_ids for o in outs]}
+    return {"wall_s": wall, "tokens": sum(len(o.token_ids) for o in outs), "steps": after.steps - before.steps,
+            "draft_tokens": sum(o.usage.draft_tokens for o in outs),
+            "accepted_tokens": sum(o.usage.accepted_draft_tokens for o in outs), "outputs": [o.token_ids for o in outs]}
 
 
-def interleaved(name: str, one_run: Callable[[str], dict], repeat: int, progress: Progress) -> dict:
-    """off and on passes alternated (off on, on off, ...), the median of each; outputs compared."""
+def interleaved(name: str, waves: int, one_wave: Callable[[str, int], dict], repeat: int, progress: Progress) -> dict:
+    """A pass of each mode is `waves` waves (one_wave(mode, w): its wall_s, tokens, outputs, and
+    any further counts); off and on alternate wave by wave (off on, on off, ...), so that the
+    machine's drift, up to ~30 % within a run here, falls on both alike. The speedup is the median
+    of the passes' own ratios; outputs compared."""
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for rep in range(repeat):
-        for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-            la = os.getloadavg()[0]
-            r = one_run(mode)
-            r["load"] = la
+        parts: dict[str, list[dict]] = {"off": [], "on": []}
+        loads = []
+        for w in range(waves):
+            loads.append(os.getloadavg()[0])
+            for mode in (("off", "on") if (rep + w) % 2 == 0 else ("on", "off")):
+                parts[mode].append(one_wave(mode, w))
+                progress.step(name)
+        for mode, ws in parts.items():
+            r = {key: sum(x[key] for x in ws) for key in ws[0] if key != "outputs"}
+            r["outputs"] = [o for x in ws for o in x["outputs"]]
+            r["tokens_per_s"] = r["tokens"] / r["wall_s"]
+            proposed = r.get("draft_tokens")
+            r["acceptance"] = r["accepted_tokens"] / proposed if proposed else None
+            r["load"] = max(loads)
             runs[mode].append(r)
-            progress.step(name)
-            progress.log(f"{name} {mode} pass {rep + 1}: {r['tokens_per_s']:.1f} tok/s")
+        progress.log(f"{name} pass {rep + 1}: off {runs['off'][-1]['tokens_per_s']:.1f}, "
+                     f"on {runs['on'][-1]['tokens_per_s']:.1f} tok/s (load up to {max(loads):.1f})")
     same = all(r["outputs"] == runs["off"][0]["outputs"] for r in runs["off"] + runs["on"])
     for rs in runs.values():
         for r in rs:
             del r["outputs"]
     med = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in runs.items()}
+    speedup = statistics.median(on["tokens_per_s"] / off["tokens_per_s"] for off, on in zip(runs["off"], runs["on"]))
     acc = runs["on"][-1].get("acceptance")
     c = {"identical_outputs": same, "off_tokens_per_s": med["off"], "on_tokens_per_s": med["on"],
-         "speedup": med["on"] / med["off"], "acceptance": acc,
+         "speedup": speedup, "acceptance": acc,
          "load": [r["load"] for rs in runs.values() for r in rs], "runs": runs}
     progress.log(f"{name}: {c['speedup']:.2f}x, acceptance {acc if acc is None else round(acc, 2)}, identical {same}")
     return c
@@ -302,8 +316,11 @@ def case(name: str, engines: dict[str, pd.Engine], prompts: list[str], params: d
     """engines / params: "off" and "on" (the same engine twice where only the params differ).
     exact: the contract is the same tokens on and off (False: a sampled request under the draft
     model's rejection rule, whose tokens follow the target's distribution, not its draws)."""
-    c = interleaved(f"{name} x{concurrent}", lambda mode: run(engines[mode], prompts, params[mode], concurrent),
-                    repeat, progress)
+    def wave(mode: str, w: int) -> dict:
+        at = slice(w * concurrent, (w + 1) * concurrent)
+        return run(engines[mode], prompts[at], params[mode][at])
+
+    c = interleaved(f"{name} x{concurrent}", -(-len(prompts) // concurrent), wave, repeat, progress)
     return {"case": name, "concurrent": concurrent, "identical_expected": exact, **c}
 
 
@@ -325,22 +342,18 @@ def http_case(model: str, prompts: list[str], flags: list[str], sampling: dict[s
     try:
         clients = {m: openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0) for m, (_, url) in servers.items()}
 
-        def one_run(mode: str, p: pd.SamplingParams) -> dict:
-            tokens, wall, texts = 0, 0.0, []
-            for prompt in prompts:
-                t0 = time.perf_counter()
-                stream = clients[mode].chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": prompt}], max_tokens=p.max_tokens,
-                    temperature=p.temperature, seed=p.seed, stream=True, stream_options={"include_usage": True})
-                parts = []
-                for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        parts.append(chunk.choices[0].delta.content)
-                    if chunk.usage is not None:
-                        tokens += chunk.usage.completion_tokens
-                wall += time.perf_counter() - t0
-                texts.append("".join(parts))
-            return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "outputs": texts}
+        def one_request(mode: str, prompt: str, p: pd.SamplingParams) -> dict:
+            t0 = time.perf_counter()
+            stream = clients[mode].chat.completions.create(
+                model="m", messages=[{"role": "user", "content": prompt}], max_tokens=p.max_tokens,
+                temperature=p.temperature, seed=p.seed, stream=True, stream_options={"include_usage": True})
+            parts, tokens = [], 0
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "outputs": ["".join(parts)]}
 
         for mode in servers:               # first-call costs out of the timing, and every prompt in each
             for prompt in ["Hi", *prompts]:  # server's prefix cache, as the in-process runs warm theirs
@@ -348,7 +361,8 @@ def http_case(model: str, prompts: list[str], flags: list[str], sampling: dict[s
                                                       max_tokens=4)
         for label, p in sampling.items():
             name = f"grounded-{label}-http"
-            c = interleaved(f"{name} x1", lambda mode: one_run(mode, p), repeat, progress)
+            c = interleaved(f"{name} x1", len(prompts), lambda mode, w: one_request(mode, prompts[w], p), repeat,
+                            progress)
             cases.append({"case": name, "concurrent": 1, "identical_expected": exact_sampled or p.temperature == 0,
                           **c})
     finally:
@@ -379,7 +393,9 @@ def bench(args: argparse.Namespace) -> dict:
     plan = [(w, label, conc) for w in workloads if w in only for label in sampling for conc in concurrency]
     edit_plan = [label for label in sampling if "edit" in only]
     http_passes = len(sampling) if "http" in only else 0
-    progress = Progress(2 * args.repeat * (len(plan) + len(edit_plan) + http_passes))
+    edit = edit_prompts(chat)
+    waves = sum(-(-n // conc) for _, _, conc in plan) + len(edit_plan) * len(edit) + http_passes * n
+    progress = Progress(2 * args.repeat * waves)
     common = {"dtype": dtype, "max_batch_size": 16}
     plain = pd.Engine.from_pretrained(model, **common)
     self_draft = pd.SpeculativeConfig(method="draft", draft_quantization=args.draft_quantization,
@@ -399,7 +415,6 @@ def bench(args: argparse.Namespace) -> dict:
     # alike: a pass that hits the cache computes a prompt's K/V in other chunks than one that does
     # not, and in bfloat16 that rounding flipped near-ties of the plain engine itself (its second
     # pass differed from its first); a cold first pass also paid prefills the others did not
-    edit = edit_prompts(chat)
     one = pd.SamplingParams(max_tokens=1)
     for eng, prompts in [(plain, workloads["grounded"] + workloads["chat"] + edit), (engines["grounded"],
                          workloads["grounded"]), (engines["chat"], workloads["chat"])]:
