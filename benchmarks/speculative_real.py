@@ -23,11 +23,11 @@ and the grounded set's unless --grounded ngram): its rejection rule keeps the ta
 distribution, not its draws (reported, not compared).
 The target is the model in float32 (its Q4_1 file dequantized once into a cached F32 GGUF,
 benchmarks/real_model.py), or --dtype bfloat16. A pass runs a set in waves (--concurrency prompts
-at once, one generate call each); off and on alternate wave by wave, so that the machine's drift
-falls on both alike (alternating whole passes, a case where nothing drafts read 0.85x to 1.05x);
-each speedup is the median of the passes' own ratios (--repeat passes). JSON under
-benchmarks/results/ and a PNG beside it; a progress bar and each pass's figures with the load
-average on stderr.
+at once, one generate call each; a batch case at least 5 waves, the set cycled: MIN_WAVES); off
+and on alternate wave by wave, so that the machine's drift falls on both alike (alternating whole
+passes, a case where nothing drafts read 0.85x to 1.05x); each speedup is the median of the
+passes' own ratios (--repeat passes). JSON under benchmarks/results/ and a PNG beside it; a
+progress bar and each pass's figures with the load average on stderr.
 """
 from __future__ import annotations
 
@@ -311,16 +311,27 @@ def interleaved(name: str, waves: int, one_wave: Callable[[str, int], dict], rep
     return c
 
 
+# A pass has at least this many waves: a set of 20 prompts makes 2 waves of 16 streams, ~10 s a
+# pass here, where single passes of one engine spread ~10 % (a case where nothing drafts read 0.85x
+# to 1.03x over three passes); its prompts are cycled to make up the rest.
+MIN_WAVES = 5
+
+
+def waves_of(prompts: int, concurrent: int) -> int:
+    return max(MIN_WAVES, -(-prompts // concurrent)) if concurrent > 1 else prompts
+
+
 def case(name: str, engines: dict[str, pd.Engine], prompts: list[str], params: dict[str, list[pd.SamplingParams]],
          concurrent: int, repeat: int, progress: Progress, exact: bool = True) -> dict:
     """engines / params: "off" and "on" (the same engine twice where only the params differ).
     exact: the contract is the same tokens on and off (False: a sampled request under the draft
-    model's rejection rule, whose tokens follow the target's distribution, not its draws)."""
+    model's rejection rule, whose tokens follow the target's distribution, not its draws).
+    Wave w takes the next `concurrent` prompts, cycling through the set (waves_of)."""
     def wave(mode: str, w: int) -> dict:
-        at = slice(w * concurrent, (w + 1) * concurrent)
-        return run(engines[mode], prompts[at], params[mode][at])
+        at = [(w * concurrent + i) % len(prompts) for i in range(concurrent)]
+        return run(engines[mode], [prompts[i] for i in at], [params[mode][i] for i in at])
 
-    c = interleaved(f"{name} x{concurrent}", -(-len(prompts) // concurrent), wave, repeat, progress)
+    c = interleaved(f"{name} x{concurrent}", waves_of(len(prompts), concurrent), wave, repeat, progress)
     return {"case": name, "concurrent": concurrent, "identical_expected": exact, **c}
 
 
@@ -394,7 +405,7 @@ def bench(args: argparse.Namespace) -> dict:
     edit_plan = [label for label in sampling if "edit" in only]
     http_passes = len(sampling) if "http" in only else 0
     edit = edit_prompts(chat)
-    waves = sum(-(-n // conc) for _, _, conc in plan) + len(edit_plan) * len(edit) + http_passes * n
+    waves = sum(waves_of(n, conc) for _, _, conc in plan) + len(edit_plan) * len(edit) + http_passes * n
     progress = Progress(2 * args.repeat * waves)
     common = {"dtype": dtype, "max_batch_size": 16}
     plain = pd.Engine.from_pretrained(model, **common)
