@@ -14,7 +14,8 @@ from ..errors import InvalidRequestError
 from ..model.tokenizer import EscapesSpecialTokens
 from ..runtime.intake import check_prompt_bytes
 from .errors import ApiError
-from .template_sandbox import BoundedEnvironment, TemplateLimitError, TemplateLimits, render_bounded
+from .template_budget import TemplateLimitError, TemplateLimits, render_bounded
+from .template_sandbox import BoundedEnvironment
 
 
 def load_template(model_dir: str | Path | None, override: str | Path | None = None) -> tuple[str | None, dict[str, Any]]:

@@ -139,7 +139,7 @@ def server_app(args: argparse.Namespace, ae: AsyncEngine, model_dir: Path, keys:
     from jinja2 import TemplateSyntaxError
 
     from .chat import ChatTemplate, load_template
-    from .template_sandbox import TemplateLimits
+    from .template_budget import TemplateLimits
     source, specials = load_template(model_dir, args.chat_template)
     try:
         limits = TemplateLimits(time_s=args.chat_template_timeout, max_chars=args.chat_template_max_chars)

@@ -17,112 +17,26 @@ the bounds are inside the sandbox, checked before anything large is built:
   the clock is read each 256 steps and at each operator, call and output chunk;
 - the output, streamed, is cut at `max_chars`.
 
-Any bound crossed raises TemplateLimitError, which names the bound.
+Any bound crossed raises TemplateLimitError, which names the bound. The render's account (its
+limits, deadline, steps and measured sizes) and the render itself: template_budget.py.
 """
 from __future__ import annotations
 
 import json
 import operator
 import re
-import time
-from contextvars import ContextVar
-from dataclasses import dataclass
 from functools import wraps
 from typing import Any, Callable, Iterable, Iterator
 
 from jinja2 import nodes
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
-
-@dataclass(frozen=True)
-class TemplateLimits:
-    """What one render may spend (safe defaults; `serve --chat-template-*` sets them)."""
-    time_s: float = 1.0            # wall time of one render
-    max_chars: int = 4 << 20       # the output's length, and any one value's expanded size
-    max_steps: int = 1_000_000     # loop iterations plus items yielded by lazy filters
-
-    def __post_init__(self) -> None:
-        if not (self.time_s > 0 and self.max_chars >= 1 and self.max_steps >= 1):
-            raise ValueError(f"template limits must be positive, got {self}")
-
-
-class TemplateLimitError(Exception):
-    """A render crossed one of its TemplateLimits."""
-
+from .template_budget import RenderBudget, TemplateLimitError, budget
 
 QUADRATIC_INPUT = 16 << 10       # striptags / urlize / wordwrap scan their input per match
 _NUMBER = re.compile(r"\d+")
-
-
-class RenderBudget:
-    """One render's account: its deadline, steps left, and the expanded sizes it has measured
-    (by id, each object kept alive here so its id is not reused while the render runs)."""
-
-    def __init__(self, limits: TemplateLimits) -> None:
-        self.limits = limits
-        self.deadline = time.monotonic() + limits.time_s
-        self.steps_left = limits.max_steps
-        self._sizes: dict[int, tuple[Any, int]] = {}
-
-    def step(self) -> None:
-        self.steps_left -= 1
-        if self.steps_left < 0:
-            raise TemplateLimitError(f"more than {self.limits.max_steps} loop steps")
-        if self.steps_left & 255 == 0:
-            self.check_time()
-
-    def check_time(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise TemplateLimitError(f"rendering took longer than {self.limits.time_s}s")
-
-    def allow(self, size: int, what: str) -> None:
-        if size > self.limits.max_chars:
-            raise TemplateLimitError(f"{what} would be {size} characters (at most {self.limits.max_chars})")
-
-    def size_of(self, value: Any) -> int:
-        """The expanded size of `value`: at most about what str(value) prints, stopping early
-        (and saying so by a size over the limit) once it passes max_chars."""
-        if isinstance(value, str):
-            return len(value)
-        if isinstance(value, bool) or value is None or isinstance(value, float):
-            return 5
-        if isinstance(value, int):
-            return value.bit_length() * 3 // 10 + 1
-        known = self._sizes.get(id(value))
-        if known is not None:
-            return known[1]
-        if isinstance(value, dict):
-            items: Iterable[Any] = (x for kv in value.items() for x in kv)
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            items = value
-        elif isinstance(value, Namespace):
-            items = object.__getattribute__(value, "_Namespace__attrs").values()
-        else:
-            return 8
-        total = 2
-        for item in items:
-            total += self.size_of(item) + 2
-            if total > self.limits.max_chars:
-                break
-        self._sizes[id(value)] = (value, total)
-        return total
-
-    def checked(self, value: Any, what: str) -> Any:
-        self.check_time()
-        self.allow(self.size_of(value), what)
-        return value
-
-
-_CURRENT: ContextVar[RenderBudget | None] = ContextVar("pagedecode_template_budget", default=None)
-
-
-def budget() -> RenderBudget:
-    """The running render's budget; outside a render (jinja folding constants at compile
-    time) a fresh default one, so a constant too large to fold is left for the render to refuse."""
-    return _CURRENT.get() or RenderBudget(TemplateLimits())
 
 
 def _small_ints(args: Iterable[Any], what: str) -> None:
@@ -328,24 +242,3 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
         return not isinstance(obj, RenderBudget) and super().is_safe_attribute(obj, attr, value)
-
-
-def render_bounded(template: Any, limits: TemplateLimits, variables: dict[str, Any]) -> str:
-    """The template's output for `variables`, or TemplateLimitError."""
-    b = RenderBudget(limits)
-    token = _CURRENT.set(b)
-    try:
-        out: list[str] = []
-        size = 0
-        for chunk in template.generate(**variables):
-            size += len(chunk)
-            b.allow(size, "the output")
-            b.check_time()
-            out.append(chunk)
-        return "".join(out)
-    except RecursionError:
-        raise TemplateLimitError("recursion too deep") from None
-    except MemoryError:
-        raise TemplateLimitError("out of memory") from None
-    finally:
-        _CURRENT.reset(token)

@@ -13,7 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pagedecode.server.chat import ChatTemplate
 from pagedecode.server.errors import ApiError
-from pagedecode.server.template_sandbox import TemplateLimits
+from pagedecode.server.template_budget import TemplateLimits
 
 from .conftest import TEMPLATE, start_server, stop_server
 
