@@ -39,6 +39,12 @@ def test_big_chat_bodies_are_refused_cheaply_and_stall_no_one(stories_path):
         clients = [threading.Thread(target=hammer) for _ in range(2)]
         for t in clients:
             t.start()
+        # measure only once the big bodies are flowing: the stream and the health checks below take
+        # well under a second, less than one 900 KB round trip on a loaded machine (answers was
+        # empty once: nothing had been measured against)
+        deadline = time.monotonic() + 30
+        while len(answers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         busy, gaps = [], []
         try:
             with httpx.Client(base_url=s.url, timeout=60) as c:
