@@ -133,3 +133,45 @@ def test_a_bfloat16_targets_self_draft_computes_in_float32_on_its_cache(stories_
     got = eng.generate(prompts, params)
     assert [o.token_ids for o in got] == want
     assert sum(o.usage.accepted_draft_tokens for o in got) > 0
+
+
+# -- prompt lookup backing a draft model: turned back on by what it would have proposed ------------
+
+COPIED = list(range(20, 60))                     # the prompt's passage, 40 distinct tokens
+# the output: false starts that lookup drafts wrongly twice (its gate goes off: "20 21" was
+# followed by 95 before, "22 23" by 24 in the prompt), then the passage copied from its 11th token
+REWRITE_THEN_COPY = [20, 21, 95, 20, 21, 96, 22, 23, 97] + COPIED[10:] + [EOS]
+
+
+def lookup_backing_a_slow_draft(monkeypatch, followed):
+    """The scripted run: a draft model that is always right but drafts one token a run, backed by
+    prompt lookup; `followed`: shadow tokens the output must follow to reopen lookup's gate."""
+    monkeypatch.setattr("pagedecode.runtime.spec.speculative.SHADOW_FOLLOWED", followed)
+    draft = ScriptedModel(REWRITE_THEN_COPY, vocab_size=200, eos_token_ids=[EOS])
+    config = pd.SpeculativeConfig(method="draft", draft_model=draft, prompt_lookup=True, num_tokens=1, min_gain=0.0)
+    eng = engine(REWRITE_THEN_COPY, speculative=config)
+    rid = eng.add_request([1] + COPIED, pd.SamplingParams(max_tokens=60))
+    run(eng)
+    return eng, rid
+
+
+def test_prompt_lookup_turned_off_comes_back_where_the_output_follows_it(monkeypatch):
+    """Lookup's gate goes off after two misses (a back-off of 8 steps). While it is off, what lookup
+    would have proposed is kept; once the output has followed two tokens of it, the gate is on
+    again (at 4 drafts, twice what was followed) and the copy drafts from lookup. Without that, the
+    back-off was waited out at one token a run from the draft, and lookup's runs earned their
+    length back from one. The tokens are the plain engine's either way."""
+    from pagedecode.runtime.spec.gates import SHADOW_FOLLOWED
+    want = engine(REWRITE_THEN_COPY).generate([[1] + COPIED], pd.SamplingParams(max_tokens=60))[0].token_ids
+    assert want == REWRITE_THEN_COPY[:-1]
+    runs = {}
+    for name, followed in (("reopened", SHADOW_FOLLOWED), ("waited", 10_000)):
+        eng, rid = lookup_backing_a_slow_draft(monkeypatch, followed)
+        assert eng.result(rid).token_ids == want
+        kinds = [r["kind"] for r in eng.trace(rid)]
+        assert kinds.count("spec.gated") == 1                 # the false starts turned lookup off
+        runs[name] = (eng.steps, eng.speculator.counters.lookup_tokens, kinds)
+    steps, lookups, kinds = runs["reopened"]
+    assert kinds.count("spec.lookup_reopened") == 1 and kinds.index("spec.lookup_reopened") > kinds.index("spec.gated")
+    assert "spec.lookup_reopened" not in runs["waited"][2]
+    assert steps < runs["waited"][0] and lookups > runs["waited"][1]

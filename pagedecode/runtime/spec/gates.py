@@ -14,6 +14,11 @@ FIRST_DRAFT = 2                  # a request's first run proposes at most this m
 # run kept whole at 16 drafts gives 17 tokens for 3.4x a one-row step's time (5x), at 4 drafts
 # 5 tokens for 1.4x (3.6x).
 PREDICTION_DRAFT = 16
+# Prompt lookup backing another source is asked while its gate is off (speculative.py
+# _lookup_gate): up to this many tokens it would have proposed are kept, and the gate turns back on
+# once the output has followed SHADOW_FOLLOWED of them.
+SHADOW_DRAFT = 8
+SHADOW_FOLLOWED = 2
 
 
 @dataclass
@@ -36,6 +41,13 @@ class Gate:
 
     def __post_init__(self) -> None:
         self.length = min(self.length, self.most)
+
+    def reopen(self, step: int, length: int, first_backoff: int) -> None:
+        """Turned back on before its back-off ends (evidence from outside its runs: the output
+        followed what its source would have proposed), at `length`; a miss turns it off again."""
+        self.off_until = step
+        self.backoff = first_backoff
+        self.length = max(1, min(self.most, length))
 
     def record(self, accepted: int, proposed: int, step: int, min_acceptance: float, first_backoff: int) -> bool:
         """A verify run's outcome; True when it turns the request's proposals off. With

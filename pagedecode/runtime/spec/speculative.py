@@ -50,7 +50,7 @@ from ..request import Request
 from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from ..selector import Selection, TokenSelector
 from .draft_model import DraftModelProposer, Proposal, kv_fits, load_draft
-from .gates import FIRST_DRAFT, PREDICTION_DRAFT, CostGate, Gate
+from .gates import FIRST_DRAFT, PREDICTION_DRAFT, SHADOW_DRAFT, SHADOW_FOLLOWED, CostGate, Gate
 from .ngram import NgramProposer
 from .matching import verify_matched
 from .rejection import verify_sampled
@@ -103,6 +103,8 @@ class Speculator:
         self.cost = CostGate(config.min_gain, config.backoff_steps)
         self._gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()
         self._own_gates: weakref.WeakKeyDictionary[Request, Gate] = weakref.WeakKeyDictionary()   # _lookup's
+        # what prompt lookup would have proposed while its gate was off: (output length then, drafts)
+        self._shadows: weakref.WeakKeyDictionary[Request, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
         self._step = 0
 
     @staticmethod
@@ -183,7 +185,7 @@ class Speculator:
         """Drafts that can still matter: y_{t+1+j} must stay within max_tokens, and the positions
         written within the context (the context-limit ending then fires where it would anyway)."""
         t = len(req.output_ids)
-        gates = [self._gate(req)] + ([self._gate(req, own=True)] if self._looks_up(req) else [])
+        gates = [self._gate(req)] + ([self._lookup_gate(req)] if self._looks_up(req) else [])
         length = max(self._length(g) for g in gates)
         return min(length, req.params.max_tokens - t - 1, self.max_context - req.num_tokens - 1)
 
@@ -198,8 +200,35 @@ class Speculator:
 
     def _lookup(self, req: Request, k: int) -> Proposal:
         """Prompt lookup's drafts for a request whose own source is another, under their own gate
-        (a lookup's misses must not shorten the other source's runs, nor its misses the lookup's)."""
-        return Proposal(self.ngram.propose_for(req, min(k, self._length(self._gate(req, own=True)))), None, True)
+        (a lookup's misses must not shorten the other source's runs, nor its misses the lookup's).
+        While that gate is off, what lookup would have proposed is kept (_lookup_gate)."""
+        gate = self._lookup_gate(req)
+        if gate.off_until > self._step:
+            shadow = self.ngram.propose_for(req, SHADOW_DRAFT)
+            if shadow:
+                self._shadows[req] = (len(req.output_ids), shadow)
+            return Proposal([], None, True)
+        return Proposal(self.ngram.propose_for(req, min(k, gate.length)), None, True)
+
+    def _lookup_gate(self, req: Request) -> Gate:
+        """The gate of a request's prompt lookup (backing another source), turned back on where the
+        output has followed what lookup would have proposed while it was off: at least
+        SHADOW_FOLLOWED tokens of it, each the same (a copy that went on past a rewritten passage;
+        off, it waited out its back-off while the other source drafted the copy a few tokens a run).
+        Lookup costs no forward to ask, so it is asked while off; only its runs cost rows."""
+        gate = self._gate(req, own=True)
+        kept = self._shadows.get(req)
+        if kept is None or gate.off_until <= self._step:
+            return gate
+        at, shadow = kept
+        since = req.output_ids[at:at + len(shadow)]
+        if since != shadow[:len(since)]:
+            del self._shadows[req]               # the output went elsewhere
+        elif len(since) >= SHADOW_FOLLOWED:
+            del self._shadows[req]
+            gate.reopen(self._step, min(gate.most, 2 * len(since)), self.config.backoff_steps)
+            req.trace.add("spec.lookup_reopened", followed=len(since))
+        return gate
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
         """Each request's drafts, each source under its own gate: a prediction, or prompt lookup
