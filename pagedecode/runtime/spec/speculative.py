@@ -217,8 +217,11 @@ class Speculator:
         off, it waited out its back-off while the other source drafted the copy a few tokens a run).
         Lookup costs no forward to ask, so it is asked while off; only its runs cost rows."""
         gate = self._gate(req, own=True)
+        if gate.off_until <= self._step:
+            self._shadows.pop(req, None)         # evidence for one off period, not the next
+            return gate
         kept = self._shadows.get(req)
-        if kept is None or gate.off_until <= self._step:
+        if kept is None:
             return gate
         at, shadow = kept
         since = req.output_ids[at:at + len(shadow)]
