@@ -201,8 +201,9 @@ class Speculator:
     def _lookup(self, req: Request, k: int) -> Proposal:
         """Prompt lookup's drafts for a request whose own source is another, under their own gate
         (a lookup's misses must not shorten the other source's runs, nor its misses the lookup's).
-        While that gate is off, what lookup would have proposed is kept (_lookup_gate)."""
-        gate = self._lookup_gate(req)
+        While that gate is off, what lookup would have proposed is kept: _room, which sizes every
+        run before it is proposed, judges it once a step (_lookup_gate)."""
+        gate = self._gate(req, own=True)
         if gate.off_until > self._step:
             shadow = self.ngram.propose_for(req, SHADOW_DRAFT)
             if shadow:
@@ -229,7 +230,7 @@ class Speculator:
             del self._shadows[req]               # the output went elsewhere
         elif len(since) >= SHADOW_FOLLOWED:
             del self._shadows[req]
-            gate.reopen(self._step, min(gate.most, 2 * len(since)), self.config.backoff_steps)
+            gate.reopen(self._step, 2 * len(since), self.config.backoff_steps)
             req.trace.add("spec.lookup_reopened", followed=len(since))
         return gate
 
