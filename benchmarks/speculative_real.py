@@ -26,8 +26,9 @@ benchmarks/real_model.py), or --dtype bfloat16. A pass runs a set in waves (--co
 at once, one generate call each; a batch case at least 5 waves, the set cycled: MIN_WAVES); off
 and on alternate wave by wave, so that the machine's drift falls on both alike (alternating whole
 passes, a case where nothing drafts read 0.85x to 1.05x); each speedup is the median of the
-passes' own ratios (--repeat passes). JSON under benchmarks/results/ and a PNG beside it; a
-progress bar and each pass's figures with the load average on stderr.
+passes' own ratios (--repeat passes; --batch-repeat for the batch cases, whose passes are shorter).
+JSON under benchmarks/results/ and a PNG beside it; a progress bar and each pass's figures with
+the load average on stderr.
 """
 from __future__ import annotations
 
@@ -405,8 +406,12 @@ def bench(args: argparse.Namespace) -> dict:
     edit_plan = [label for label in sampling if "edit" in only]
     http_passes = len(sampling) if "http" in only else 0
     edit = edit_prompts(chat)
-    waves = sum(waves_of(n, conc) for _, _, conc in plan) + len(edit_plan) * len(edit) + http_passes * n
-    progress = Progress(2 * args.repeat * waves)
+    def repeat(concurrent: int) -> int:
+        return args.batch_repeat if concurrent > 1 and args.batch_repeat else args.repeat
+
+    waves = (sum(repeat(conc) * waves_of(n, conc) for _, _, conc in plan)
+             + args.repeat * (len(edit_plan) * len(edit) + http_passes * n))
+    progress = Progress(2 * waves)
     common = {"dtype": dtype, "max_batch_size": 16}
     plain = pd.Engine.from_pretrained(model, **common)
     self_draft = pd.SpeculativeConfig(method="draft", draft_quantization=args.draft_quantization,
@@ -436,7 +441,7 @@ def bench(args: argparse.Namespace) -> dict:
         p = sampling[label] if name == "chat" else replace(sampling[label], max_tokens=args.grounded_tokens)
         prompts = workloads[name]
         cases.append(case(f"{name}-{label}", {"off": plain, "on": engines[name]}, prompts,
-                          {"off": [p] * len(prompts), "on": [p] * len(prompts)}, conc, args.repeat, progress,
+                          {"off": [p] * len(prompts), "on": [p] * len(prompts)}, conc, repeat(conc), progress,
                           exact=not (p.temperature > 0 and (name == "chat" or args.grounded != "ngram"))))
     for label in edit_plan:
         p = replace(sampling[label], max_tokens=args.edit_tokens, stop=[EDIT_CLOSING])
@@ -479,6 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--sampling", default="greedy,seeded", help="comma-separated: greedy, seeded")
     ap.add_argument("--repeat", type=int, default=2)
+    # a batch case's pass is 5 waves a mode, a single stream's 20 (or the edit set's 5 long ones):
+    # paired waves of one engine spread ~10 % here, so 5 pairs leave a case where nothing drafts
+    # anywhere in 0.95x-1.05x, and only more passes narrow it
+    ap.add_argument("--batch-repeat", type=int, default=None,
+                    help="passes of each batch case (--concurrency above 1; default --repeat)")
     ap.add_argument("--k", type=int, default=4, help="n-gram draft tokens per run (the grounded sets)")
     # the draft stops where it is unsure (--draft-confidence), so k is a ceiling; 6 keeps a verify
     # under the 8 rows from which the float gemv leaves the spinning pool for OpenMP's threads
