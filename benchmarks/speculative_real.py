@@ -474,7 +474,10 @@ def draw(result: dict):
         axes.set_xticks(list(x), [f"{c['case']} x{c['concurrent']}" for c in cases], rotation=60, ha="right",
                         fontsize=7)
         axes.set_ylabel("tokens/s on / off")
-        axes.set_title(f"speculation on SmolLM2-135M-Instruct ({result['dtype']}, k = {result['k']})")
+        grounded = (f"n-gram k = {result['k']}" if result["grounded"] == "ngram" else
+                    f"{result['draft_quantization']} self-draft k = {result['draft_k']} with prompt lookup")
+        axes.set_title(f"speculation on SmolLM2-135M-Instruct, {result['dtype']}\ngrounded: {grounded}; chat: "
+                       f"{result['draft_quantization']} self-draft; code edit: its prediction", fontsize=10)
     return inner
 
 
