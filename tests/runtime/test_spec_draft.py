@@ -175,3 +175,32 @@ def test_prompt_lookup_turned_off_comes_back_where_the_output_follows_it(monkeyp
     assert kinds.count("spec.lookup_reopened") == 1 and kinds.index("spec.lookup_reopened") > kinds.index("spec.gated")
     assert "spec.lookup_reopened" not in runs["waited"][2]
     assert steps < runs["waited"][0] and lookups > runs["waited"][1]
+
+
+def draft_wrong_at_every_third(prompt, output):
+    """REWRITE_THEN_COPY's next token, except in the copy at output positions 9, 12, 15, ... (a
+    token the target never picks): with one draft a run, its steps make 1 and 2 tokens in turn."""
+    n = len(output)
+    return 199 if n >= 9 and n % 3 == 0 else REWRITE_THEN_COPY[min(n, len(REWRITE_THEN_COPY) - 1)]
+
+
+def test_what_lookup_would_have_proposed_is_followed_over_several_steps(monkeypatch):
+    """The output follows a kept lookup proposal 1 and 2 tokens a step in turn; with 3 tokens asked
+    to reopen lookup's gate, it reopens once they are followed, over two steps. (The proposal was
+    taken anew every step, so only one step's tokens counted, and 3 were never reached.) The
+    step-cost gate's plain measuring steps are kept out: they would skip the steps this is about."""
+    monkeypatch.setattr("pagedecode.runtime.spec.speculative.SHADOW_FOLLOWED", 3)
+    monkeypatch.setattr("pagedecode.runtime.spec.gates.CostGate.WARMUP", 10_000)
+    want = engine(REWRITE_THEN_COPY).generate([[1] + COPIED], pd.SamplingParams(max_tokens=60))[0].token_ids
+    draft = ScriptedModel(draft_wrong_at_every_third, vocab_size=200, eos_token_ids=[EOS])
+    config = pd.SpeculativeConfig(method="draft", draft_model=draft, prompt_lookup=True, num_tokens=1, min_gain=0.0)
+    eng = engine(REWRITE_THEN_COPY, speculative=config)
+    rid = eng.add_request([1] + COPIED, pd.SamplingParams(max_tokens=60))
+    run(eng)
+    assert eng.result(rid).token_ids == want
+    records = eng.trace(rid)
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("spec.gated") >= 1
+    reopened = [r for r in records if r["kind"] == "spec.lookup_reopened"]
+    assert reopened and reopened[0]["followed"] >= 3
+    assert kinds.index("spec.lookup_reopened") > kinds.index("spec.gated")

@@ -201,12 +201,12 @@ class Speculator:
     def _lookup(self, req: Request, k: int) -> Proposal:
         """Prompt lookup's drafts for a request whose own source is another, under their own gate
         (a lookup's misses must not shorten the other source's runs, nor its misses the lookup's).
-        While that gate is off, what lookup would have proposed is kept: _room, which sizes every
-        run before it is proposed, judges it once a step (_lookup_gate)."""
+        While that gate is off, what lookup would have proposed is kept until the output leaves it:
+        _room, which sizes every run before it is proposed, judges it once a step (_lookup_gate),
+        so the tokens that follow it count over as many steps as they take."""
         gate = self._gate(req, own=True)
         if gate.off_until > self._step:
-            shadow = self.ngram.propose_for(req, SHADOW_DRAFT)
-            if shadow:
+            if req not in self._shadows and (shadow := self.ngram.propose_for(req, SHADOW_DRAFT)):
                 self._shadows[req] = (len(req.output_ids), shadow)
             return Proposal([], None, True)
         return Proposal(self.ngram.propose_for(req, min(k, gate.length)), None, True)
