@@ -232,6 +232,8 @@ class Speculator:
             del self._shadows[req]
             gate.reopen(self._step, 2 * len(since), self.config.backoff_steps)
             req.trace.add("spec.lookup_reopened", followed=len(since))
+        elif len(since) == len(shadow):
+            del self._shadows[req]               # followed to its end, too short to count: _lookup takes the next
         return gate
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
