@@ -27,6 +27,8 @@ at once, one generate call each; a batch case at least 5 waves, the set cycled: 
 and on alternate wave by wave, so that the machine's drift falls on both alike (alternating whole
 passes, a case where nothing drafts read 0.85x to 1.05x); each speedup is the median of the
 passes' own ratios (--repeat passes; --batch-repeat for the batch cases, whose passes are shorter).
+The in-process engines share one loaded model (the speculating ones are built over the plain
+engine's), so that off and on differ by their speculation alone.
 JSON under benchmarks/results/ and a PNG beside it; a progress bar and each pass's figures with
 the load average on stderr.
 """
@@ -384,6 +386,11 @@ def http_case(model: str, prompts: list[str], flags: list[str], sampling: dict[s
     return cases
 
 
+def over(plain: pd.Engine, speculative: pd.SpeculativeConfig) -> pd.Engine:
+    """An engine with `speculative` over the plain engine's model (the same tensors)."""
+    return pd.Engine(plain.model, plain.tokenizer, replace(plain.config, speculative=speculative))
+
+
 def bench(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype)
     model = smollm2_f32_gguf()
@@ -412,15 +419,16 @@ def bench(args: argparse.Namespace) -> dict:
     waves = (sum(repeat(conc) * waves_of(n, conc) for _, _, conc in plan)
              + args.repeat * (len(edit_plan) * len(edit) + http_passes * n))
     progress = Progress(2 * waves)
-    common = {"dtype": dtype, "max_batch_size": 16}
-    plain = pd.Engine.from_pretrained(model, **common)
+    plain = pd.Engine.from_pretrained(model, dtype=dtype, max_batch_size=16)
+    # the speculating engines run over the plain engine's own loaded model (its weights' memory):
+    # engines over two loads of one checkpoint differed by up to ~7 % per step with nothing
+    # drafting (where each load's pages landed), which a batch case read as speculation's cost
     self_draft = pd.SpeculativeConfig(method="draft", draft_quantization=args.draft_quantization,
                                       num_tokens=args.draft_k, min_draft_confidence=args.draft_confidence,
-                                      max_batch=args.draft_max_batch)
+                                      max_batch=args.draft_max_batch, draft_model=model, self_draft=True)
     grounded = (pd.SpeculativeConfig(method="ngram", num_tokens=args.k) if args.grounded == "ngram" else
                 replace(self_draft, prompt_lookup=True))
-    engines = {"grounded": pd.Engine.from_pretrained(model, **common, speculative=grounded),
-               "chat": pd.Engine.from_pretrained(model, **common, speculative=self_draft)}
+    engines = {"grounded": over(plain, grounded), "chat": over(plain, self_draft)}
     # first-call costs out of the timing, the step-cost gates' first measurements among them (at
     # its start a speculating engine takes a few plain steps to measure against: a server pays
     # that once, not per pass)
