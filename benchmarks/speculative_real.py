@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 
 import pagedecode as pd
+from pagedecode.runtime.loading import with_self_draft
 from common import plot, result_path, write_json
 from real_model import smollm2_chat, smollm2_f32_gguf
 
@@ -386,9 +387,11 @@ def http_case(model: str, prompts: list[str], flags: list[str], sampling: dict[s
     return cases
 
 
-def over(plain: pd.Engine, speculative: pd.SpeculativeConfig) -> pd.Engine:
-    """An engine with `speculative` over the plain engine's model (the same tensors)."""
-    return pd.Engine(plain.model, plain.tokenizer, replace(plain.config, speculative=speculative))
+def over(plain: pd.Engine, checkpoint: Path, speculative: pd.SpeculativeConfig) -> pd.Engine:
+    """An engine with `speculative` over the plain engine's model (the same tensors); a self-draft
+    loads `checkpoint`, the plain engine's, as Engine.from_pretrained's does."""
+    config = replace(plain.config, speculative=with_self_draft(speculative, checkpoint))
+    return pd.Engine(plain.model, plain.tokenizer, config)
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -425,10 +428,10 @@ def bench(args: argparse.Namespace) -> dict:
     # drafting (where each load's pages landed), which a batch case read as speculation's cost
     self_draft = pd.SpeculativeConfig(method="draft", draft_quantization=args.draft_quantization,
                                       num_tokens=args.draft_k, min_draft_confidence=args.draft_confidence,
-                                      max_batch=args.draft_max_batch, draft_model=model, self_draft=True)
+                                      max_batch=args.draft_max_batch)
     grounded = (pd.SpeculativeConfig(method="ngram", num_tokens=args.k) if args.grounded == "ngram" else
                 replace(self_draft, prompt_lookup=True))
-    engines = {"grounded": over(plain, grounded), "chat": over(plain, self_draft)}
+    engines = {"grounded": over(plain, model, grounded), "chat": over(plain, model, self_draft)}
     # first-call costs out of the timing, the step-cost gates' first measurements among them (at
     # its start a speculating engine takes a few plain steps to measure against: a server pays
     # that once, not per pass)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..protocols import Model, ModelParts
-from .config import EngineConfig
+from .config import EngineConfig, SpeculativeConfig
 from .process import return_freed_memory
 
 if TYPE_CHECKING:
@@ -29,9 +29,7 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
     from ..model.loader import load_model
     config = EngineConfig(**{"model_name": str(path), **engine_options})
     path = resolve_model(path)                 # ORG/NAME[:FILE.gguf]: from the Hugging Face cache
-    spec = config.speculative
-    if spec is not None and spec.method == "draft" and spec.draft_model is None:
-        config.speculative = replace(spec, draft_model=path, self_draft=True)   # a self-draft: this checkpoint
+    config.speculative = with_self_draft(config.speculative, path)
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
     if tensor_parallel_size == 1:
@@ -47,6 +45,14 @@ def from_pretrained(cls: type[E], path: str | Path, device: str = "cpu", dtype: 
     model, tok = load_tensor_parallel(path, tensor_parallel_size, device=device, dtype=dtype,
                                       attention_backend=config.attention_backend)
     return _engine(cls, model, tok, config)
+
+
+def with_self_draft(spec: SpeculativeConfig | None, path: str | Path) -> SpeculativeConfig | None:
+    """spec with its self-draft's checkpoint named: method "draft" without a draft_model drafts
+    with the checkpoint at `path` (the target's own), quantized as draft_quantization asks."""
+    if spec is not None and spec.method == "draft" and spec.draft_model is None:
+        return replace(spec, draft_model=path, self_draft=True)
+    return spec
 
 
 def _engine(cls: type[E], model: Any, tok: Any, config: EngineConfig) -> E:

@@ -206,11 +206,11 @@ def test_what_lookup_would_have_proposed_is_followed_over_several_steps(monkeypa
     assert kinds.index("spec.lookup_reopened") > kinds.index("spec.gated")
 
 
-def test_a_kept_lookup_proposal_shorter_than_the_reopen_asks_makes_way_for_the_next():
-    """Lookup proposes one token after "7 7 7" (the match is the run itself); the output follows
-    it, but one token is fewer than SHADOW_FOLLOWED. The kept proposal is dropped there and the
-    next step keeps a new one from where the output is (it stayed at its first position for the
-    rest of the gate's off period: nothing lookup proposed could reopen it)."""
+def test_a_lookup_proposal_too_short_to_reopen_its_gate_is_not_kept():
+    """While prompt lookup's gate is off, what it would propose is kept to judge the output by; one
+    token after "7 7 7" (the match is the run itself) is fewer than SHADOW_FOLLOWED and could never
+    reopen the gate. Kept, it stayed at its first position for the rest of the off period once the
+    output followed it to its end; it is not kept, and a long enough proposal still is."""
     from pagedecode.runtime.request import Request
     from pagedecode.runtime.spec.gates import SHADOW_FOLLOWED
     from pagedecode.runtime.trace import Trace
@@ -218,12 +218,17 @@ def test_a_kept_lookup_proposal_shorter_than_the_reopen_asks_makes_way_for_the_n
     draft = ScriptedModel(cycle, vocab_size=200, eos_token_ids=[EOS])
     eng = engine(cycle, speculative=pd.SpeculativeConfig(method="draft", draft_model=draft, prompt_lookup=True))
     spec = eng.speculator
-    req = Request("r", [1, 7, 7, 7], pd.SamplingParams(max_tokens=20), seed=0, arrival=0.0, pipeline=None,
-                  trace=Trace("r"))
-    spec._gate(req, own=True).off_until = spec._step + 100
-    spec._lookup(req, 4)
-    assert spec._shadows[req] == (0, [7]) and SHADOW_FOLLOWED > 1
-    req.output_ids.append(7)                     # followed to its end
-    spec._lookup_gate(req)
-    spec._lookup(req, 4)
-    assert spec._shadows[req][0] == 1
+
+    def gated(prompt: list[int]) -> Request:
+        req = Request("r", prompt, pd.SamplingParams(max_tokens=20), seed=0, arrival=0.0, pipeline=None,
+                      trace=Trace("r"))
+        spec._gate(req, own=True).off_until = spec._step + 100
+        return req
+
+    short = gated([1, 7, 7, 7])
+    assert spec.ngram.propose_for(short, 8) == [7] and SHADOW_FOLLOWED > 1
+    spec._lookup(short, 4)
+    assert short not in spec._shadows
+    long = gated([1, 2, 3, 4, 5, 9, 1, 2])
+    spec._lookup(long, 4)
+    assert spec._shadows[long] == (0, [3, 4, 5, 9, 1, 2])

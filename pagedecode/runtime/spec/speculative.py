@@ -206,7 +206,9 @@ class Speculator:
         so the tokens that follow it count over as many steps as they take."""
         gate = self._gate(req, own=True)
         if gate.off_until > self._step:
-            if req not in self._shadows and (shadow := self.ngram.propose_for(req, SHADOW_DRAFT)):
+            # one shorter than SHADOW_FOLLOWED could never reopen the gate: not kept (kept, it held
+            # its place for the gate's whole off period when the output followed it to its end)
+            if req not in self._shadows and len(shadow := self.ngram.propose_for(req, SHADOW_DRAFT)) >= SHADOW_FOLLOWED:
                 self._shadows[req] = (len(req.output_ids), shadow)
             return Proposal([], None, True)
         return Proposal(self.ngram.propose_for(req, min(k, gate.length)), None, True)
@@ -232,8 +234,6 @@ class Speculator:
             del self._shadows[req]
             gate.reopen(self._step, 2 * len(since), self.config.backoff_steps)
             req.trace.add("spec.lookup_reopened", followed=len(since))
-        elif len(since) == len(shadow):
-            del self._shadows[req]               # followed to its end, too short to count: _lookup takes the next
         return gate
 
     def _propose(self, wants: list[tuple[Request, int]]) -> list[Proposal]:
