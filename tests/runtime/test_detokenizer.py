@@ -402,3 +402,13 @@ def test_engine_text_after_a_prompt_with_an_open_tail(kinds, real):
     out = tok.encode("A cat", add_special_tokens=False)
     eng = pd.Engine(ScriptedModel(out, vocab_size=tok.vocab_size), tok, pd.EngineConfig(max_cache_tokens=256))
     assert eng.generate([prompt], pd.SamplingParams(max_tokens=len(out)))[0].text == "A cat"
+
+
+def test_a_byte_run_that_turns_invalid_after_a_window_start_takes_its_leading_space(kinds):
+    """Hypothesis found it: "<unk>", then bytes 20 C2 80 20 C3 80 as the prompt (valid: " \\x80 À"),
+    then 80. The whole run is U+FFFD per byte, its space too; a window that started at the run's
+    first byte had lost that space to the Strip decoder and kept it in the prompt's text."""
+    tok = kinds["llama2"]
+    ids = [0] + [tok._tok.token_to_id(f"<0x{b:02X}>") for b in (0x20, 0xC2, 0x80, 0x20, 0xC3, 0x80, 0x80)]
+    assert tok.decode(ids, False) == "<unk>" + "\ufffd" * 7
+    check_every_split(tok, ids, False)

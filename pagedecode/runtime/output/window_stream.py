@@ -54,9 +54,12 @@ class WindowStream:
             self._run.append(byte)
 
     def _window_start(self, ids: list[int], start: int) -> int:
-        """Never start a window inside a byte-fallback run (its decode depends on all of it)."""
+        """Never start a window inside a byte-fallback run (its decode depends on all of it), nor
+        at its first byte: a Strip decoder drops a window's leading space, and a run that turns
+        invalid makes that space U+FFFD in the full decode, so the window's text would not be the
+        prompt's tail (ids 0x20 0xC2 0x80, then 0x80: a space kept in the prompt's text)."""
         start = max(0, start)
-        while 0 < start < len(ids) and self._is_byte(ids[start]) and self._is_byte(ids[start - 1]):
+        while 0 < start < len(ids) and self._is_byte(ids[start]):
             start -= 1
         return start
 
